@@ -1,0 +1,33 @@
+# Quick start: `make serve` (build a model repository if there is none, then serve) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DATA_DIR ?= ../shared/data
+export TSERVE_DATA_DIR ?= $(abspath $(DATA_DIR))
+RUNS ?= runs
+
+.PHONY: venv test test-fast train-tiny clean
+
+# torch==2.13.0 first: it is a CPU wheel on this machine's disk, and installing it before the project keeps pip
+# from resolving `torch>=2.4` to a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[train,dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Train the three tiny presets (seconds each) into $(RUNS)/<task>-tiny.
+train-tiny: venv
+	for task in translation gpt vit; do $(BIN)/python -m models.train $$task --preset tiny --out $(RUNS)/$$task-tiny || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(RUNS) .pytest_cache

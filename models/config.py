@@ -1,0 +1,170 @@
+"""Hyperparameters as dataclasses, with named presets (`tiny` for tests, `release` for shipped models).
+
+Follows gpt-fast's `ModelArgs.from_name()`: a preset is a name for one (model, training) config pair, and
+nothing is configured by globals. `get_preset("translation", "tiny")` returns both halves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Literal
+
+Task = Literal["translation", "gpt", "vit"]
+TASKS: tuple[str, ...] = ("translation", "gpt", "vit")
+
+
+@dataclass(frozen=True)
+class TranslationConfig:
+    """Pre-LN encoder-decoder with sinusoidal positions and a joint, tied source/target vocabulary."""
+
+    vocab_size: int = 8000
+    d_model: int = 256
+    n_heads: int = 4
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    d_ff: int = 1024
+    dropout: float = 0.1
+    activation: str = "relu"
+    max_positions: int = 256  # rows of the sinusoidal table; longest source or target the model accepts
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Decoder-only causal Transformer with learned positions and a tied head."""
+
+    vocab_size: int = 257  # 256 bytes + <|endoftext|>
+    context_length: int = 256
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 1024
+    dropout: float = 0.1
+    activation: str = "gelu"
+    eos_id: int = 256
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Vision Transformer: conv patch embedding, [CLS] token, learned positions, Pre-LN encoder."""
+
+    image_size: int = 28
+    patch_size: int = 4
+    channels: int = 1
+    num_classes: int = 10
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 6
+    d_ff: int = 256
+    dropout: float = 0.1
+    activation: str = "gelu"
+    mean: float = 0.2860  # Fashion-MNIST training-set pixel mean and std, after scaling to [0, 1]
+    std: float = 0.3530
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: optimiser, schedule, batch and budget.
+
+    `batch_size` counts sentences (translation: see `batch_tokens`), sequences (GPT) or images (ViT).
+    Training stops after `epochs` passes or `max_steps` steps, whichever is set and comes first.
+    """
+
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 32
+    batch_tokens: int | None = None  # translation: pack sentences up to this many padded tokens per batch
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    schedule: Literal["inverse_sqrt", "cosine"] = "cosine"
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    grad_clip: float = 1.0
+    label_smoothing: float = 0.0
+    seed: int = 0
+    eval_every: int = 0  # steps between validation-loss points on the curve; 0 = once per epoch
+    checkpoint_every: int = 200  # steps between checkpoints (also written at every epoch end)
+    # task-specific data options
+    train_limit: int | None = None  # use only the first N training examples (tiny presets)
+    eval_limit: int | None = None  # evaluate on the first N validation/test examples
+    tokenizer_vocab_size: int | None = None  # translation: BPE size (defaults to the model's vocab)
+    augment: bool = False  # ViT: pad + random crop + horizontal flip
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
+    "translation": {
+        "tiny": (
+            TranslationConfig(vocab_size=1000, d_model=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                              d_ff=128, dropout=0.1, max_positions=128),
+            TrainConfig(epochs=2, batch_tokens=1500, lr=3e-3, warmup_steps=50,
+                        schedule="inverse_sqrt", weight_decay=0.0, label_smoothing=0.1, train_limit=10000,
+                        eval_limit=100, checkpoint_every=1000),
+        ),
+        "release": (
+            TranslationConfig(vocab_size=8000, d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
+                              d_ff=1024, dropout=0.1, max_positions=256),
+            TrainConfig(epochs=12, batch_tokens=4000, lr=1e-3, warmup_steps=250, schedule="inverse_sqrt",
+                        weight_decay=0.0, label_smoothing=0.1, checkpoint_every=200),
+        ),
+    },
+    "gpt": {
+        "tiny": (
+            GPTConfig(context_length=64, d_model=64, n_heads=4, n_layers=2, d_ff=256, dropout=0.0),
+            TrainConfig(epochs=1000, max_steps=300, batch_size=32, lr=3e-3, warmup_steps=20, weight_decay=0.1,
+                        betas=(0.9, 0.99), eval_every=100, eval_limit=20_000, checkpoint_every=1000),
+        ),
+        "release": (
+            GPTConfig(context_length=256, d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.1),
+            TrainConfig(epochs=1000, max_steps=2400, batch_size=32, lr=1e-3, warmup_steps=100, weight_decay=0.1,
+                        betas=(0.9, 0.99), eval_every=250, checkpoint_every=200),
+        ),
+    },
+    "vit": {
+        "tiny": (
+            ViTConfig(patch_size=7, d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0),
+            TrainConfig(epochs=2, batch_size=128, lr=3e-3, warmup_steps=20, weight_decay=0.05,
+                        label_smoothing=0.1, train_limit=20000, eval_limit=2000, checkpoint_every=1000),
+        ),
+        "release": (
+            ViTConfig(patch_size=4, d_model=128, n_heads=4, n_layers=6, d_ff=256, dropout=0.1),
+            TrainConfig(epochs=18, batch_size=128, lr=2e-3, warmup_steps=300, weight_decay=0.05,
+                        label_smoothing=0.1, min_lr_ratio=0.0, augment=True, checkpoint_every=200),
+        ),
+    },
+}
+
+
+def get_preset(task: str, name: str) -> tuple[Any, TrainConfig]:
+    """The (model config, training config) pair of a named preset; a clear error for unknown names."""
+    if task not in PRESETS:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(PRESETS)}")
+    if name not in PRESETS[task]:
+        raise ValueError(f"unknown preset {name!r} for {task}; choose one of {sorted(PRESETS[task])}")
+    return PRESETS[task][name]
+
+
+MODEL_CONFIGS = {"translation": TranslationConfig, "gpt": GPTConfig, "vit": ViTConfig}
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return asdict(config)
+
+
+def config_from_dict(task: str, values: dict[str, Any]) -> Any:
+    """Rebuild a model config from its saved dict, ignoring keys this version does not know."""
+    cls = MODEL_CONFIGS[task]
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def with_overrides(config: Any, **overrides: Any) -> Any:
+    """A copy of a frozen config with some fields replaced (None values are ignored)."""
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,1 @@
+"""Per-model training tasks: data batches, loss, validation and final evaluation."""

@@ -1,0 +1,86 @@
+"""ViT training task: Fashion-MNIST images standardised by the model config's mean/std, optional augmentation
+(pad 2 + random crop + horizontal flip), label-smoothed cross-entropy; evaluation is top-1 test accuracy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from models.config import TrainConfig, ViTConfig
+from models.vit import ViT
+
+
+def normalise(images: np.ndarray, config: ViTConfig) -> torch.Tensor:
+    """uint8 (N, H, W) or (N, C, H, W) -> float32 (N, C, H, W), scaled to [0, 1] then standardised."""
+    x = torch.from_numpy(np.asarray(images)).float().div_(255.0)
+    if x.dim() == 3:
+        x = x.unsqueeze(1)
+    return (x - config.mean) / config.std
+
+
+def augment(batch: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
+    """Random crop after zero-padding (in the standardised space, pad with the value of a black pixel) and flip."""
+    B, C, H, W = batch.shape
+    background = batch.amin()
+    padded = F.pad(batch, (pad, pad, pad, pad), value=float(background))
+    dx = torch.randint(0, 2 * pad + 1, (B,), generator=generator)
+    dy = torch.randint(0, 2 * pad + 1, (B,), generator=generator)
+    rows = (dy[:, None] + torch.arange(H)[None, :])[:, None, :, None].expand(B, C, H, W + 2 * pad)  # (B, C, H, W+2p)
+    cropped = torch.gather(padded, 2, rows)
+    cols = (dx[:, None] + torch.arange(W)[None, :])[:, None, None, :].expand(B, C, H, W)
+    cropped = torch.gather(cropped, 3, cols)  # (B, C, H, W)
+    flip = torch.rand(B, generator=generator) < 0.5
+    return torch.where(flip[:, None, None, None], cropped.flip(-1), cropped)
+
+
+class ViTTask:
+    def __init__(self, config: ViTConfig, train_cfg: TrainConfig, train: tuple[np.ndarray, np.ndarray],
+                 test: tuple[np.ndarray, np.ndarray]):
+        self.config = config
+        self.train_cfg = train_cfg
+        images, labels = train
+        if train_cfg.train_limit is not None:
+            images, labels = images[: train_cfg.train_limit], labels[: train_cfg.train_limit]
+        test_images, test_labels = test
+        if train_cfg.eval_limit is not None:
+            test_images, test_labels = test_images[: train_cfg.eval_limit], test_labels[: train_cfg.eval_limit]
+        self.train_x, self.train_y = normalise(images, config), torch.as_tensor(labels, dtype=torch.long)
+        self.test_x, self.test_y = normalise(test_images, config), torch.as_tensor(test_labels, dtype=torch.long)
+
+    def steps_per_epoch(self) -> int:
+        return len(self.train_x) // self.train_cfg.batch_size  # drop the last partial batch
+
+    def batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.train_cfg.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.train_x), generator=generator)
+        B = self.train_cfg.batch_size
+        for i in range(self.steps_per_epoch()):
+            index = order[i * B : (i + 1) * B]
+            x = self.train_x[index]
+            if self.train_cfg.augment:
+                x = augment(x, generator)
+            yield x, self.train_y[index]
+
+    def loss(self, model: ViT, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        x, y = batch
+        return F.cross_entropy(model(x), y, label_smoothing=self.train_cfg.label_smoothing), len(y)
+
+    @torch.no_grad()
+    def _test_logits(self, model: ViT, batch_size: int = 500) -> torch.Tensor:
+        model.eval()
+        return torch.cat([model(self.test_x[i : i + batch_size]) for i in range(0, len(self.test_x), batch_size)])
+
+    def validation_loss(self, model: ViT) -> float:
+        return F.cross_entropy(self._test_logits(model), self.test_y).item()
+
+    def evaluate(self, model: ViT) -> dict[str, float]:
+        logits = self._test_logits(model)
+        accuracy = (logits.argmax(-1) == self.test_y).float().mean().item()
+        return {
+            "test_accuracy": round(100.0 * accuracy, 2),
+            "test_loss": round(F.cross_entropy(logits, self.test_y).item(), 4),
+            "test_images": int(len(self.test_y)),
+        }

@@ -1,0 +1,87 @@
+"""Command line: train one model from a preset, evaluate it and write a run folder.
+
+    python -m models.train {translation,gpt,vit} --preset {tiny,release} [--data-dir DIR] [--out DIR]
+
+Re-running the same command resumes from the run folder's checkpoint (use --fresh to start over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from models.config import TASKS, get_preset, with_overrides
+from models.curves import plot_history
+from models.data import DataError
+from models.evaluate import evaluate_run
+from models.runs import prepare_run, write_config
+from models.trainer import CHECKPOINT_NAME, train
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("task", choices=TASKS)
+    parser.add_argument("--preset", default="tiny", help="named config in models/config.py (tiny, release)")
+    parser.add_argument("--data-dir", default=None, help="data folder (default: $TSERVE_DATA_DIR or ../shared/data)")
+    parser.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<task>-<preset>)")
+    parser.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model_cfg, train_cfg = get_preset(args.task, args.preset)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    train_cfg = with_overrides(train_cfg, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed)
+    out_dir = args.out or Path("runs") / f"{args.task}-{args.preset}"
+    if args.fresh:
+        for name in (CHECKPOINT_NAME, "tokenizer.json"):
+            (out_dir / name).unlink(missing_ok=True)
+    try:
+        run = prepare_run(args.task, model_cfg, train_cfg, args.data_dir, out_dir)
+    except DataError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    write_config(out_dir, args.task, args.preset, model_cfg, train_cfg)
+    n_params = sum(p.numel() for p in run.model.parameters())
+    print(f"{args.task}/{args.preset}: {n_params:,} parameters, {run.task.steps_per_epoch()} steps per epoch, "
+          f"writing to {out_dir}")
+
+    state = train(run.model, run.task, train_cfg, out_dir, resume=not args.fresh, progress=not args.quiet)
+    torch.save(run.model.state_dict(), out_dir / "model.pt")
+    plot_history(state.history, out_dir / "curves.png", f"{args.task} ({args.preset})")
+
+    started = time.perf_counter()
+    metrics = evaluate_run(args.task, run.model, run.task, run.tokenizer, run.data_dir, progress=not args.quiet)
+    metrics.update({
+        "task": args.task,
+        "preset": args.preset,
+        "parameters": n_params,
+        "steps": state.step,
+        "epochs_completed": state.epoch,
+        "train_seconds": round(state.seconds, 1),
+        "eval_seconds": round(time.perf_counter() - started, 1),
+        "final_train_loss": round(state.history["train_loss"][-1][1], 4) if state.history["train_loss"] else None,
+    })
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The training loop shared by the three models: AdamW, warmup then decay, clipping, checkpoints with resume.
+
+Follows nanoGPT's `train.py` in spirit (one loop, a learning-rate function, periodic evaluation and checkpoints)
+with the task-specific parts behind a small `TrainingTask` protocol: batches for an epoch, a loss for a batch,
+and a validation loss for the curve. Everything a resumed run needs (weights, optimiser, position in the epoch,
+RNG state, history) is in one checkpoint file, written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from models.config import TrainConfig
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+class TrainingTask(Protocol):
+    def steps_per_epoch(self) -> int: ...
+
+    def batches(self, epoch: int) -> Iterator[Any]:
+        """The batches of one epoch, in an order fixed by (seed, epoch) so that a resumed run sees the same."""
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+        """Mean training loss of a batch and how many units (tokens or images) it covered."""
+
+    def validation_loss(self, model: nn.Module) -> float: ...
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of `epoch` already consumed
+    seconds: float = 0.0  # training wall time so far, across resumes
+    history: dict[str, list[list[float]]] = field(default_factory=lambda: {"train_loss": [], "val_loss": []})
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    steps = cfg.epochs * steps_per_epoch
+    return min(steps, cfg.max_steps) if cfg.max_steps is not None else steps
+
+
+def lr_factor(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warmup to the peak, then inverse square root (Vaswani et al.) or cosine to `min_lr_ratio`."""
+    step = step + 1
+    warmup = max(cfg.warmup_steps, 1)
+    if step <= warmup:
+        return step / warmup
+    if cfg.schedule == "inverse_sqrt":
+        return math.sqrt(warmup / step)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, LayerNorms or position/class tokens)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+
+
+def _save_checkpoint(path: Path, model, optimizer, state: TrainState) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state),
+         "rng": torch.get_rng_state()},
+        tmp,
+    )
+    tmp.replace(path)
+
+
+def train(
+    model: nn.Module,
+    task: TrainingTask,
+    cfg: TrainConfig,
+    out_dir: Path,
+    resume: bool = True,
+    progress: bool = True,
+) -> TrainState:
+    """Train `model` on `task` until the step budget of `cfg` is spent; resumes from `out_dir` if it can."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out_dir / CHECKPOINT_NAME
+    torch.manual_seed(cfg.seed)
+    optimizer = build_optimizer(model, cfg)
+    state = TrainState()
+    if resume and checkpoint_path.exists():
+        saved = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = TrainState(**saved["state"])
+        torch.set_rng_state(saved["rng"])
+        if progress:
+            print(f"resuming from {checkpoint_path} at step {state.step} (epoch {state.epoch})")
+
+    per_epoch = task.steps_per_epoch()
+    total = total_steps(cfg, per_epoch)
+    eval_every = cfg.eval_every or per_epoch
+    bar = tqdm(total=total, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
+    smoothed = None
+    model.train()
+    while state.step < total:
+        for index, batch in enumerate(task.batches(state.epoch)):
+            if index < state.batch_in_epoch:
+                continue  # consumed before the checkpoint we resumed from
+            started = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * lr_factor(state.step, cfg, total)
+            loss, units = task.loss(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            elapsed = time.perf_counter() - started
+            state.seconds += elapsed
+            state.step += 1
+            state.batch_in_epoch = index + 1
+            value = loss.item()
+            smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
+            state.history["train_loss"].append([state.step, value])
+            bar.update(1)
+            bar.set_postfix(epoch=state.epoch, loss=f"{smoothed:.3f}", units_per_s=f"{units / elapsed:,.0f}")
+
+            last = state.step >= total
+            if state.step % eval_every == 0 or last:
+                val = task.validation_loss(model)
+                model.train()
+                state.history["val_loss"].append([state.step, val])
+                bar.write(f"step {state.step}: train loss {smoothed:.4f}, validation loss {val:.4f}")
+            if state.step % cfg.checkpoint_every == 0 or last:
+                _save_checkpoint(checkpoint_path, model, optimizer, state)
+            if last:
+                break
+        else:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+            _save_checkpoint(checkpoint_path, model, optimizer, state)
+            continue
+        break
+    bar.close()
+    model.eval()
+    (out_dir / "history.json").write_text(json.dumps(state.history))
+    return state

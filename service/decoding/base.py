@@ -1,0 +1,195 @@
+"""Shared pieces of the decoding strategies: results, the `Search` protocol and a reference driver.
+
+A search is a small per-request state machine over *rows* (rows of a KV cache). A driver runs the model for
+all rows of all active searches, hands each search the next-token logits of its own rows, and the search answers
+with the tokens to append and, for every new row, which of its current rows it continues (`parents`). Beam
+reordering and dropping finished rows are therefore one and the same row-selection operation on the cache.
+
+Protocol (the same for every search, see `run_search` for a complete driver):
+
+1. A new search needs exactly one row, the *prefill row*: the prompt for a decoder-only model, the decoder start
+   token (with the encoder output of its source) for an encoder-decoder model. The driver runs the prefill and
+   calls ``search.step(first_logits)`` with the logits at the last prefill position, shape (1, V).
+2. Every ``step(logits)`` returns a `StepResult`: new row ``i`` is current row ``parents[i]`` extended by
+   ``tokens[i]``. The driver selects the cache rows by ``parents``, feeds ``tokens`` and calls ``step`` again
+   with the logits of the new rows, shape (num_rows, V), in the order given by the result.
+3. Once ``done`` is true the result holds zero rows, the search needs no rows any more and ``results()`` gives
+   the finished hypotheses, best first.
+
+The strategies follow Hugging Face transformers ``generate()`` semantics (greedy, multinomial sampling and the
+vectorised beam search of transformers 5.x). Everything is numpy: no torch, no ONNX, no asyncio.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "Hypothesis",
+    "StepResult",
+    "Search",
+    "log_softmax",
+    "run_search",
+    "eos_ids",
+    "StopStrings",
+    "truncate_at_stop",
+]
+
+FINISH_REASONS = ("eos", "length", "stop")
+
+
+@dataclass
+class Hypothesis:
+    """One finished output sequence.
+
+    ``tokens`` are the generated tokens only (no prompt, no decoder start token, EOS excluded); ``score`` is the
+    strategy's score (sum of log-probs, length-normalised for beam search); ``finish_reason`` is one of
+    "eos" | "length" | "stop"; ``text`` is left for callers that detokenise.
+    """
+
+    tokens: list[int]
+    score: float
+    finish_reason: str
+    text: str | None = None
+
+
+@dataclass
+class StepResult:
+    """Answer of one `Search.step`: new row ``i`` = current row ``parents[i]`` + ``tokens[i]``.
+
+    ``tokens`` and ``parents`` are int64 arrays of shape (new_rows,); ``parents`` index the rows whose logits
+    were passed to `step`. ``done`` means the search is finished and ``new_rows == 0``.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    done: bool
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def finished_step() -> StepResult:
+    """The `StepResult` of a search that has just finished (no rows left)."""
+    return StepResult(tokens=_EMPTY.copy(), parents=_EMPTY.copy(), done=True)
+
+
+def eos_ids(eos_token_id: int | Sequence[int] | None) -> np.ndarray:
+    """Normalise an EOS id (int, several ids or None) to an int64 array of shape (n_eos,)."""
+    if eos_token_id is None:
+        return _EMPTY.copy()
+    if isinstance(eos_token_id, (int, np.integer)):
+        return np.array([int(eos_token_id)], dtype=np.int64)
+    return np.asarray(list(eos_token_id), dtype=np.int64).reshape(-1)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Numerically stable log-softmax over the last axis, computed in float64. (..., V) -> (..., V)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    shifted = x - m
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Cut ``text`` before the earliest occurrence of any stop string; returns (text, whether one was found)."""
+    cut = -1
+    for stop in stops:
+        if stop:
+            i = text.find(stop)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+    return (text, False) if cut < 0 else (text[:cut], True)
+
+
+class StopStrings:
+    """Stop-string checker for `GreedySearch`/`SamplingSearch`: ``checker(generated_tokens) -> bool``.
+
+    ``decode`` maps token ids to text (the search itself never sees a tokenizer). The search calls the checker
+    after every appended token, so a new occurrence must end in the newest tokens: only the last
+    ``tail_tokens`` tokens are decoded (default: the longest stop string in characters + 8, which assumes a
+    token decodes to at least one character; pass ``tail_tokens=None`` to decode everything each step). The
+    caller cuts the final text with `truncate_at_stop`.
+    """
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str], tail_tokens: int | None = -1):
+        self.stops = [s for s in stops if s]
+        self.decode = decode
+        self.tail_tokens = max((len(s) for s in self.stops), default=0) + 8 if tail_tokens == -1 else tail_tokens
+
+    def __call__(self, generated: np.ndarray) -> bool:
+        if not self.stops:
+            return False
+        tail = generated if self.tail_tokens is None else generated[-self.tail_tokens :]
+        text = self.decode([int(t) for t in tail])
+        return any(s in text for s in self.stops)
+
+
+class Search(ABC):
+    """A per-request decoding state machine (see the module docstring for the protocol)."""
+
+    @property
+    @abstractmethod
+    def num_rows(self) -> int:
+        """Rows this search needs in the cache for its next `step` (1 before the first step, 0 once done)."""
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the search has finished; `results` is valid from then on."""
+
+    @abstractmethod
+    def step(self, logits: np.ndarray) -> StepResult:
+        """Consume next-token logits (num_rows, V), raw and un-normalised, and choose the next rows."""
+
+    @abstractmethod
+    def results(self) -> list[Hypothesis]:
+        """Finished hypotheses, best first (valid once `done`)."""
+
+
+StepFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray], step_fn: StepFn) -> None:
+    """Drive ``searches`` to completion offline (a reference driver; the server uses a batching scheduler).
+
+    ``first_logits[i]``: logits (V,) or (1, V) of the prefill row of ``searches[i]`` (decoder-only: at the last
+    prompt position; encoder-decoder: after feeding the decoder start token). The prefill rows form the initial
+    row set: row ``i`` belongs to ``searches[i]``.
+
+    ``step_fn(tokens, parents) -> logits``: ``tokens`` and ``parents`` are int64 arrays of shape (R,). The model
+    builds its new row ``r`` from its previous row ``parents[r]`` (a global index into the rows of the previous
+    call, or into the prefill rows on the first call) extended by ``tokens[r]``, and returns the next-token
+    logits of the new rows, shape (R, V). Rows are grouped per still-active search, in the order of
+    ``searches``, each group in the order of that search's `StepResult`. ``step_fn`` is not called once every
+    search is done (a search may finish on its prefill logits).
+    """
+    if len(searches) != len(first_logits):
+        raise ValueError("need one first_logits entry per search")
+    steps = [s.step(np.atleast_2d(np.asarray(fl))) for s, fl in zip(searches, first_logits)]
+    offsets = np.arange(len(searches), dtype=np.int64)  # first row of each search in the previous row set
+    while True:
+        tokens, parents, active, new_offsets = [], [], [], []
+        n_rows = 0
+        for search, res, off in zip(searches, steps, offsets):
+            if res.done or len(res.tokens) == 0:
+                continue
+            tokens.append(res.tokens)
+            parents.append(res.parents + off)
+            active.append(search)
+            new_offsets.append(n_rows)
+            n_rows += len(res.tokens)
+        if not active:
+            return
+        logits = np.asarray(step_fn(np.concatenate(tokens), np.concatenate(parents)))  # (n_rows, V)
+        if logits.shape[0] != n_rows:
+            raise ValueError(f"step_fn returned {logits.shape[0]} rows, expected {n_rows}")
+        steps = [s.step(logits[o : o + s.num_rows]) for s, o in zip(active, new_offsets)]
+        searches = active
+        offsets = np.asarray(new_offsets, dtype=np.int64)

@@ -1,0 +1,186 @@
+"""Beam search with exactly the semantics of HF transformers 5.x ``generate(num_beams=N, do_sample=False)``.
+
+Follows ``GenerationMixin._beam_search`` and its helpers (``_get_top_k_continuations``,
+``_get_running_beams_for_next_iteration``, ``_update_finished_beams``, ``_check_early_stop_heuristic``,
+``_beam_search_has_unfinished_sequences``) for one batch item:
+
+* log-probs = log_softmax(logits); then ``min_new_tokens`` (EOS -> -inf while fewer tokens were generated) and
+  ``no_repeat_ngram_size`` (``NoRepeatNGramLogitsProcessor`` over prefix + generated tokens) mask to -inf; the
+  masked log-probs are not renormalised.
+* The top ``K = max(2, 1 + n_eos) * num_beams`` continuations over all beams (by accumulated log-prob) are
+  candidates. A candidate "stops" if its token is an EOS or the sequence reaches ``max_new_tokens``. Of the best
+  ``num_beams`` candidates, the stopped ones enter the finished set with score
+  ``sum_logprobs / generated_len ** length_penalty`` where ``generated_len`` counts the new tokens including
+  the EOS (HF: ``cur_len + 1 - decoder_prompt_len``), for decoder-only and encoder-decoder models alike: neither
+  the prompt nor the decoder start token counts. The finished set keeps the best ``num_beams``.
+* The best ``num_beams`` non-stopped candidates are the next running beams.
+* Early-stop heuristic (sticky): continue only while the best running beam could still beat the worst finished
+  hypothesis, estimating its final length as the current generated length, or ``max_new_tokens`` when
+  ``early_stopping == "never"`` and ``length_penalty > 0``. With ``early_stopping=True`` the search also ends as
+  soon as ``num_beams`` hypotheses are finished. There is no final "add the running beams" pass: at
+  ``max_new_tokens`` every candidate stops, so the best ``num_beams`` of them are offered to the finished set.
+
+Initially the search needs one row (the prefill row): HF starts with beam scores [0, -1e9, ...] so only beam 0
+expands at step 0, which is the same as expanding a single row (requires V >= K). After step 0 it needs
+``num_beams`` rows; ``parents`` say which row each new beam continues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .base import Hypothesis, Search, StepResult, eos_ids, finished_step, log_softmax
+
+__all__ = ["BeamSearch"]
+
+# HF marks unfilled finished slots with -1e9; the early-stop heuristic compares against it.
+_EMPTY_SLOT_SCORE = -1.0e9
+
+
+class BeamSearch(Search):
+    """HF-compatible beam search for one request.
+
+    ``prefix``: tokens already in the decoder sequence (decoder-only: the prompt; encoder-decoder: the decoder
+    start token). Only n-gram blocking looks at it, as HF's processor sees the whole ``input_ids``.
+    """
+
+    def __init__(
+        self,
+        num_beams: int,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        num_return_sequences: int = 1,
+        no_repeat_ngram_size: int = 0,
+        min_new_tokens: int = 0,
+        prefix: Sequence[int] = (),
+    ):
+        if num_beams < 1:
+            raise ValueError("num_beams must be >= 1")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if not 1 <= num_return_sequences <= num_beams:
+            raise ValueError("num_return_sequences must be in [1, num_beams]")
+        if early_stopping not in (True, False, "never"):
+            raise ValueError('early_stopping must be True, False or "never"')
+        self.num_beams = int(num_beams)
+        self.max_new_tokens = int(max_new_tokens)
+        self.eos = eos_ids(eos_token_id)  # (n_eos,)
+        self.length_penalty = float(length_penalty)
+        self.early_stopping = early_stopping
+        self.num_return_sequences = int(num_return_sequences)
+        self.no_repeat_ngram_size = int(no_repeat_ngram_size)
+        self.min_new_tokens = int(min_new_tokens)
+        self._k = max(2, 1 + self.eos.size) * self.num_beams  # candidates kept per step
+        prefix_arr = np.asarray(list(prefix), dtype=np.int64)
+        self._p = prefix_arr.size
+        # (num_beams, P + max_new_tokens): prefix + generated tokens of each running beam, row = beam
+        self._hist = np.zeros((self.num_beams, self._p + self.max_new_tokens), dtype=np.int64)
+        self._hist[:, : self._p] = prefix_arr
+        self._scores = np.zeros(1, dtype=np.float64)  # (rows,) accumulated log-probs of the running beams
+        self._rows = 1
+        self._t = 0  # tokens generated so far by the running beams
+        self._finished: list[tuple[float, list[int], str]] = []  # (score, tokens, reason), best first, <= num_beams
+        self._improvable = True  # HF is_early_stop_heuristic_unsatisfied
+        self._done = False
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self._done else self._rows
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def _block_ngrams(self, lp: np.ndarray) -> None:
+        """NoRepeatNGram: in place, -inf for every token that would repeat an n-gram of its row. lp: (R, V)."""
+        n = self.no_repeat_ngram_size
+        length = self._p + self._t  # HF cur_len = input_ids.shape[-1]
+        if length < n:
+            return
+        seqs = self._hist[: lp.shape[0], :length]  # (R, L)
+        windows = sliding_window_view(seqs, n, axis=1)  # (R, L - n + 1, n)
+        suffix = seqs[:, length - n + 1 :]  # (R, n - 1): the n-gram the next token would complete
+        match = np.all(windows[..., :-1] == suffix[:, None, :], axis=-1)  # (R, L - n + 1)
+        rows, pos = np.nonzero(match)
+        lp[rows, windows[rows, pos, -1]] = -np.inf
+
+    def step(self, logits: np.ndarray) -> StepResult:
+        if self._done:
+            raise RuntimeError("step() called on a finished search")
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != self._rows:
+            raise ValueError(f"expected logits of shape ({self._rows}, V), got {logits.shape}")
+        nb, t, p = self.num_beams, self._t, self._p
+        vocab = logits.shape[1]
+
+        # b. log-probs + processors, accumulated onto the running beam scores
+        lp = log_softmax(logits)  # (R, V) float64
+        if t < self.min_new_tokens and self.eos.size:
+            lp[:, self.eos] = -np.inf
+        if self.no_repeat_ngram_size > 0:
+            self._block_ngrams(lp)
+        cand = (self._scores[:, None] + lp).ravel()  # (R * V,)
+
+        # c. top-K continuations, best first
+        k = min(self._k, cand.size)
+        top = np.argpartition(-cand, k - 1)[:k] if k < cand.size else np.arange(cand.size)
+        top = top[np.argsort(-cand[top], kind="stable")]  # (K,)
+        top_scores = cand[top]
+        beams, toks = np.divmod(top, vocab)  # (K,) row each candidate extends, its token
+        is_eos = np.isin(toks, self.eos)
+
+        # d. stopping criteria: EOS or max length
+        stops = is_eos | (t + 1 >= self.max_new_tokens)  # (K,)
+
+        # f. only the best num_beams candidates may finish
+        denom = float(t + 1) ** self.length_penalty
+        added = False
+        for j in np.flatnonzero(stops[:nb]):
+            if not np.isfinite(top_scores[j]):
+                continue
+            tokens = self._hist[beams[j], p : p + t].tolist()
+            if not is_eos[j]:
+                tokens.append(int(toks[j]))
+            self._finished.append((float(top_scores[j]) / denom, tokens, "eos" if is_eos[j] else "length"))
+            added = True
+        if added:
+            self._finished.sort(key=lambda h: -h[0])
+            del self._finished[nb:]
+
+        # e. next running beams: the best num_beams candidates that did not stop
+        keep = np.flatnonzero(~stops)[:nb]
+        self._t = t + 1
+        if keep.size:
+            parents = beams[keep]
+            self._hist[: keep.size, p : p + t] = self._hist[parents, p : p + t]  # fancy index copies first
+            self._hist[: keep.size, p + t] = toks[keep]
+            self._scores = top_scores[keep]
+            self._rows = keep.size
+
+        # g. beam-search-level stopping condition
+        full = len(self._finished) >= nb
+        if self._improvable and keep.size:
+            if self.early_stopping == "never" and self.length_penalty > 0.0:
+                best_len = self.max_new_tokens
+            else:
+                best_len = self._t
+            best = self._scores[0] / float(best_len) ** self.length_penalty
+            worst = self._finished[-1][0] if full else _EMPTY_SLOT_SCORE
+            self._improvable = bool(best > worst)
+        if not self._improvable or (full and self.early_stopping is True) or keep.size == 0:
+            self._done = True
+            return finished_step()
+        return StepResult(tokens=toks[keep].astype(np.int64), parents=parents.astype(np.int64), done=False)
+
+    def results(self) -> list[Hypothesis]:
+        if not self._done:
+            raise RuntimeError("results() before the search is done")
+        return [
+            Hypothesis(tokens=list(tokens), score=score, finish_reason=reason)
+            for score, tokens, reason in self._finished[: self.num_return_sequences]
+        ]

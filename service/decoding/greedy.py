@@ -1,0 +1,97 @@
+"""Greedy decoding: one row, argmax at every step (HF ``generate(do_sample=False, num_beams=1)``).
+
+The score of a hypothesis is the sum of the model's log-probabilities (log-softmax of the raw logits) of the
+chosen tokens, EOS included when the sequence ends with it. ``min_new_tokens`` masks the EOS tokens for the
+first steps like HF ``MinNewTokensLengthLogitsProcessor``. `GreedySearch` is also the single-row base of
+`SamplingSearch`, which only swaps the token choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .base import Hypothesis, Search, StepResult, eos_ids, finished_step
+
+__all__ = ["GreedySearch"]
+
+_ZERO = np.zeros(1, dtype=np.int64)
+
+
+class GreedySearch(Search):
+    """Argmax decoding of one sequence.
+
+    ``stop_checker(generated_tokens) -> bool`` (e.g. `StopStrings`) is called with the int64 array of generated
+    tokens after every non-EOS token; True ends the sequence with finish_reason "stop".
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None,
+        min_new_tokens: int = 0,
+        stop_checker: Callable[[np.ndarray], bool] | None = None,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        self.max_new_tokens = int(max_new_tokens)
+        self.eos = eos_ids(eos_token_id)  # (n_eos,)
+        self.min_new_tokens = int(min_new_tokens)
+        self.stop_checker = stop_checker
+        self._tokens = np.zeros(self.max_new_tokens, dtype=np.int64)  # generated tokens, EOS excluded
+        self._n = 0  # tokens generated so far, EOS included
+        self._score = 0.0
+        self._reason: str | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self._reason is not None else 1
+
+    @property
+    def done(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def generated(self) -> np.ndarray:
+        """Tokens generated so far, EOS excluded (a view, shape (n,))."""
+        return self._tokens[: self._n - (self._reason == "eos")]
+
+    def _mask_eos(self, row: np.ndarray) -> np.ndarray:
+        """Apply ``min_new_tokens``: EOS logits -> -inf while fewer tokens than that have been generated."""
+        if self._n < self.min_new_tokens and self.eos.size:
+            row = row.copy()
+            row[self.eos] = -np.inf
+        return row
+
+    def _choose(self, row: np.ndarray) -> int:
+        """Pick the next token from raw logits (V,) float64."""
+        return int(np.argmax(self._mask_eos(row)))
+
+    def step(self, logits: np.ndarray) -> StepResult:
+        if self._reason is not None:
+            raise RuntimeError("step() called on a finished search")
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != 1:
+            raise ValueError(f"expected logits of shape (1, V), got {logits.shape}")
+        row = logits[0].astype(np.float64)  # (V,)
+        tok = self._choose(row)
+        m = row.max()
+        self._score += float(row[tok] - m - np.log(np.sum(np.exp(row - m))))
+        self._n += 1
+        if tok in self.eos:
+            self._reason = "eos"
+        else:
+            self._tokens[self._n - 1] = tok
+            if self.stop_checker is not None and self.stop_checker(self._tokens[: self._n]):
+                self._reason = "stop"
+            elif self._n >= self.max_new_tokens:
+                self._reason = "length"
+        if self._reason is not None:
+            return finished_step()
+        return StepResult(tokens=np.array([tok], dtype=np.int64), parents=_ZERO.copy(), done=False)
+
+    def results(self) -> list[Hypothesis]:
+        if self._reason is None:
+            raise RuntimeError("results() before the search is done")
+        return [Hypothesis(tokens=self.generated.tolist(), score=self._score, finish_reason=self._reason)]

@@ -1,0 +1,134 @@
+"""Multinomial sampling with HF ``generate(do_sample=True)`` logits processing, plus the filters it uses.
+
+Per step, on the raw logits of the single row, in HF's order: repetition penalty (prompt/prefix + generated
+tokens, ``RepetitionPenaltyLogitsProcessor``), ``min_new_tokens`` EOS masking, then the warpers temperature
+(``TemperatureLogitsWarper``), top-k (``TopKLogitsWarper``) and top-p (``TopPLogitsWarper``), then a draw from
+the softmax with ``np.random.default_rng(seed)`` (same seed, same output; HF's torch RNG is not reproduced).
+``temperature == 0`` means greedy: argmax after the repetition penalty. The hypothesis score is the sum of the
+model's log-probabilities of the chosen tokens (raw logits, before any processing), as in `GreedySearch`.
+
+The filter functions are public so they can be tested against HF's processors; they work on the last axis of
+arrays of any leading shape and mark removed tokens with -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .base import StopStrings, truncate_at_stop
+from .greedy import GreedySearch
+
+__all__ = [
+    "SamplingSearch",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "top_k_filter",
+    "top_p_filter",
+    "StopStrings",
+    "truncate_at_stop",
+]
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """HF repetition penalty: for tokens where ``seen`` (..., V) is true, divide positive logits by ``penalty``
+    and multiply negative ones by it."""
+    x = np.asarray(logits)
+    return np.where(seen, np.where(x < 0, x * penalty, x / penalty), x)
+
+
+def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """HF temperature warper: logits / temperature (temperature > 0)."""
+    return np.asarray(logits) / temperature
+
+
+def top_k_filter(logits: np.ndarray, top_k: int, min_tokens_to_keep: int = 1) -> np.ndarray:
+    """HF top-k: keep every token whose logit is >= the k-th largest (ties at the k-th value are all kept)."""
+    x = np.asarray(logits)
+    v = x.shape[-1]
+    k = min(max(int(top_k), min_tokens_to_keep), v)
+    kth = np.partition(x, v - k, axis=-1)[..., v - k : v - k + 1]  # (..., 1): k-th largest
+    return np.where(x < kth, -np.inf, x)
+
+
+def top_p_filter(logits: np.ndarray, top_p: float, min_tokens_to_keep: int = 1) -> np.ndarray:
+    """HF top-p (nucleus): sort ascending, drop tokens while the cumulative probability is <= 1 - top_p, so the
+    smallest set whose probability reaches ``top_p`` survives; at least ``min_tokens_to_keep`` are kept."""
+    x = np.asarray(logits)
+    order = np.argsort(x, axis=-1, kind="stable")  # ascending, (..., V)
+    sorted_x = np.take_along_axis(x, order, axis=-1).astype(np.float64)
+    m = sorted_x[..., -1:]
+    p = np.exp(sorted_x - np.where(np.isfinite(m), m, 0.0))
+    cum = np.cumsum(p, axis=-1) / np.sum(p, axis=-1, keepdims=True)
+    remove_sorted = cum <= (1.0 - top_p)
+    remove_sorted[..., -min_tokens_to_keep:] = False
+    remove = np.empty_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)
+    return np.where(remove, -np.inf, x)
+
+
+class SamplingSearch(GreedySearch):
+    """Sample one sequence (see the module docstring for the processing order).
+
+    ``prefix``: tokens already in the sequence that the repetition penalty also covers (HF penalises the whole
+    ``input_ids``: the prompt for a decoder-only model, the decoder start token for an encoder-decoder one).
+    ``stop_checker``: see `GreedySearch` / `StopStrings`.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        min_new_tokens: int = 0,
+        seed: int | None = None,
+        prefix: Sequence[int] = (),
+        stop_checker: Callable[[np.ndarray], bool] | None = None,
+    ):
+        super().__init__(max_new_tokens, eos_token_id, min_new_tokens=min_new_tokens, stop_checker=stop_checker)
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        self.temperature = float(temperature)
+        self.top_k = int(top_k)
+        self.top_p = float(top_p)
+        self.repetition_penalty = float(repetition_penalty)
+        self._rng = np.random.default_rng(seed)
+        self._prefix = np.asarray(list(prefix), dtype=np.int64)
+        self._seen: np.ndarray | None = None  # (V,) bool: tokens in prefix + generated, built on the first step
+
+    def _choose(self, row: np.ndarray) -> int:
+        v = row.shape[0]
+        x = row
+        if self.repetition_penalty != 1.0:
+            if self._seen is None:
+                self._seen = np.zeros(v, dtype=bool)
+                self._seen[self._prefix[(self._prefix >= 0) & (self._prefix < v)]] = True
+            x = apply_repetition_penalty(x, self._seen, self.repetition_penalty)
+        x = self._mask_eos(x)
+        if self.temperature == 0.0:
+            tok = int(np.argmax(x))
+        else:
+            if self.temperature != 1.0:
+                x = apply_temperature(x, self.temperature)
+            if self.top_k > 0:
+                x = top_k_filter(x, self.top_k)
+            if self.top_p < 1.0:
+                x = top_p_filter(x, self.top_p)
+            p = np.exp(x - np.max(x))  # (V,) unnormalised probabilities; removed tokens are 0
+            cum = np.cumsum(p)
+            tok = int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right"))
+            if tok >= v or p[tok] == 0.0:  # float rounding at the very top of the CDF
+                tok = int(np.flatnonzero(p)[-1])
+        if self._seen is not None:
+            self._seen[tok] = True
+        return tok

@@ -1,0 +1,251 @@
+"""Golden tests: `service.decoding` searches vs Hugging Face ``generate()`` on tiny random models.
+
+Two tiny models are built from configs with random weights (no download): a GPT-2 (decoder-only) and a BART
+(encoder-decoder). The EOS logit is biased up and the weights are scaled so that distributions are peaked
+enough to avoid near-ties and so that hypotheses end both by EOS and by length.
+
+Our searches are driven by `run_search` with a step function that recomputes every row's full decoder sequence
+without a cache (correctness over speed). HF runs with its KV cache:
+* GPT-2: HF is run per prompt (no padding), because left padding puts pad tokens into ``input_ids``, which
+  HF's n-gram blocking then sees, so padded HF output would depend on the batch shape. Our searches for all
+  prompts still run together as one batch through `run_search`.
+* BART: HF runs the whole batch with right-padded sources and an attention mask (the padding only touches the
+  encoder, which is masked), so HF's batched beam search (finished items frozen while others run) is covered.
+Token sequences must match exactly and scores within 1e-4 (HF: ``sequences_scores`` for beam search; for
+greedy the sum of log-softmax(raw logits) of the chosen tokens from ``output_logits``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from service.decoding import BeamSearch, GreedySearch, Hypothesis, run_search  # noqa: E402
+
+VOCAB = 40
+MAX_NEW = 10
+ATOL = 1e-4
+
+# decoder-only ids
+GPT_BOS, GPT_EOS, GPT_PAD = 0, 1, 2
+# encoder-decoder ids (BART convention: decoder_start == eos)
+BART_BOS, BART_PAD, BART_EOS, BART_START = 0, 1, 2, 2
+
+
+@dataclass
+class Harness:
+    """A tiny HF model plus the glue to drive our searches and HF generate on the same inputs."""
+
+    kind: str  # "gpt2" | "bart"
+    model: object
+    eos: int
+    inputs: list[list[int]]  # prompts (gpt2) or sources (bart)
+
+    def prefix(self, i: int) -> list[int]:
+        """Tokens HF's processors see in ``input_ids`` before the first generated token."""
+        return list(self.inputs[i]) if self.kind == "gpt2" else [BART_START]
+
+    @torch.no_grad()
+    def _decoder_logits(self, i: int, seqs: list[list[int]]) -> np.ndarray:
+        """Last-position logits (len(seqs), V) of full decoder sequences ``seqs`` for input ``i``."""
+        ids = torch.tensor(seqs, dtype=torch.long)
+        if self.kind == "gpt2":
+            out = self.model(input_ids=ids)
+        else:
+            enc = self._enc[i].expand(len(seqs), -1, -1)
+            out = self.model(encoder_outputs=(enc,), decoder_input_ids=ids)
+        return out.logits[:, -1, :].float().numpy()
+
+    @torch.no_grad()
+    def run_ours(self, searches) -> None:
+        """Drive ``searches[i]`` (one per input) with `run_search`, no KV cache."""
+        if self.kind == "bart":
+            self._enc = [
+                self.model.get_encoder()(input_ids=torch.tensor([src])).last_hidden_state for src in self.inputs
+            ]
+        rows = [(i, self.prefix(i)) for i in range(len(searches))]  # prefill rows: (input index, sequence)
+        first = [self._decoder_logits(i, [seq])[0] for i, seq in rows]
+
+        def step_fn(tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+            nonlocal rows
+            rows = [(rows[p][0], rows[p][1] + [int(t)]) for t, p in zip(tokens, parents)]
+            out, start = [], 0
+            while start < len(rows):  # rows of one input are contiguous and of equal length
+                end = start
+                while end < len(rows) and rows[end][0] == rows[start][0]:
+                    end += 1
+                out.append(self._decoder_logits(rows[start][0], [s for _, s in rows[start:end]]))
+                start = end
+            return np.concatenate(out)
+
+        run_search(searches, first, step_fn)
+
+    @torch.no_grad()
+    def run_hf(self, num_return_sequences: int = 1, **gen_kwargs) -> list[list[Hypothesis]]:
+        """HF generate; per input a list of hypotheses (tokens without prompt/start/EOS, score, reason)."""
+        kw = dict(
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            num_return_sequences=num_return_sequences,
+            output_scores=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        kw.update(gen_kwargs)
+        if self.kind == "gpt2":
+            outs = []
+            for prompt in self.inputs:
+                ids = torch.tensor([prompt])
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+                outs.append(self._parse(out, len(prompt), 1, num_return_sequences, kw["num_beams"])[0])
+            return outs
+        longest = max(len(s) for s in self.inputs)
+        ids = torch.tensor([s + [BART_PAD] * (longest - len(s)) for s in self.inputs])
+        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in self.inputs])
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kw)
+        return self._parse(out, 1, len(self.inputs), num_return_sequences, kw["num_beams"])
+
+    def _parse(self, out, skip: int, batch: int, nrs: int, num_beams: int) -> list[list[Hypothesis]]:
+        seqs = out.sequences[:, skip:].tolist()  # (batch * nrs, generated)
+        if num_beams > 1:
+            scores = out.sequences_scores.tolist()
+        else:  # greedy: sum of raw log-probs of the chosen tokens, up to and including EOS
+            lp = torch.stack([torch.log_softmax(x.double(), -1) for x in out.logits], 1)  # (B, T, V)
+            scores = []
+            for b, seq in enumerate(seqs):
+                n = seq.index(self.eos) + 1 if self.eos in seq else len(seq)
+                scores.append(float(sum(lp[b, j, seq[j]] for j in range(n))))
+        hyps = []
+        for seq, score in zip(seqs, scores):
+            if self.eos in seq:
+                hyps.append(Hypothesis(seq[: seq.index(self.eos)], score, "eos"))
+            else:
+                assert len(seq) == MAX_NEW
+                hyps.append(Hypothesis(seq, score, "length"))
+        return [hyps[i * nrs : (i + 1) * nrs] for i in range(batch)]
+
+
+def _scale_(model: torch.nn.Module, factor: float) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(factor)
+
+
+@pytest.fixture(scope="session")
+def harnesses() -> dict[str, Harness]:
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    rng = np.random.default_rng(0)
+
+    gpt = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, n_inner=64, vocab_size=VOCAB, n_positions=64,
+            bos_token_id=GPT_BOS, eos_token_id=GPT_EOS, pad_token_id=GPT_PAD, tie_word_embeddings=False,
+            initializer_range=0.3,
+        )
+    ).eval()
+    with torch.no_grad():  # bias the EOS logit: ln_f.bias along the EOS output row adds a constant to it
+        w = gpt.lm_head.weight[GPT_EOS]
+        gpt.transformer.ln_f.bias.copy_(1.5 * w / w.dot(w))
+    gpt.generation_config = transformers.GenerationConfig(
+        bos_token_id=GPT_BOS, eos_token_id=GPT_EOS, pad_token_id=GPT_PAD
+    )
+    prompts = [[GPT_BOS] + rng.integers(3, VOCAB, size=n).tolist() for n in (2, 5, 8)]
+
+    bart = transformers.BartForConditionalGeneration(
+        transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            bos_token_id=BART_BOS, pad_token_id=BART_PAD, eos_token_id=BART_EOS,
+            decoder_start_token_id=BART_START, forced_eos_token_id=None, forced_bos_token_id=None,
+            init_std=0.3,
+        )
+    ).eval()
+    with torch.no_grad():
+        bart.final_logits_bias[0, BART_EOS] += 1.5
+    bart.generation_config = transformers.GenerationConfig(
+        bos_token_id=BART_BOS, eos_token_id=BART_EOS, pad_token_id=BART_PAD, decoder_start_token_id=BART_START
+    )
+    sources = [rng.integers(3, VOCAB, size=n).tolist() + [BART_EOS] for n in (3, 6, 4)]
+    return {
+        "gpt2": Harness("gpt2", gpt, GPT_EOS, prompts),
+        "bart": Harness("bart", bart, BART_EOS, sources),
+    }
+
+
+def _assert_same(ours: list[list[Hypothesis]], hf: list[list[Hypothesis]]) -> None:
+    assert len(ours) == len(hf)
+    for i, (o, h) in enumerate(zip(ours, hf)):
+        assert [x.tokens for x in o] == [x.tokens for x in h], f"input {i}"
+        assert [x.finish_reason for x in o] == [x.finish_reason for x in h], f"input {i}"
+        np.testing.assert_allclose([x.score for x in o], [x.score for x in h], atol=ATOL, rtol=0)
+
+
+def _beam(h: Harness, **kw) -> list[list[Hypothesis]]:
+    searches = [BeamSearch(max_new_tokens=MAX_NEW, eos_token_id=h.eos, prefix=h.prefix(i), **kw)
+                for i in range(len(h.inputs))]
+    h.run_ours(searches)
+    assert all(s.done and s.num_rows == 0 for s in searches)
+    return [s.results() for s in searches]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+@pytest.mark.parametrize("min_new_tokens", [0, 4])
+def test_greedy_matches_hf(harnesses, kind, min_new_tokens):
+    h = harnesses[kind]
+    searches = [GreedySearch(MAX_NEW, h.eos, min_new_tokens=min_new_tokens) for _ in h.inputs]
+    h.run_ours(searches)
+    ours = [s.results() for s in searches]
+    hf = h.run_hf(num_beams=1, min_new_tokens=min_new_tokens)
+    _assert_same(ours, hf)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+@pytest.mark.parametrize("num_return_sequences", [1, 3])
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+@pytest.mark.parametrize("length_penalty", [0.6, 1.0, 2.0])
+def test_beam_matches_hf(harnesses, kind, length_penalty, early_stopping, num_return_sequences):
+    h = harnesses[kind]
+    kw = dict(num_beams=4, length_penalty=length_penalty, early_stopping=early_stopping,
+              num_return_sequences=num_return_sequences)
+    ours = _beam(h, **kw)
+    _assert_same(ours, h.run_hf(**kw))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+@pytest.mark.parametrize(("no_repeat_ngram_size", "min_new_tokens"), [(2, 0), (0, 4), (3, 3), (1, 0)])
+def test_beam_processors_match_hf(harnesses, kind, early_stopping, no_repeat_ngram_size, min_new_tokens):
+    h = harnesses[kind]
+    kw = dict(num_beams=4, length_penalty=1.0, early_stopping=early_stopping, num_return_sequences=3,
+              no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens)
+    ours = _beam(h, **kw)
+    _assert_same(ours, h.run_hf(**kw))
+    for i, hyps in enumerate(ours):
+        for hyp in hyps:
+            if hyp.finish_reason == "eos":
+                assert len(hyp.tokens) >= min_new_tokens
+            if no_repeat_ngram_size:
+                seq = h.prefix(i) + hyp.tokens
+                grams = [tuple(seq[j : j + no_repeat_ngram_size]) for j in range(len(seq) - no_repeat_ngram_size + 1)]
+                assert len(grams) == len(set(grams))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+def test_golden_setup_exercises_eos_and_length(harnesses, kind):
+    """Guard against vacuous goldens: the models must produce both EOS-ended and length-ended hypotheses."""
+    h = harnesses[kind]
+    reasons = set()
+    for es in (True, False, "never"):
+        for hyps in _beam(h, num_beams=4, early_stopping=es, num_return_sequences=4):
+            reasons.update(x.finish_reason for x in hyps)
+    greedy = [GreedySearch(MAX_NEW, h.eos) for _ in h.inputs]
+    h.run_ours(greedy)
+    reasons.update(s.results()[0].finish_reason for s in greedy)
+    assert reasons == {"eos", "length"}

@@ -1,0 +1,175 @@
+"""The seed's measured facts about the architecture, checked against the project's own modules."""
+
+import numpy as np
+import pytest
+import torch
+
+from models.config import GPTConfig, TranslationConfig, ViTConfig
+from models.gpt import GPT
+from models.layers import DecoderBlock, TransformerBlock, sinusoidal_table
+from models.transformer import EncoderDecoderTransformer
+from models.vit import ViT
+
+
+def n_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# --- sinusoidal positional encoding -------------------------------------------------------------------------
+
+def test_positional_encoding_is_bounded():
+    table = sinusoidal_table(1000, 64)
+    assert table.min() >= -1.0 and table.max() <= 1.0
+    assert torch.allclose(table[0, 0::2], torch.zeros(32)) and torch.allclose(table[0, 1::2], torch.ones(32))
+
+
+def test_positional_dot_product_depends_only_on_offset():
+    table = sinusoidal_table(200, 16, dtype=torch.float64)
+    for k, expected in [(0, 8.000), (1, 7.485), (2, 6.368)]:
+        dots = torch.stack([table[p] @ table[p + k] for p in range(0, 150, 7)])
+        assert torch.allclose(dots, torch.full_like(dots, dots[0].item()), atol=1e-9)
+        assert dots[0].item() == pytest.approx(expected, abs=5e-4)
+
+
+def test_one_linear_map_shifts_every_position():
+    table = sinusoidal_table(300, 16, dtype=torch.float64).numpy()
+    shift = 7
+    seen, unseen = np.arange(0, 100), np.arange(150, 290)
+    matrix, *_ = np.linalg.lstsq(table[seen], table[seen + shift], rcond=None)
+    error = np.abs(table[unseen] @ matrix - table[unseen + shift]).max()
+    assert error < 1e-6
+
+
+# --- parameter counts ---------------------------------------------------------------------------------------
+
+def test_encoder_layer_parameter_count():
+    count = n_params(TransformerBlock(512, 8, 2048))
+    assert count == 3_152_384
+    assert count / 512**2 == pytest.approx(12.025, abs=1e-3)
+
+
+def test_decoder_layer_parameter_count():
+    count = n_params(DecoderBlock(512, 8, 2048))
+    assert count == 4_204_032
+    assert count / 512**2 == pytest.approx(16.037, abs=1e-3)
+
+
+# --- masks --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def translator() -> EncoderDecoderTransformer:
+    torch.manual_seed(0)
+    config = TranslationConfig(vocab_size=100, d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                               d_ff=64, dropout=0.0, max_positions=64)
+    return EncoderDecoderTransformer(config).eval()
+
+
+def _decoder_outputs(model, src, tgt):
+    src_mask, tgt_mask = torch.ones_like(src, dtype=torch.bool), torch.ones_like(tgt, dtype=torch.bool)
+    with torch.no_grad():
+        return model(src, tgt, src_mask, tgt_mask)
+
+
+def test_changing_the_last_target_token_leaves_earlier_outputs_unchanged(translator):
+    src, tgt = torch.randint(4, 100, (1, 9)), torch.randint(4, 100, (1, 8))
+    changed = tgt.clone()
+    changed[0, -1] = (tgt[0, -1] + 1) % 100
+    before, after = _decoder_outputs(translator, src, tgt), _decoder_outputs(translator, src, changed)
+    assert torch.equal(before[:, :-1], after[:, :-1])
+    assert not torch.allclose(before[:, -1], after[:, -1])
+
+
+def test_changing_one_source_token_changes_every_decoder_output(translator):
+    src, tgt = torch.randint(4, 100, (1, 9)), torch.randint(4, 100, (1, 8))
+    changed = src.clone()
+    changed[0, 4] = (src[0, 4] + 1) % 100
+    before, after = _decoder_outputs(translator, src, tgt), _decoder_outputs(translator, changed, tgt)
+    assert ((before - after).abs().amax(-1) > 1e-6).all()
+
+
+def test_source_padding_is_invisible(translator):
+    src, tgt = torch.randint(4, 100, (1, 6)), torch.randint(4, 100, (1, 5))
+    padded = torch.cat([src, torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    padded_mask = torch.cat([torch.ones(1, 6, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        plain = translator(src, tgt, torch.ones_like(src, dtype=torch.bool), torch.ones_like(tgt, dtype=torch.bool))
+        masked = translator(padded, tgt, padded_mask, torch.ones_like(tgt, dtype=torch.bool))
+    torch.testing.assert_close(plain, masked, atol=1e-5, rtol=1e-5)
+
+
+# --- KV cache -----------------------------------------------------------------------------------------------
+
+def test_translator_cached_steps_equal_full_recomputation(translator):
+    src, tgt = torch.randint(4, 100, (2, 7)), torch.randint(4, 100, (2, 9))
+    src_mask = torch.ones_like(src, dtype=torch.bool)
+    src_mask[1, 5:] = False
+    tgt_mask = torch.ones_like(tgt, dtype=torch.bool)
+    with torch.no_grad():
+        full = translator(src, tgt, src_mask, tgt_mask)
+        cross = translator.cross_attention_kv(translator.encode(src, src_mask))
+        positions = torch.arange(9).expand(2, 9)
+        logits, past, steps = None, None, []
+        for t in range(9):  # one token at a time
+            logits, past = translator.decode_step(tgt[:, t : t + 1], positions[:, t : t + 1], tgt_mask[:, : t + 1],
+                                                  cross, src_mask, past)
+            steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert past[0][0].shape == (2, 4, 9, 8)  # (B, H, T, Dh)
+
+
+@pytest.fixture(scope="module")
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, context_length=32, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                         dropout=0.0)).eval()
+
+
+def test_gpt_cached_steps_equal_full_recomputation(gpt):
+    ids = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        full, _ = gpt(ids)
+        prompt_logits, past = gpt(ids[:, :5])
+        steps = [prompt_logits]
+        for t in range(5, 12):
+            logits, past = gpt(ids[:, t : t + 1], past_key_values=past)
+            steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_left_padded_row_matches_its_unpadded_self(gpt):
+    """A ragged batch: row 1 is left-padded by 3 with explicit positions and mask, and gives its own logits."""
+    ids = torch.randint(0, 50, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        alone, _ = gpt(ids)
+        batched, _ = gpt(padded, position_ids=positions, attention_mask=mask)
+    torch.testing.assert_close(batched[:, 3:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_head_is_tied_to_the_token_embedding(gpt):
+    assert not any("head" in name for name, _ in gpt.named_parameters())
+    captured = {}
+    handle = gpt.norm.register_forward_hook(lambda module, inputs, output: captured.update(hidden=output))
+    with torch.no_grad():
+        logits, _ = gpt(torch.randint(0, 50, (1, 4)))
+    handle.remove()
+    torch.testing.assert_close(logits, captured["hidden"] @ gpt.token_embedding.weight.T)
+
+
+# --- ViT ----------------------------------------------------------------------------------------------------
+
+def test_conv_patch_embedding_equals_flatten_and_linear():
+    torch.manual_seed(0)
+    vit = ViT(ViTConfig(image_size=224, patch_size=16, channels=3, d_model=64, n_heads=4, n_layers=1, d_ff=64,
+                        dropout=0.0)).eval()
+    images = torch.randn(2, 3, 224, 224)
+    conv = vit.patch_embed(images).flatten(2).transpose(1, 2)  # (B, 196, d)
+    patches = images.unfold(2, 16, 16).unfold(3, 16, 16)  # (B, C, 14, 14, 16, 16)
+    patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(2, 196, 3 * 16 * 16)  # (B, N, C*p*p)
+    linear = patches @ vit.patch_embed.weight.reshape(64, -1).T + vit.patch_embed.bias
+    torch.testing.assert_close(conv, linear, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        assert vit.forward_features(images).shape == (2, 197, 64)
+        assert vit(images).shape == (2, 10)
