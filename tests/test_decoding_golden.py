@@ -1,8 +1,8 @@
 """Golden tests: `service.decoding` searches vs Hugging Face ``generate()`` on tiny random models.
 
 Two tiny models are built from configs with random weights (no download): a GPT-2 (decoder-only) and a BART
-(encoder-decoder). The EOS logit is biased up and the weights are scaled so that distributions are peaked
-enough to avoid near-ties and so that hypotheses end both by EOS and by length.
+(encoder-decoder). A large init range makes the next-token distributions peaked enough to avoid near-ties, and
+the EOS logit is biased up so that hypotheses end both by EOS and by length (guarded by a test).
 
 Our searches are driven by `run_search` with a step function that recomputes every row's full decoder sequence
 without a cache (correctness over speed). HF runs with its KV cache:
@@ -17,7 +17,7 @@ greedy the sum of log-softmax(raw logits) of the chosen tokens from ``output_log
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -25,7 +25,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from service.decoding import BeamSearch, GreedySearch, Hypothesis, run_search  # noqa: E402
+from service.decoding import (  # noqa: E402
+    BeamSearch,
+    GreedySearch,
+    Hypothesis,
+    SamplingSearch,
+    apply_repetition_penalty,
+    apply_temperature,
+    run_search,
+    top_k_filter,
+    top_p_filter,
+)
 
 VOCAB = 40
 MAX_NEW = 10
@@ -45,6 +55,7 @@ class Harness:
     model: object
     eos: int
     inputs: list[list[int]]  # prompts (gpt2) or sources (bart)
+    _enc: list = field(default_factory=list)  # bart: encoder output (1, S, D) per source
 
     def prefix(self, i: int) -> list[int]:
         """Tokens HF's processors see in ``input_ids`` before the first generated token."""
@@ -55,7 +66,7 @@ class Harness:
         """Last-position logits (len(seqs), V) of full decoder sequences ``seqs`` for input ``i``."""
         ids = torch.tensor(seqs, dtype=torch.long)
         if self.kind == "gpt2":
-            out = self.model(input_ids=ids)
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
         else:
             enc = self._enc[i].expand(len(seqs), -1, -1)
             out = self.model(encoder_outputs=(enc,), decoder_input_ids=ids)
@@ -130,16 +141,10 @@ class Harness:
         return [hyps[i * nrs : (i + 1) * nrs] for i in range(batch)]
 
 
-def _scale_(model: torch.nn.Module, factor: float) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(factor)
-
-
 @pytest.fixture(scope="session")
-def harnesses() -> dict[str, Harness]:
-    torch.set_num_threads(1)
+def harnesses():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared machine
     torch.manual_seed(1234)
     rng = np.random.default_rng(0)
 
@@ -152,7 +157,7 @@ def harnesses() -> dict[str, Harness]:
     ).eval()
     with torch.no_grad():  # bias the EOS logit: ln_f.bias along the EOS output row adds a constant to it
         w = gpt.lm_head.weight[GPT_EOS]
-        gpt.transformer.ln_f.bias.copy_(1.5 * w / w.dot(w))
+        gpt.transformer.ln_f.bias.copy_(3.0 * w / w.dot(w))
     gpt.generation_config = transformers.GenerationConfig(
         bos_token_id=GPT_BOS, eos_token_id=GPT_EOS, pad_token_id=GPT_PAD
     )
@@ -168,15 +173,16 @@ def harnesses() -> dict[str, Harness]:
         )
     ).eval()
     with torch.no_grad():
-        bart.final_logits_bias[0, BART_EOS] += 1.5
+        bart.final_logits_bias[0, BART_EOS] += 5.5  # the tied EOS row starts far below
     bart.generation_config = transformers.GenerationConfig(
         bos_token_id=BART_BOS, eos_token_id=BART_EOS, pad_token_id=BART_PAD, decoder_start_token_id=BART_START
     )
     sources = [rng.integers(3, VOCAB, size=n).tolist() + [BART_EOS] for n in (3, 6, 4)]
-    return {
+    yield {
         "gpt2": Harness("gpt2", gpt, GPT_EOS, prompts),
         "bart": Harness("bart", bart, BART_EOS, sources),
     }
+    torch.set_num_threads(threads)
 
 
 def _assert_same(ours: list[list[Hypothesis]], hf: list[list[Hypothesis]]) -> None:
@@ -238,6 +244,18 @@ def test_beam_processors_match_hf(harnesses, kind, early_stopping, no_repeat_ngr
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bart"])
+@pytest.mark.parametrize(
+    ("num_beams", "length_penalty", "early_stopping"),
+    [(2, -0.5, "never"), (3, 0.0, "never"), (2, 1.0, True), (5, 1.5, False), (3, 0.6, True)],
+)
+def test_beam_other_widths_match_hf(harnesses, kind, num_beams, length_penalty, early_stopping):
+    h = harnesses[kind]
+    kw = dict(num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
+              num_return_sequences=2)
+    _assert_same(_beam(h, **kw), h.run_hf(**kw))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
 def test_golden_setup_exercises_eos_and_length(harnesses, kind):
     """Guard against vacuous goldens: the models must produce both EOS-ended and length-ended hypotheses."""
     h = harnesses[kind]
@@ -249,3 +267,73 @@ def test_golden_setup_exercises_eos_and_length(harnesses, kind):
     h.run_ours(greedy)
     reasons.update(s.results()[0].finish_reason for s in greedy)
     assert reasons == {"eos", "length"}
+
+
+# --- sampling filters vs HF logits processors (HF's torch RNG is not reproduced, so the draws are not compared) ---
+
+
+def _random_logits(seed: int, shape=(6, 50)) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * 3.0).astype(np.float32)
+
+
+def _assert_same_filtered(ours: np.ndarray, hf: torch.Tensor) -> None:
+    hf = hf.numpy()
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(hf))  # same kept sets
+    kept = ~np.isneginf(hf)
+    assert kept.any(axis=-1).all()
+    np.testing.assert_allclose(ours[kept], hf[kept], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 7, 50, 80])
+def test_top_k_matches_hf(top_k):
+    x = _random_logits(top_k)
+    x[0, :4] = x[0, 10]  # ties at the boundary are all kept by both
+    _assert_same_filtered(top_k_filter(x, top_k), transformers.TopKLogitsWarper(top_k)(None, torch.from_numpy(x)))
+
+
+@pytest.mark.parametrize("min_tokens_to_keep", [1, 3])
+@pytest.mark.parametrize("top_p", [1e-6, 0.1, 0.5, 0.9, 0.999])
+def test_top_p_matches_hf(top_p, min_tokens_to_keep):
+    x = _random_logits(int(top_p * 1000) + min_tokens_to_keep)
+    x[1, 5:] = -np.inf  # already-filtered tokens (e.g. by top-k) stay removed
+    hf = transformers.TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep)(None, torch.from_numpy(x))
+    _assert_same_filtered(top_p_filter(x, top_p, min_tokens_to_keep), hf)
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_matches_hf(penalty):
+    x = _random_logits(7)
+    ids = np.random.default_rng(8).integers(0, x.shape[1], size=(x.shape[0], 12))
+    seen = np.zeros(x.shape, dtype=bool)
+    np.put_along_axis(seen, ids, True, axis=1)
+    hf = transformers.RepetitionPenaltyLogitsProcessor(penalty)(torch.from_numpy(ids), torch.from_numpy(x))
+    _assert_same_filtered(apply_repetition_penalty(x, seen, penalty).astype(np.float32), hf)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_temperature_matches_hf(temperature):
+    x = _random_logits(9)
+    hf = transformers.TemperatureLogitsWarper(temperature)(None, torch.from_numpy(x))
+    _assert_same_filtered(apply_temperature(x, temperature), hf)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "penalty"), [(0.7, 10, 0.9, 1.2), (1.0, 0, 0.5, 1.0), (1.5, 5, 1.0, 0.8)]
+)
+def test_sampling_pipeline_matches_hf_processor_list(temperature, top_k, top_p, penalty):
+    """SamplingSearch's processed logits == HF's processor list in generate()'s order on the same input_ids."""
+    x = _random_logits(10, shape=(1, 50))
+    prefix = [3, 4, 4, 17, 30]
+    procs = transformers.LogitsProcessorList()
+    if penalty != 1.0:
+        procs.append(transformers.RepetitionPenaltyLogitsProcessor(penalty))
+    procs.append(transformers.TemperatureLogitsWarper(temperature))
+    if top_k:
+        procs.append(transformers.TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(transformers.TopPLogitsWarper(top_p))
+    hf = procs(torch.tensor([prefix]), torch.from_numpy(x))
+    search = SamplingSearch(5, eos_token_id=1, temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=penalty, prefix=prefix, seed=0)
+    ours = search.process_logits(x[0].astype(np.float64))[None, :].astype(np.float32)
+    _assert_same_filtered(ours, hf)

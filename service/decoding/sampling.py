@@ -106,28 +106,35 @@ class SamplingSearch(GreedySearch):
         self._prefix = np.asarray(list(prefix), dtype=np.int64)
         self._seen: np.ndarray | None = None  # (V,) bool: tokens in prefix + generated, built on the first step
 
-    def _choose(self, row: np.ndarray) -> int:
-        v = row.shape[0]
-        x = row
+    def process_logits(self, row: np.ndarray) -> np.ndarray:
+        """Raw logits (V,) -> processed logits (V,) for the next draw (-inf = removed), given the tokens so far."""
+        x = np.asarray(row, dtype=np.float64)
         if self.repetition_penalty != 1.0:
             if self._seen is None:
+                v = x.shape[0]
                 self._seen = np.zeros(v, dtype=bool)
                 self._seen[self._prefix[(self._prefix >= 0) & (self._prefix < v)]] = True
             x = apply_repetition_penalty(x, self._seen, self.repetition_penalty)
         x = self._mask_eos(x)
         if self.temperature == 0.0:
+            return x
+        if self.temperature != 1.0:
+            x = apply_temperature(x, self.temperature)
+        if self.top_k > 0:
+            x = top_k_filter(x, self.top_k)
+        if self.top_p < 1.0:
+            x = top_p_filter(x, self.top_p)
+        return x
+
+    def _choose(self, row: np.ndarray) -> int:
+        x = self.process_logits(row)  # (V,)
+        if self.temperature == 0.0:
             tok = int(np.argmax(x))
         else:
-            if self.temperature != 1.0:
-                x = apply_temperature(x, self.temperature)
-            if self.top_k > 0:
-                x = top_k_filter(x, self.top_k)
-            if self.top_p < 1.0:
-                x = top_p_filter(x, self.top_p)
             p = np.exp(x - np.max(x))  # (V,) unnormalised probabilities; removed tokens are 0
             cum = np.cumsum(p)
             tok = int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right"))
-            if tok >= v or p[tok] == 0.0:  # float rounding at the very top of the CDF
+            if tok >= x.shape[0] or p[tok] == 0.0:  # float rounding at the very top of the CDF
                 tok = int(np.flatnonzero(p)[-1])
         if self._seen is not None:
             self._seen[tok] = True

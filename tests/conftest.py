@@ -1,0 +1,35 @@
+"""Session-wide fixtures: the data folder and the three `tiny` presets trained once through the real CLI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from models.data import resolve_data_dir
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    explicit = os.environ.get("TSERVE_DATA_DIR")
+    if explicit:
+        return resolve_data_dir(explicit)
+    beside_checkout = PROJECT_ROOT.parent / "shared" / "data"
+    return resolve_data_dir(beside_checkout if beside_checkout.is_dir() else None)
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory, data_dir) -> dict[str, Path]:
+    """Run folders of `python -m models.train <task> --preset tiny`, trained once per test session."""
+    from models.train import main
+
+    root = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for task in ("translation", "gpt", "vit"):
+        out = root / f"{task}-tiny"
+        assert main([task, "--preset", "tiny", "--data-dir", str(data_dir), "--out", str(out), "--quiet"]) == 0
+        runs[task] = out
+    return runs

@@ -1,0 +1,154 @@
+"""Training: the tiny presets learn, runs are complete and resumable, and the seed's toy GPT reaches its floor."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from models import evaluate
+from models.config import GPTConfig, TrainConfig
+from models.gpt import GPT
+from models.runs import load_trained
+from models.tasks.gpt import GPTTask
+from models.trainer import lr_factor, train
+
+pytestmark = pytest.mark.slow
+
+
+def read_metrics(run_dir):
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_tiny_translation_learned(tiny_runs):
+    metrics = read_metrics(tiny_runs["translation"])
+    assert metrics["val_loss"] < 0.7 * math.log(1000)  # uniform over the 1,000-id vocabulary: 6.91
+    assert metrics["bleu"] > 2.0 and metrics["val_bleu"] > 2.0
+    for split in ("val", "test_2016_flickr"):
+        assert {f"bleu_{split}_greedy", f"bleu_{split}_beam4"} <= metrics.keys()
+
+
+def test_tiny_gpt_learned(tiny_runs):
+    metrics = read_metrics(tiny_runs["gpt"])
+    assert metrics["val_loss"] < 0.6 * math.log(257)  # uniform over bytes + <|endoftext|>: 5.55
+    assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-3)
+
+
+def test_tiny_vit_learned(tiny_runs):
+    assert read_metrics(tiny_runs["vit"])["test_accuracy"] > 50.0  # chance: 10%
+
+
+@pytest.mark.parametrize("task", ["translation", "gpt", "vit"])
+def test_run_folder_is_complete(tiny_runs, task):
+    run_dir = tiny_runs[task]
+    for name in ("config.json", "model.pt", "checkpoint.pt", "metrics.json", "history.json"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "tokenizer.json").is_file() == (task != "vit")
+    loaded_task, model, config, tokenizer, saved = load_trained(run_dir)
+    assert loaded_task == task and saved["preset"] == "tiny" and not model.training
+    assert read_metrics(run_dir)["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("task", ["gpt", "vit", "translation"])
+def test_evaluate_cli_reproduces_metrics(tiny_runs, data_dir, task, capsys):
+    run_dir = tiny_runs[task]
+    assert evaluate.main([str(run_dir), "--data-dir", str(data_dir), "--limit", "100" if task != "gpt" else "20000"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = read_metrics(run_dir)
+    key = {"gpt": "val_loss", "vit": "test_accuracy", "translation": "bleu"}[task]
+    if task == "vit":  # the tiny preset evaluates on 2,000 test images, the CLI was told 100
+        assert 0.0 <= printed[key] <= 100.0
+    else:
+        assert printed[key] == pytest.approx(saved[key], abs=1e-3)
+
+
+def test_missing_data_is_a_clear_error(tmp_path, capsys):
+    from models.train import main
+
+    missing = tmp_path / "nowhere"
+    assert main(["gpt", "--preset", "tiny", "--data-dir", str(missing), "--out", str(tmp_path / "run")]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_learning_rate_schedule_warms_up_then_decays():
+    cfg = TrainConfig(warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    factors = [lr_factor(step, cfg, total=100) for step in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+    assert factors[-1] == pytest.approx(0.1, abs=1e-3)
+    inverse = TrainConfig(warmup_steps=25, schedule="inverse_sqrt")
+    assert lr_factor(99, inverse, total=1000) == pytest.approx(0.5)  # sqrt(25 / 100)
+
+
+# --- resume -------------------------------------------------------------------------------------------------
+
+class Interrupting:
+    """Wraps a task and raises after `after` batches, like a process killed mid-run."""
+
+    def __init__(self, task, after):
+        self.task, self.after, self.seen = task, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def batches(self, epoch):
+        for batch in self.task.batches(epoch):
+            if self.seen == self.after:
+                raise KeyboardInterrupt
+            self.seen += 1
+            yield batch
+
+
+def _toy_task(config, cfg, text):
+    ids = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
+    split = int(0.9 * len(ids))
+    return GPTTask(config, cfg, ids[:split], ids[split:])
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
+    config = GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.1)
+    cfg = TrainConfig(epochs=3, batch_size=8, lr=3e-3, warmup_steps=5, checkpoint_every=4, eval_every=50)
+    text = "".join(random.Random(0).choice("abcd ") for _ in range(3000))
+
+    torch.manual_seed(0)
+    straight = GPT(config)
+    train(straight, _toy_task(config, cfg, text), cfg, tmp_path / "straight", progress=False)
+
+    torch.manual_seed(0)
+    interrupted = GPT(config)
+    task = _toy_task(config, cfg, text)
+    steps = task.steps_per_epoch() * cfg.epochs
+    with pytest.raises(KeyboardInterrupt):  # killed after 2 checkpoints + 1 step: the last step is lost
+        train(interrupted, Interrupting(task, after=9), cfg, tmp_path / "resumed", progress=False)
+    torch.manual_seed(123)  # a new process: fresh weights and RNG, everything comes from the checkpoint
+    resumed = GPT(config)
+    state = train(resumed, _toy_task(config, cfg, text), cfg, tmp_path / "resumed", progress=False)
+    assert state.step == steps
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+# --- the seed's toy language --------------------------------------------------------------------------------
+
+def toy_sentences(n, seed):
+    rng = random.Random(seed)
+    return "".join(f"the {rng.choice(['cat', 'dog', 'bird'])} {rng.choice(['saw', 'chased', 'ate'])} "
+                   f"the {rng.choice(['fish', 'ball', 'bone'])}. " for _ in range(n))
+
+
+def test_toy_language_reaches_the_entropy_floor(tmp_path):
+    """1,500 sentences, d=64, 4 heads, 2 layers, context 40, AdamW lr 3e-3, 600 steps: perplexity per character
+    within 5% of the floor exp(3 ln 3 / 23.33) = 1.152 (the seed measured 1.192)."""
+    config = GPTConfig(vocab_size=257, context_length=40, d_model=64, n_heads=4, n_layers=2, d_ff=256, dropout=0.0)
+    cfg = TrainConfig(epochs=1000, max_steps=600, batch_size=32, lr=3e-3, warmup_steps=30, weight_decay=0.1,
+                      betas=(0.9, 0.99), checkpoint_every=10_000, eval_every=600)
+    train_ids = np.frombuffer(toy_sentences(1500, seed=1).encode(), dtype=np.uint8).astype(np.int64)
+    val_ids = np.frombuffer(toy_sentences(300, seed=2).encode(), dtype=np.uint8).astype(np.int64)
+    torch.manual_seed(0)
+    model = GPT(config)
+    train(model, GPTTask(config, cfg, train_ids, val_ids), cfg, tmp_path, progress=False)
+    perplexity = math.exp(GPTTask(config, cfg, train_ids, val_ids).validation_loss(model))
+    assert perplexity <= 1.152 * 1.05, perplexity
