@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DATA_DIR ?= ../shared/data
+# The data folder: ../shared/data beside the checkout (this workplace's layout), else ./data.
+DATA_DIR ?= $(firstword $(wildcard ../shared/data /work/shared/data) data)
 export TSERVE_DATA_DIR ?= $(abspath $(DATA_DIR))
 RUNS ?= runs
 
