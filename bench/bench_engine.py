@@ -1,0 +1,536 @@
+"""Engine benchmark: our ONNX Runtime decoding engine vs Hugging Face transformers and Optimum, on CPU.
+
+What is compared, on same-size models with random weights (nothing is downloaded: every model is built from a
+config, and the Optimum models are exported locally into --workdir):
+
+- GPT (decoder-only), greedy, a 16-token prompt and exactly 128 new tokens, at batch 1 and batch 16 -> tokens/s.
+  d_model 256, 4 layers, 4 heads, d_ff 1024, vocab 512, context 256 (`GPT2LMHeadModel` for the baselines).
+- Translation (encoder-decoder), beam search with 4 beams, batch 1, sources of ~15 tokens (Multi30k length) and
+  exactly 30 new tokens -> sentences/s. d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocab 8,000
+  (`MarianMTModel` for the baselines).
+
+Systems (one function each, `run_<system>_<task>`):
+- transformers: PyTorch `model.generate()`;
+- optimum: `optimum.onnxruntime.ORTModelForCausalLM` / `ORTModelForSeq2SeqLM` (their own `generate()`);
+- ours: `service`'s engine (see `run_ours_gpt` / `run_ours_translation`).
+
+Fairness rules:
+- Every system generates exactly the same number of tokens: EOS is never chosen because every system gets
+  `min_new_tokens == max_new_tokens` (HF/Optimum: the `MinNewTokensLengthLogitsProcessor` masks EOS until the
+  last step; ours: the searches' `min_new_tokens`). The harness checks the output shapes.
+- One thread count for all (`--threads`, default 2): `torch.set_num_threads` and every ONNX Runtime session's
+  `intra_op_num_threads` (inter-op 1).
+- Each system is warmed up before timing; the timed repeats are interleaved round-robin across systems (so a
+  background load drifting over time hits them all alike) and the median is reported. Time includes the prompt
+  pass (prefill / encoder), not the model build or export. Tokens/s counts generated tokens only.
+- Compare ratios from one run, never absolute numbers from different runs: this machine is shared.
+
+Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
+    .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, < 1 minute once exports are cached
+    .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
+Options: --threads N, --repeats N, --warmup N, --sentences N, --tasks gpt,translation,
+--systems transformers,optimum,ours, --out PATH, --workdir PATH. A system whose package is missing (e.g. Optimum
+in the main venv) or that is not implemented yet is reported as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Nothing may come from the Hugging Face hub: every model here is built locally from a config.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+# A generate function: input ids (B, S) int64 -> the generated tokens only (B, new_tokens) int64.
+# GPT: the prompts; translation: the source sentences (the best beam is returned).
+GenerateFn = Callable[[np.ndarray], np.ndarray]
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the same special ids in every model here; sources/prompts never contain them
+FIRST_REGULAR_ID = 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workloads
+
+
+@dataclass(frozen=True)
+class GptSpec:
+    vocab_size: int = 512
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 1024
+    context_length: int = 256
+    prompt_tokens: int = 16
+    new_tokens: int = 128
+
+
+@dataclass(frozen=True)
+class TranslationSpec:
+    vocab_size: int = 8000
+    d_model: int = 256
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    n_heads: int = 4
+    d_ff: int = 1024
+    max_positions: int = 256
+    num_beams: int = 4
+    new_tokens: int = 30
+    source_min: int = 11  # source lengths (tokens, EOS included) are drawn uniformly from [min, max]: mean 15
+    source_max: int = 19
+
+
+def make_prompts(spec: GptSpec, batch: int, seed: int = 0) -> np.ndarray:
+    """(batch, prompt_tokens) int64 of regular ids: equal lengths, so no padding is involved."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(FIRST_REGULAR_ID, spec.vocab_size, size=(batch, spec.prompt_tokens), dtype=np.int64)
+
+
+def make_sources(spec: TranslationSpec, count: int, seed: int = 1) -> list[np.ndarray]:
+    """`count` source sentences, each (1, length) int64 ending in EOS (as a tokenizer would produce them)."""
+    rng = np.random.default_rng(seed)
+    sources = []
+    for _ in range(count):
+        length = int(rng.integers(spec.source_min, spec.source_max + 1))
+        ids = rng.integers(FIRST_REGULAR_ID, spec.vocab_size, size=length - 1, dtype=np.int64)
+        sources.append(np.concatenate([ids, [EOS_ID]]).astype(np.int64)[None, :])
+    return sources
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face models (shared by the transformers and Optimum baselines: same config, same random weights)
+
+
+def _seed_torch(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def hf_gpt_model(spec: GptSpec):
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=spec.vocab_size, n_positions=spec.context_length, n_embd=spec.d_model, n_layer=spec.n_layers,
+        n_head=spec.n_heads, n_inner=spec.d_ff, activation_function="gelu",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    _seed_torch(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def hf_translation_model(spec: TranslationSpec):
+    import transformers
+
+    config = transformers.MarianConfig(
+        vocab_size=spec.vocab_size, d_model=spec.d_model,
+        encoder_layers=spec.n_encoder_layers, decoder_layers=spec.n_decoder_layers,
+        encoder_attention_heads=spec.n_heads, decoder_attention_heads=spec.n_heads,
+        encoder_ffn_dim=spec.d_ff, decoder_ffn_dim=spec.d_ff, activation_function="relu",
+        max_position_embeddings=spec.max_positions, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID,
+        forced_eos_token_id=None, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+    )
+    _seed_torch(0)
+    return transformers.MarianMTModel(config).eval()
+
+
+def gpt_generation_config(spec: GptSpec):
+    """Greedy, exactly `new_tokens` tokens: min_new_tokens == max_new_tokens keeps EOS masked every step."""
+    import transformers
+
+    return transformers.GenerationConfig(
+        do_sample=False, num_beams=1, max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens,
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID, use_cache=True,
+    )
+
+
+def translation_generation_config(spec: TranslationSpec):
+    """Beam search, exactly `new_tokens` tokens (EOS masked until the last step), length_penalty 1, 1 result."""
+    import transformers
+
+    return transformers.GenerationConfig(
+        do_sample=False, num_beams=spec.num_beams, num_return_sequences=1, length_penalty=1.0,
+        early_stopping=False, max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens,
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID, decoder_start_token_id=BOS_ID,
+        forced_eos_token_id=None, use_cache=True,
+    )
+
+
+def _spec_dir(workdir: Path, name: str, spec) -> Path:
+    key = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:10]
+    return workdir / f"{name}-{key}"
+
+
+def _ort_session_options(threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return options
+
+
+def _optimum_export(model, onnx_dir: Path, task: str) -> Path:
+    """Save `model` (random weights) and export it with Optimum's exporter, once per spec (cached in onnx_dir)."""
+    done = onnx_dir / ".exported"
+    if done.exists():
+        return onnx_dir
+    from optimum.exporters.onnx import main_export
+
+    hf_dir = onnx_dir.with_name(onnx_dir.name + "-hf")
+    model.save_pretrained(hf_dir)
+    main_export(str(hf_dir), output=onnx_dir, task=task, device="cpu", do_validation=False, local_files_only=True,
+                library_name="transformers")
+    done.touch()
+    return onnx_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Systems: each `run_<system>_<task>(spec, threads, workdir)` builds its model (untimed) and returns a GenerateFn.
+
+
+def run_transformers_gpt(spec: GptSpec, threads: int, workdir: Path) -> GenerateFn:
+    import torch
+
+    model = hf_gpt_model(spec)
+    generation_config = gpt_generation_config(spec)
+
+    def generate(prompts: np.ndarray) -> np.ndarray:
+        ids = torch.from_numpy(prompts)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 generation_config=generation_config)
+        return out[:, ids.shape[1]:].numpy()
+
+    return generate
+
+
+def run_optimum_gpt(spec: GptSpec, threads: int, workdir: Path) -> GenerateFn:
+    import torch
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    onnx_dir = _optimum_export(hf_gpt_model(spec), _spec_dir(workdir, "optimum-gpt", spec), "text-generation-with-past")
+    model = ORTModelForCausalLM.from_pretrained(onnx_dir, provider="CPUExecutionProvider", use_cache=True,
+                                                session_options=_ort_session_options(threads), local_files_only=True)
+    generation_config = gpt_generation_config(spec)
+
+    def generate(prompts: np.ndarray) -> np.ndarray:
+        ids = torch.from_numpy(prompts)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=generation_config)
+        return out[:, ids.shape[1]:].numpy()
+
+    return generate
+
+
+def run_ours_gpt(spec: GptSpec, threads: int, workdir: Path) -> GenerateFn:
+    """OUR ENGINE, GPT — TO FILL IN.
+
+    Build (untimed) our GPT with random weights and the same sizes: `models.config.GPTConfig(vocab_size=
+    spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model, n_heads=spec.n_heads,
+    n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)`; export it to ONNX under
+    `workdir` (use `_spec_dir(workdir, "ours-gpt", spec)`); open the session(s) with
+    `service.runtime.RuntimeOptions(device="cpu", intra_op_threads=threads, inter_op_threads=1)`.
+
+    Return `generate(prompts)`: prompts (B, spec.prompt_tokens) int64, no padding -> (B, spec.new_tokens) int64,
+    the generated tokens only, greedy, with `min_new_tokens=max_new_tokens=spec.new_tokens` and
+    `eos_token_id=EOS_ID` (e.g. `service.decoding.GreedySearch(spec.new_tokens, EOS_ID,
+    min_new_tokens=spec.new_tokens)`), all B rows decoded together in one batch.
+    """
+    raise NotImplementedError("our engine is not plugged in yet (fill in run_ours_gpt in bench/bench_engine.py)")
+
+
+def run_transformers_translation(spec: TranslationSpec, threads: int, workdir: Path) -> GenerateFn:
+    import torch
+
+    model = hf_translation_model(spec)
+    generation_config = translation_generation_config(spec)
+
+    def generate(source: np.ndarray) -> np.ndarray:
+        ids = torch.from_numpy(source)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 generation_config=generation_config)
+        return out[:, 1:].numpy()  # drop the decoder start token
+
+    return generate
+
+
+def run_optimum_translation(spec: TranslationSpec, threads: int, workdir: Path) -> GenerateFn:
+    import torch
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    onnx_dir = _optimum_export(hf_translation_model(spec), _spec_dir(workdir, "optimum-translation", spec),
+                               "text2text-generation-with-past")
+    model = ORTModelForSeq2SeqLM.from_pretrained(onnx_dir, provider="CPUExecutionProvider", use_cache=True,
+                                                 session_options=_ort_session_options(threads),
+                                                 local_files_only=True)
+    generation_config = translation_generation_config(spec)
+
+    def generate(source: np.ndarray) -> np.ndarray:
+        ids = torch.from_numpy(source)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=generation_config)
+        return out[:, 1:].numpy()
+
+    return generate
+
+
+def run_ours_translation(spec: TranslationSpec, threads: int, workdir: Path) -> GenerateFn:
+    """OUR ENGINE, TRANSLATION — TO FILL IN.
+
+    Build (untimed) our translation model with random weights and the same sizes:
+    `models.config.TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
+    n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers, d_ff=spec.d_ff,
+    dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID)`; export
+    encoder + decoder under `_spec_dir(workdir, "ours-translation", spec)`; sessions with
+    `service.runtime.RuntimeOptions(device="cpu", intra_op_threads=threads, inter_op_threads=1)`.
+
+    Return `generate(source)`: source (1, S) int64, ending in EOS, no padding -> (1, spec.new_tokens) int64, the
+    best beam's generated tokens only (no decoder start token), beam search with `num_beams=spec.num_beams`,
+    `length_penalty=1.0`, `early_stopping=False`, `min_new_tokens=max_new_tokens=spec.new_tokens`,
+    `eos_token_id=EOS_ID` (e.g. `service.decoding.BeamSearch(spec.num_beams, spec.new_tokens, EOS_ID,
+    min_new_tokens=spec.new_tokens)`), decoder start token BOS_ID.
+    """
+    raise NotImplementedError("our engine is not plugged in yet (fill in run_ours_translation in bench/bench_engine.py)")
+
+
+SYSTEMS = ("transformers", "optimum", "ours")
+BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
+    "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "ours": run_ours_gpt},
+    "translation": {"transformers": run_transformers_translation, "optimum": run_optimum_translation,
+                    "ours": run_ours_translation},
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Harness
+
+
+def build_systems(task: str, spec, systems: list[str], threads: int, workdir: Path):
+    """Build each system; one that cannot be built (missing package, not implemented) is skipped with a reason."""
+    built, skipped = {}, {}
+    for name in systems:
+        start = time.perf_counter()
+        try:
+            built[name] = BUILDERS[task][name](spec, threads, workdir)
+        except (ImportError, NotImplementedError) as error:
+            skipped[name] = f"{type(error).__name__}: {error}"
+            print(f"  [{task}] {name}: skipped ({skipped[name]})", flush=True)
+            continue
+        print(f"  [{task}] {name}: built in {time.perf_counter() - start:.1f} s", flush=True)
+    return built, skipped
+
+
+def measure(systems: dict[str, GenerateFn], inputs: list[np.ndarray], expected_new: int, warmup: int,
+            repeats: int) -> tuple[dict[str, list[float]], dict[str, list[np.ndarray]]]:
+    """Seconds to run every input through each system, per repeat, repeats interleaved across systems.
+    Also checks that each system produced exactly `expected_new` tokens per row."""
+    outputs: dict[str, list[np.ndarray]] = {}
+    for name, generate in systems.items():
+        for _ in range(max(warmup, 1)):  # at least one untimed pass: it also yields the outputs checked below
+            outputs[name] = [np.asarray(generate(x)) for x in inputs]
+        for x, y in zip(inputs, outputs[name]):
+            if y.shape != (x.shape[0], expected_new):
+                raise RuntimeError(f"{name} returned shape {y.shape}, expected {(x.shape[0], expected_new)}: "
+                                   "every system must generate exactly the same number of tokens")
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, generate in systems.items():
+            start = time.perf_counter()
+            for x in inputs:
+                generate(x)
+            times[name].append(time.perf_counter() - start)
+    return times, outputs
+
+
+def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """Fraction of output rows that are identical (transformers vs Optimum share weights, so ~1.0 expected;
+    near-ties in random-weight logits can flip a token now and then)."""
+    rows_a = [row for y in a for row in y]
+    rows_b = [row for y in b for row in y]
+    return sum(np.array_equal(x, y) for x, y in zip(rows_a, rows_b)) / max(len(rows_a), 1)
+
+
+def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], outputs, skipped) -> dict:
+    """`work` = tokens (or sentences) per timed pass; throughput = work / median seconds."""
+    result = {"case": case, "unit": unit, "work_per_pass": work, "systems": {}, "skipped": skipped}
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        result["systems"][name] = {"throughput": work / median, "median_s": median,
+                                   "seconds": [round(s, 4) for s in seconds]}
+    throughput = {name: entry["throughput"] for name, entry in result["systems"].items()}
+    result["ratios"] = {
+        f"ours/{other}": (throughput["ours"] / throughput[other]) if "ours" in throughput and other in throughput
+        else None
+        for other in ("transformers", "optimum")
+    }
+    result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
+                                                if {"optimum", "transformers"} <= throughput.keys() else None)
+    if {"transformers", "optimum"} <= outputs.keys():
+        result["transformers_optimum_agreement"] = agreement(outputs["transformers"], outputs["optimum"])
+    return result
+
+
+def bench_gpt(args, systems: list[str]) -> list[dict]:
+    spec = GptSpec()
+    print(f"GPT: {spec}", flush=True)
+    built, skipped = build_systems("gpt", spec, systems, args.threads, args.workdir)
+    results = []
+    for batch in args.gpt_batches:
+        prompts = make_prompts(spec, batch)
+        times, outputs = measure(built, [prompts], spec.new_tokens, args.warmup, args.repeats)
+        results.append(summarise(f"gpt greedy batch {batch}", "tokens/s", batch * spec.new_tokens, times, outputs,
+                                 skipped))
+        print_result(results[-1])
+    return results
+
+
+def bench_translation(args, systems: list[str]) -> list[dict]:
+    spec = TranslationSpec()
+    print(f"Translation: {spec}", flush=True)
+    built, skipped = build_systems("translation", spec, systems, args.threads, args.workdir)
+    sources = make_sources(spec, args.sentences)
+    times, outputs = measure(built, sources, spec.new_tokens, args.warmup, args.repeats)
+    result = summarise(f"translation beam {spec.num_beams} batch 1", "sentences/s", len(sources), times, outputs,
+                       skipped)
+    result["source_lengths"] = [int(s.shape[1]) for s in sources]
+    print_result(result)
+    return [result]
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "n/a" if value is None else format(value, pattern)
+
+
+def print_result(result: dict) -> None:
+    print(f"\n  {result['case']} ({result['unit']}, median of {args_repeats} passes)")
+    for name in SYSTEMS:
+        entry = result["systems"].get(name)
+        if entry is None:
+            print(f"    {name:<13} {'skipped':>10}")
+        else:
+            print(f"    {name:<13} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass)")
+    ratios = result["ratios"]
+    print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items()))
+    if "transformers_optimum_agreement" in result:
+        print(f"    identical outputs transformers vs optimum: {result['transformers_optimum_agreement']:.0%}")
+    print(flush=True)
+
+
+def print_table(results: list[dict]) -> None:
+    header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'ours':>10} " \
+             f"{'ours/transf.':>12} {'ours/optimum':>12} {'optimum/transf.':>15}"
+    print("=" * len(header))
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
+        ratios = r["ratios"]
+        print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['ours']:>10} "
+              f"{_fmt(ratios['ours/transformers'], '.2f'):>12} {_fmt(ratios['ours/optimum'], '.2f'):>12} "
+              f"{_fmt(ratios['optimum/transformers'], '.2f'):>15}")
+    print("=" * len(header))
+
+
+def environment(threads: int) -> dict:
+    versions = {}
+    for package in ("numpy", "onnxruntime", "torch", "transformers", "optimum", "optimum.onnxruntime"):
+        try:
+            module = __import__(package, fromlist=["__name__"])
+            versions[package] = getattr(module, "__version__", "installed")
+        except ImportError:
+            versions[package] = None
+    try:
+        from importlib.metadata import version
+
+        versions["optimum-onnx"] = version("optimum-onnx")
+    except Exception:  # noqa: BLE001 - not installed
+        versions["optimum-onnx"] = None
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "threads": threads, "load_average": os.getloadavg(), "executable": sys.executable, "versions": versions}
+
+
+args_repeats = 0  # for print_result's header
+
+
+def main(argv: list[str] | None = None) -> int:
+    global args_repeats
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up, 2 repeats, 3 sentences")
+    parser.add_argument("--threads", type=int, default=2, help="torch and ONNX Runtime intra-op threads (default 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 5; quick 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed passes per system (default 2; quick 1)")
+    parser.add_argument("--sentences", type=int, default=None,
+                        help="translation: source sentences per pass, one at a time (default 10; quick 3)")
+    parser.add_argument("--gpt-batches", default="1,16", help="GPT batch sizes (default 1,16)")
+    parser.add_argument("--tasks", default="gpt,translation", help="comma-separated: gpt,translation")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: transformers,optimum,ours")
+    parser.add_argument("--out", type=Path, default=Path("reports/bench_engine.json"), help="JSON results")
+    parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_engine"),
+                        help="where exported models are kept between runs (default .cache/bench_engine)")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.sentences = args.sentences or (3 if args.quick else 10)
+    args.gpt_batches = [int(b) for b in args.gpt_batches.split(",") if b]
+    args_repeats = args.repeats
+    tasks = [t for t in args.tasks.split(",") if t]
+    systems = [s for s in args.systems.split(",") if s]
+    for name in systems:
+        if name not in SYSTEMS:
+            parser.error(f"unknown system {name!r}; choose from {SYSTEMS}")
+    for task in tasks:
+        if task not in BUILDERS:
+            parser.error(f"unknown task {task!r}; choose from {tuple(BUILDERS)}")
+
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    env = environment(args.threads)
+    print(f"threads={args.threads} repeats={args.repeats} warmup={args.warmup} load={env['load_average']}")
+    print(f"versions: {env['versions']}", flush=True)
+
+    results = []
+    if "gpt" in tasks:
+        results += bench_gpt(args, systems)
+    if "translation" in tasks:
+        results += bench_translation(args, systems)
+    print_table(results)
+
+    report = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "environment": env,
+              "settings": {"repeats": args.repeats, "warmup": args.warmup, "sentences": args.sentences,
+                           "gpt_batches": args.gpt_batches, "gpt": asdict(GptSpec()),
+                           "translation": asdict(TranslationSpec())},
+              "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Write one model version into the repository: graphs, tokenizer, config.json and the model card.
+
+The version folder is built in a temporary sibling and renamed into place only after every parity check has
+passed, so a serving process never sees a half-written or unchecked version.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export import checks
+from export.onnx_export import EXPORTERS, OPSET
+from models import data
+from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
+
+DATA_NOTES = {
+    "translation": "Multi30k task 1 (de-en): 29,000 training pairs; BLEU on test_2016_flickr (1,000) and val (1,014).",
+    "gpt": "tinyshakespeare: first 90% of the 1,115,394 characters for training, last 10% for validation.",
+    "vit": "Fashion-MNIST: 60,000 training images, 10,000 test images, 28x28 grey, 10 classes.",
+}
+
+
+def _parity(kind: str, model, version: ModelVersion, tokenizer, data_dir) -> dict[str, Any]:
+    from service.engines.gpt import GPTEngine
+    from service.engines.translation import TranslationEngine
+    from service.engines.vit import ViTEngine
+
+    root = data.resolve_data_dir(data_dir)
+    if kind == "gpt":
+        _, val_text = data.load_shakespeare(root)
+        engine = GPTEngine(version)
+        max_new_tokens = min(24, engine.context_length // 4)
+        room = engine.context_length - max_new_tokens - 4  # longest prompt that leaves room to generate
+        starts = np.linspace(0, len(val_text) - engine.context_length, 50).astype(int)
+        prompts = [tokenizer.encode(val_text[s : s + 4 + (i * 7) % room]).ids for i, s in enumerate(starts)]
+        return checks.check_gpt(model, engine, prompts, max_new_tokens)
+    if kind == "translation":
+        engine = TranslationEngine(version)
+        pairs = data.load_multi30k(root, "val")[:50]
+        sources = [engine.source_ids(de) for de, _ in pairs]
+        targets = [tokenizer.encode(en).ids for _, en in pairs]
+        return checks.check_translation(model, engine, sources, targets)
+    images, _ = data.load_fashion_mnist(root, "test")
+    return checks.check_vit(model, ViTEngine(version), images[:1000])
+
+
+def _model_card(name: str, version: int, config: dict, metrics: dict, run_config: dict, run_dir: Path) -> str:
+    lines = [f"# {name} version {version}", "", f"Kind: `{config['kind']}`. Data: {DATA_NOTES[config['kind']]}", ""]
+    lines += ["## Training", "", f"Command: `python -m models.train {run_config['task']} --preset "
+              f"{run_config['preset']}` (run folder `{run_dir.name}`)", ""]
+    for key in ("parameters", "steps", "epochs_completed", "train_seconds"):
+        if key in metrics:
+            lines.append(f"- {key.replace('_', ' ')}: {metrics[key]:,}" if isinstance(metrics[key], int)
+                         else f"- {key.replace('_', ' ')}: {metrics[key]}")
+    lines += ["", "## Metrics", "", "| metric | value |", "| --- | --- |"]
+    for key, value in metrics.items():
+        if key not in ("export_checks", "task", "preset") and isinstance(value, (int, float)):
+            lines.append(f"| {key} | {value} |")
+    lines += ["", "## Export checks (ONNX Runtime vs PyTorch)", "", "| check | result |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in metrics.get("export_checks", {}).items()]
+    lines += ["", "## Architecture", "", "```json", json.dumps(run_config["model"], indent=2), "```", ""]
+    if (run_dir / "curves.png").exists():
+        lines += ["## Training curves", "", "![training curves](curves.png)", ""]
+    return "\n".join(lines)
+
+
+def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = None, version: int | None = None,
+               data_dir: str | None = None) -> Path:
+    from models.runs import load_trained
+
+    task, model, model_config, tokenizer, run_config = load_trained(run_dir)
+    if task != kind:
+        raise ValueError(f"{run_dir} holds a {task} model, not {kind}")
+    run_dir = Path(run_dir) if Path(run_dir).is_dir() else Path(run_dir).parent
+    name = name or kind
+    repo = ModelRepository(repository)
+    version = version or repo.next_version(name)
+    final = repository / name / str(version)
+    if final.exists():
+        raise ValueError(f"{final} already exists; pick another --version")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; servers may run as another user
+    try:
+        config = EXPORTERS[kind](model, model_config, staging)
+        config.update({"name": name, "version": version, "opset": OPSET,
+                       "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        if tokenizer is not None:
+            shutil.copy(run_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+            config["tokenizer"] = TOKENIZER_FILE
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        metrics_path = run_dir / "metrics.json"
+        metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+        metrics["export_checks"] = _parity(kind, model, ModelVersion(name, version, staging, config), tokenizer,
+                                           data_dir)
+        (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if (run_dir / "curves.png").exists():
+            shutil.copy(run_dir / "curves.png", staging / "curves.png")
+        (staging / "README.md").write_text(_model_card(name, version, config, metrics, run_config, run_dir))
+        staging.rename(final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return final

@@ -1,0 +1,81 @@
+"""GPT engine: prompt pass (prefill) and one-token decoding steps over a `KVCache`, on ONNX Runtime.
+
+One graph serves both: prefill feeds the left-padded prompts with an empty cache, each step feeds one token per
+row with the cache. Rows of different lengths share a batch through explicit positions and the slot mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from service import onnx_schema as schema
+from service.decoding import Search, run_search
+from service.kv_cache import KVCache
+from service.repository import TOKENIZER_FILE, ModelVersion
+from service.runtime import RuntimeOptions, active_provider, create_session
+
+
+class GPTEngine:
+    def __init__(self, model: ModelVersion, options: RuntimeOptions = RuntimeOptions()):
+        config = model.config
+        self.model = model
+        self.tokenizer = Tokenizer.from_file(str(model.path / TOKENIZER_FILE))
+        self.session = create_session(model.path / config["files"]["decoder"], options)
+        self.provider = active_provider(self.session)
+        arch = config["architecture"]
+        self.n_layers, self.n_heads, self.head_dim = arch["n_layers"], arch["n_heads"], arch["head_dim"]
+        self.vocab_size = arch["vocab_size"]
+        self.context_length = config["context_length"]
+        self.eos_id = config["special_tokens"]["eos_id"]
+        self.pad_id = 0
+
+    def _run(self, cache: KVCache, ids: np.ndarray, positions: np.ndarray, new_mask: np.ndarray) -> np.ndarray:
+        """Feed ids (R, T) at positions (R, T) after the cache; returns logits of the last column (R, V)."""
+        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions,
+                 schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1), **cache.feeds()}
+        logits, *presents = self.session.run(None, feeds)
+        cache.append(presents, new_mask, positions[:, -1] + 1)
+        return logits[:, -1]
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, KVCache]:
+        """Run the prompts (left-padded to a common length) -> logits at each prompt's last token (B, V) and the
+        cache holding the prompts."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        longest = max(len(p) for p in prompts)
+        if longest > self.context_length:
+            raise ValueError(f"prompt of {longest} tokens exceeds the context length {self.context_length}")
+        B = len(prompts)
+        ids = np.full((B, longest), self.pad_id, np.int64)
+        mask = np.zeros((B, longest), np.int64)
+        positions = np.zeros((B, longest), np.int64)
+        for row, prompt in enumerate(prompts):
+            n = len(prompt)
+            ids[row, longest - n :] = prompt
+            mask[row, longest - n :] = 1
+            positions[row, longest - n :] = np.arange(n)
+        cache = KVCache.empty(B, self.n_layers, self.n_heads, self.head_dim)
+        return self._run(cache, ids, positions, mask), cache
+
+    def step(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
+        """Append one token per row (R,) and return the next-token logits (R, V)."""
+        R = cache.rows
+        if int(cache.positions.max(initial=0)) >= self.context_length:
+            raise ValueError(f"a row reached the context length {self.context_length}")
+        return self._run(cache, tokens.reshape(R, 1).astype(np.int64), cache.positions.reshape(R, 1),
+                         np.ones((R, 1), np.int64))
+
+    def generate(self, prompts: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
+        """Decode a batch offline: prefill, then steps until every search is done (see `run_search`)."""
+        logits, cache = self.prefill(prompts)
+        searches = [make_search(i) for i in range(len(prompts))]
+
+        def step_fn(tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+            cache.select(parents)
+            return self.step(cache, tokens)
+
+        run_search(searches, list(logits), step_fn)
+        return searches

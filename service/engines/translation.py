@@ -1,0 +1,131 @@
+"""Translation engine: encoder pass once per source, then one-token decoder steps over a `KVCache`.
+
+The encoder graph returns each decoder layer's cross-attention keys/values; they are kept once per source in
+`EncodedSources`, and every decoding row (a beam, or a request's single greedy row) points at its source through
+the cache's `encoder_row`: beams share their source's keys/values by index, nothing is recomputed per beam or step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from service import onnx_schema as schema
+from service.decoding import Search, run_search
+from service.kv_cache import KVCache
+from service.repository import TOKENIZER_FILE, ModelVersion
+from service.runtime import RuntimeOptions, active_provider, create_session
+
+
+@dataclass
+class EncodedSources:
+    """Cross-attention K/V of a set of sources: flat [layer 0 key, layer 0 value, ...], each (N, H, S, Dh), and
+    the source mask (N, S)."""
+
+    cross: list[np.ndarray]
+    mask: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return self.mask.shape[0]
+
+    @staticmethod
+    def concatenate(parts: Sequence[EncodedSources]) -> tuple[EncodedSources, list[int]]:
+        """Stack sources (right-padding the source axis); returns the result and each part's first row."""
+        length = max(p.mask.shape[1] for p in parts)
+        offsets = list(np.cumsum([0] + [p.count for p in parts[:-1]]))
+
+        def right_pad(array: np.ndarray, axis: int) -> np.ndarray:
+            widths = [(0, 0)] * array.ndim
+            widths[axis] = (0, length - array.shape[axis])
+            return np.pad(array, widths) if widths[axis][1] else array
+
+        cross = [np.concatenate([right_pad(p.cross[i], 2) for p in parts]) for i in range(len(parts[0].cross))]
+        return EncodedSources(cross, np.concatenate([right_pad(p.mask, 1) for p in parts])), [int(o) for o in offsets]
+
+    def select(self, sources: np.ndarray) -> EncodedSources:
+        return EncodedSources([c[sources] for c in self.cross], self.mask[sources])
+
+
+class TranslationEngine:
+    def __init__(self, model: ModelVersion, options: RuntimeOptions = RuntimeOptions()):
+        config = model.config
+        self.model = model
+        self.tokenizer = Tokenizer.from_file(str(model.path / TOKENIZER_FILE))
+        self.encoder = create_session(model.path / config["files"]["encoder"], options)
+        self.decoder = create_session(model.path / config["files"]["decoder"], options)
+        self.provider = active_provider(self.decoder)
+        arch = config["architecture"]
+        self.n_layers, self.n_heads, self.head_dim = arch["n_decoder_layers"], arch["n_heads"], arch["head_dim"]
+        self.vocab_size = arch["vocab_size"]
+        special = config["special_tokens"]
+        self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
+        self.max_source_length = config["max_source_length"]
+        self.max_target_length = config["max_target_length"]
+
+    def source_ids(self, text: str) -> list[int]:
+        """Tokenise a German sentence: ids + EOS, truncated to the longest source the model accepts."""
+        ids = self.tokenizer.encode(text).ids[: self.max_source_length - 1]
+        return ids + [self.eos_id]
+
+    def encode(self, sources: Sequence[Sequence[int]]) -> EncodedSources:
+        length = max(len(s) for s in sources)
+        if length > self.max_source_length:
+            raise ValueError(f"source of {length} tokens exceeds {self.max_source_length}")
+        ids = np.full((len(sources), length), self.pad_id, np.int64)
+        mask = np.zeros((len(sources), length), np.int64)
+        for row, source in enumerate(sources):
+            ids[row, : len(source)] = source
+            mask[row, : len(source)] = 1
+        cross = self.encoder.run(None, {schema.INPUT_IDS: ids, schema.ATTENTION_MASK: mask})
+        return EncodedSources(cross, mask)
+
+    def _run(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
+        R = cache.rows
+        new_mask = np.ones((R, 1), np.int64)
+        feeds = {
+            schema.INPUT_IDS: tokens.reshape(R, 1).astype(np.int64),
+            schema.POSITION_IDS: cache.positions.reshape(R, 1),
+            schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1),
+            schema.ENCODER_ATTENTION_MASK: encoded.mask,
+            schema.ENCODER_ROW: cache.encoder_row,
+            **cache.feeds(),
+        }
+        for i in range(self.n_layers):
+            key_name, value_name = schema.cross_names(i)
+            feeds[key_name], feeds[value_name] = encoded.cross[2 * i], encoded.cross[2 * i + 1]
+        logits, *presents = self.decoder.run(None, feeds)
+        cache.append(presents, new_mask, cache.positions + 1)
+        return logits[:, -1]
+
+    def start(self, encoded: EncodedSources) -> tuple[np.ndarray, KVCache]:
+        """Feed the decoder start token for every source -> first logits (N, V) and a cache of one row each."""
+        cache = KVCache.empty(encoded.count, self.n_layers, self.n_heads, self.head_dim)
+        cache.encoder_row = np.arange(encoded.count, dtype=np.int64)
+        return self._run(cache, encoded, np.full(encoded.count, self.bos_id, np.int64)), cache
+
+    def step(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
+        """Append one token per row (R,) and return the next-token logits (R, V)."""
+        if int(cache.positions.max(initial=0)) >= self.max_target_length:
+            raise ValueError(f"a row reached the longest target the model embeds ({self.max_target_length})")
+        return self._run(cache, encoded, tokens)
+
+    def default_max_new_tokens(self, source_length: int) -> int:
+        """Room for a translation: twice the source plus 10 tokens, within the positional table."""
+        return min(2 * source_length + 10, self.max_target_length - 1)
+
+    def translate_ids(self, sources: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
+        """Decode a batch offline: encode once, start, then steps until every search is done."""
+        encoded = self.encode(sources)
+        logits, cache = self.start(encoded)
+        searches = [make_search(i) for i in range(len(sources))]
+
+        def step_fn(tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+            cache.select(parents)
+            return self.step(cache, encoded, tokens)
+
+        run_search(searches, list(logits), step_fn)
+        return searches

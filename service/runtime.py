@@ -1,0 +1,67 @@
+"""ONNX Runtime sessions: provider preference (CUDA first when present, else CPU), threads, graph optimisation.
+
+The provider actually in use is read back from the session (ONNX Runtime silently falls back to CPU when CUDA
+cannot start) and logged, so `/v1/models` and the metrics report what really runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+log = logging.getLogger(__name__)
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How sessions are built. `intra_op_threads=0` lets ONNX Runtime use every core."""
+
+    device: str = "auto"  # auto | cuda | cpu
+    intra_op_threads: int = 0
+    inter_op_threads: int = 1
+    graph_optimization: str = "all"  # disable | basic | extended | all
+
+
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def preferred_providers(device: str = "auto") -> list[str]:
+    available = ort.get_available_providers()
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
+    if device == "cpu":
+        return [CPU]
+    if CUDA in available:
+        return [CUDA, CPU]
+    if device == "cuda":
+        log.warning("device=cuda asked for, but this onnxruntime build has no CUDA provider; using CPU")
+    return [CPU]
+
+
+def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions()) -> ort.InferenceSession:
+    settings = ort.SessionOptions()
+    settings.intra_op_num_threads = options.intra_op_threads
+    settings.inter_op_num_threads = options.inter_op_threads
+    settings.graph_optimization_level = _LEVELS[options.graph_optimization]
+    settings.log_severity_level = 3  # errors only; shape-inference chatter is not useful in service logs
+    session = ort.InferenceSession(str(path), sess_options=settings, providers=preferred_providers(options.device))
+    active = session.get_providers()[0]
+    if options.device == "cuda" and active != CUDA:
+        log.warning("CUDA provider did not start for %s (no GPU visible?); falling back to %s", path, active)
+    log.info("loaded %s on %s", path, active)
+    return session
+
+
+def active_provider(session: ort.InferenceSession) -> str:
+    return session.get_providers()[0]
