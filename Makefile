@@ -32,3 +32,18 @@ train-tiny: venv
 
 clean:
 	rm -rf $(VENV) $(RUNS) .pytest_cache
+
+# Engine benchmark: ours vs transformers generate() vs Optimum ORTModel, in one run (separate venv: Optimum needs
+# transformers<4.58). Writes reports/bench_engine.json.
+BENCH_VENV ?= .venv-bench
+$(BENCH_VENV)/.installed: bench/requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
+	$(BENCH_VENV)/bin/pip install --quiet -r bench/requirements.txt
+	$(BENCH_VENV)/bin/pip install --quiet -e . --no-deps
+	touch $@
+
+.PHONY: bench-engine
+bench-engine: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python bench/bench_engine.py $(BENCH_ARGS)

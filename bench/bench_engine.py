@@ -12,14 +12,17 @@ config, and the Optimum models are exported locally into --workdir):
 Systems (one function each, `run_<system>_<task>`):
 - transformers: PyTorch `model.generate()`;
 - optimum: `optimum.onnxruntime.ORTModelForCausalLM` / `ORTModelForSeq2SeqLM` (their own `generate()`);
-- ours: `service`'s engine (see `run_ours_gpt` / `run_ours_translation`).
+- ours: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the searches of
+  `service.decoding`, on our own from-scratch models (`models.gpt.GPT`, `models.transformer`; same sizes,
+  random weights) exported by `export.onnx_export`.
 
 Fairness rules:
 - Every system generates exactly the same number of tokens: EOS is never chosen because every system gets
   `min_new_tokens == max_new_tokens` (HF/Optimum: the `MinNewTokensLengthLogitsProcessor` masks EOS until the
   last step; ours: the searches' `min_new_tokens`). The harness checks the output shapes.
 - One thread count for all (`--threads`, default 2): `torch.set_num_threads` and every ONNX Runtime session's
-  `intra_op_num_threads` (inter-op 1).
+  `intra_op_num_threads` (inter-op 1), and one spin policy: idle threads sleep instead of busy-waiting (torch:
+  OMP_WAIT_POLICY=PASSIVE; ONNX Runtime: allow_spinning=0) unless --spin. See `Runtime`.
 - Each system is warmed up before timing; the timed repeats are interleaved round-robin across systems (so a
   background load drifting over time hits them all alike) and the median is reported. Time includes the prompt
   pass (prefill / encoder), not the model build or export. Tokens/s counts generated tokens only.
@@ -28,7 +31,7 @@ Fairness rules:
 Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
     .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, < 1 minute once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
-Options: --threads N, --repeats N, --warmup N, --sentences N, --tasks gpt,translation,
+Options: --threads N, --spin, --repeats N, --warmup N, --sentences N, --tasks gpt,translation,
 --systems transformers,optimum,ours, --out PATH, --workdir PATH. A system whose package is missing (e.g. Optimum
 in the main venv) or that is not implemented yet is reported as skipped, with the reason.
 """
@@ -179,15 +182,30 @@ def _spec_dir(workdir: Path, name: str, spec) -> Path:
     return workdir / f"{name}-{key}"
 
 
-def _ort_session_options(threads: int):
-    import onnxruntime as ort
+@dataclass(frozen=True)
+class Runtime:
+    """Thread settings shared by every system: `threads` intra-op threads (inter-op 1) for torch and every ONNX
+    Runtime session, and whether idle worker threads spin (busy-wait) or sleep. `spin=False` (the default, see
+    --spin) sets OMP_WAIT_POLICY=PASSIVE for torch's OpenMP pool (done in `main` before torch is imported) and
+    `session.intra_op.allow_spinning=0` for ONNX Runtime: on a machine whose cores are shared with other jobs,
+    spinning threads wait for a descheduled sibling at every op and torch drops ~50x (measured: 14 vs 884 tok/s)."""
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    return options
+    threads: int = 2
+    spin: bool = False
+
+    def session_options(self):
+        """The `onnxruntime.SessionOptions` every ONNX Runtime system must use (ours included)."""
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        spin = "1" if self.spin else "0"
+        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+        return options
 
 
 def _optimum_export(model, onnx_dir: Path, task: str) -> Path:
@@ -206,10 +224,10 @@ def _optimum_export(model, onnx_dir: Path, task: str) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Systems: each `run_<system>_<task>(spec, threads, workdir)` builds its model (untimed) and returns a GenerateFn.
+# Systems: each `run_<system>_<task>(spec, runtime, workdir)` builds its model (untimed) and returns a GenerateFn.
 
 
-def run_transformers_gpt(spec: GptSpec, threads: int, workdir: Path) -> GenerateFn:
+def run_transformers_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     import torch
 
     model = hf_gpt_model(spec)
@@ -225,13 +243,13 @@ def run_transformers_gpt(spec: GptSpec, threads: int, workdir: Path) -> Generate
     return generate
 
 
-def run_optimum_gpt(spec: GptSpec, threads: int, workdir: Path) -> GenerateFn:
+def run_optimum_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     import torch
     from optimum.onnxruntime import ORTModelForCausalLM
 
     onnx_dir = _optimum_export(hf_gpt_model(spec), _spec_dir(workdir, "optimum-gpt", spec), "text-generation-with-past")
     model = ORTModelForCausalLM.from_pretrained(onnx_dir, provider="CPUExecutionProvider", use_cache=True,
-                                                session_options=_ort_session_options(threads), local_files_only=True)
+                                                session_options=runtime.session_options(), local_files_only=True)
     generation_config = gpt_generation_config(spec)
 
     def generate(prompts: np.ndarray) -> np.ndarray:
@@ -242,24 +260,33 @@ def run_optimum_gpt(spec: GptSpec, threads: int, workdir: Path) -> GenerateFn:
     return generate
 
 
-def run_ours_gpt(spec: GptSpec, threads: int, workdir: Path) -> GenerateFn:
-    """OUR ENGINE, GPT — TO FILL IN.
+def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+    """OUR ENGINE, GPT: `service.engines.gpt.GPTEngine` + `service.decoding.GreedySearch`.
 
-    Build (untimed) our GPT with random weights and the same sizes: `models.config.GPTConfig(vocab_size=
-    spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model, n_heads=spec.n_heads,
-    n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)`; export it to ONNX under
-    `workdir` (use `_spec_dir(workdir, "ours-gpt", spec)`); open the session(s) with
-    `service.runtime.RuntimeOptions(device="cpu", intra_op_threads=threads, inter_op_threads=1)`.
-
-    Return `generate(prompts)`: prompts (B, spec.prompt_tokens) int64, no padding -> (B, spec.new_tokens) int64,
-    the generated tokens only, greedy, with `min_new_tokens=max_new_tokens=spec.new_tokens` and
-    `eos_token_id=EOS_ID` (e.g. `service.decoding.GreedySearch(spec.new_tokens, EOS_ID,
-    min_new_tokens=spec.new_tokens)`), all B rows decoded together in one batch.
+    Our from-scratch GPT (`models.gpt.GPT`) with random weights and the same sizes, exported by
+    `export.onnx_export.export_gpt` (untimed, cached). `generate(prompts)`: prompts (B, spec.prompt_tokens) int64,
+    no padding -> (B, spec.new_tokens) int64, the generated tokens only; greedy with
+    `min_new_tokens == max_new_tokens == spec.new_tokens`, all B rows decoded together in one batch.
     """
-    raise NotImplementedError("our engine is not plugged in yet (fill in run_ours_gpt in bench/bench_engine.py)")
+    from models.config import GPTConfig
+    from models.gpt import GPT
+    from service.decoding import GreedySearch
+    from service.engines.gpt import GPTEngine
+
+    config = GPTConfig(vocab_size=spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model,
+                       n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)
+    version = _ours_export("gpt", lambda: GPT(config), config, _spec_dir(workdir, "ours-gpt", spec))
+    engine = GPTEngine(version, _ours_runtime_options(runtime))
+
+    def generate(prompts: np.ndarray) -> np.ndarray:
+        searches = engine.generate(prompts.tolist(), lambda _: GreedySearch(spec.new_tokens, EOS_ID,
+                                                                           min_new_tokens=spec.new_tokens))
+        return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)
+
+    return generate
 
 
-def run_transformers_translation(spec: TranslationSpec, threads: int, workdir: Path) -> GenerateFn:
+def run_transformers_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     import torch
 
     model = hf_translation_model(spec)
@@ -275,14 +302,14 @@ def run_transformers_translation(spec: TranslationSpec, threads: int, workdir: P
     return generate
 
 
-def run_optimum_translation(spec: TranslationSpec, threads: int, workdir: Path) -> GenerateFn:
+def run_optimum_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     import torch
     from optimum.onnxruntime import ORTModelForSeq2SeqLM
 
     onnx_dir = _optimum_export(hf_translation_model(spec), _spec_dir(workdir, "optimum-translation", spec),
                                "text2text-generation-with-past")
     model = ORTModelForSeq2SeqLM.from_pretrained(onnx_dir, provider="CPUExecutionProvider", use_cache=True,
-                                                 session_options=_ort_session_options(threads),
+                                                 session_options=runtime.session_options(),
                                                  local_files_only=True)
     generation_config = translation_generation_config(spec)
 
@@ -294,23 +321,66 @@ def run_optimum_translation(spec: TranslationSpec, threads: int, workdir: Path) 
     return generate
 
 
-def run_ours_translation(spec: TranslationSpec, threads: int, workdir: Path) -> GenerateFn:
-    """OUR ENGINE, TRANSLATION — TO FILL IN.
+def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+    """OUR ENGINE, TRANSLATION: `service.engines.translation.TranslationEngine` + `service.decoding.BeamSearch`.
 
-    Build (untimed) our translation model with random weights and the same sizes:
-    `models.config.TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
-    n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers, d_ff=spec.d_ff,
-    dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID)`; export
-    encoder + decoder under `_spec_dir(workdir, "ours-translation", spec)`; sessions with
-    `service.runtime.RuntimeOptions(device="cpu", intra_op_threads=threads, inter_op_threads=1)`.
-
-    Return `generate(source)`: source (1, S) int64, ending in EOS, no padding -> (1, spec.new_tokens) int64, the
-    best beam's generated tokens only (no decoder start token), beam search with `num_beams=spec.num_beams`,
-    `length_penalty=1.0`, `early_stopping=False`, `min_new_tokens=max_new_tokens=spec.new_tokens`,
-    `eos_token_id=EOS_ID` (e.g. `service.decoding.BeamSearch(spec.num_beams, spec.new_tokens, EOS_ID,
-    min_new_tokens=spec.new_tokens)`), decoder start token BOS_ID.
+    Our from-scratch encoder-decoder (`models.transformer.EncoderDecoderTransformer`) with random weights and the
+    same sizes, exported by `export.onnx_export.export_translation` (untimed, cached). `generate(source)`: source
+    (1, S) int64 ending in EOS -> (1, spec.new_tokens) int64, the best beam's tokens (no decoder start token);
+    beam search like the baselines: `num_beams`, length_penalty 1.0, early_stopping False,
+    `min_new_tokens == max_new_tokens == spec.new_tokens`.
     """
-    raise NotImplementedError("our engine is not plugged in yet (fill in run_ours_translation in bench/bench_engine.py)")
+    from models.config import TranslationConfig
+    from models.transformer import EncoderDecoderTransformer
+    from service.decoding import BeamSearch
+    from service.engines.translation import TranslationEngine
+
+    config = TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
+                               n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers,
+                               d_ff=spec.d_ff, dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID,
+                               bos_id=BOS_ID, eos_id=EOS_ID)
+    version = _ours_export("translation", lambda: EncoderDecoderTransformer(config), config,
+                           _spec_dir(workdir, "ours-translation", spec))
+    engine = TranslationEngine(version, _ours_runtime_options(runtime))
+
+    def generate(source: np.ndarray) -> np.ndarray:
+        searches = engine.translate_ids(source.tolist(), lambda _: BeamSearch(
+            spec.num_beams, spec.new_tokens, EOS_ID, length_penalty=1.0, early_stopping=False,
+            min_new_tokens=spec.new_tokens))
+        return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)
+
+    return generate
+
+
+def _ours_export(kind: str, make_model: Callable, config, folder: Path):
+    """Export our model (random weights, seed 0) into `folder` as a model-repository version, once: the folder
+    name carries the spec, and the marker the hash of the model/export sources, so edits there re-export."""
+    from export.onnx_export import EXPORTERS
+    from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
+
+    sources = sorted(Path(__file__).resolve().parents[1].glob("models/*.py")) + \
+        sorted(Path(__file__).resolve().parents[1].glob("export/*.py"))
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()
+    marker = folder / ".exported"
+    if not (marker.exists() and marker.read_text() == digest):
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+
+        folder.mkdir(parents=True, exist_ok=True)
+        _seed_torch(0)
+        described = EXPORTERS[kind](make_model().eval(), config, folder)
+        (folder / CONFIG_FILE).write_text(json.dumps(described, indent=2))
+        # The engines load a tokenizer; generation from ids never uses it, so a one-word vocabulary will do.
+        Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(folder / TOKENIZER_FILE))
+        marker.write_text(digest)
+    return ModelVersion(f"bench-{kind}", 1, folder, json.loads((folder / CONFIG_FILE).read_text()))
+
+
+def _ours_runtime_options(runtime: Runtime):
+    """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`."""
+    from service.runtime import RuntimeOptions
+
+    return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin)
 
 
 SYSTEMS = ("transformers", "optimum", "ours")
@@ -325,13 +395,13 @@ BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
 # Harness
 
 
-def build_systems(task: str, spec, systems: list[str], threads: int, workdir: Path):
+def build_systems(task: str, spec, systems: list[str], runtime: Runtime, workdir: Path):
     """Build each system; one that cannot be built (missing package, not implemented) is skipped with a reason."""
     built, skipped = {}, {}
     for name in systems:
         start = time.perf_counter()
         try:
-            built[name] = BUILDERS[task][name](spec, threads, workdir)
+            built[name] = BUILDERS[task][name](spec, runtime, workdir)
         except (ImportError, NotImplementedError) as error:
             skipped[name] = f"{type(error).__name__}: {error}"
             print(f"  [{task}] {name}: skipped ({skipped[name]})", flush=True)
@@ -376,7 +446,7 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
     for name, seconds in times.items():
         median = statistics.median(seconds)
         result["systems"][name] = {"throughput": work / median, "median_s": median,
-                                   "seconds": [round(s, 4) for s in seconds]}
+                                   "best_throughput": work / min(seconds), "seconds": [round(s, 4) for s in seconds]}
     throughput = {name: entry["throughput"] for name, entry in result["systems"].items()}
     result["ratios"] = {
         f"ours/{other}": (throughput["ours"] / throughput[other]) if "ours" in throughput and other in throughput
@@ -393,7 +463,7 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
 def bench_gpt(args, systems: list[str]) -> list[dict]:
     spec = GptSpec()
     print(f"GPT: {spec}", flush=True)
-    built, skipped = build_systems("gpt", spec, systems, args.threads, args.workdir)
+    built, skipped = build_systems("gpt", spec, systems, args.runtime, args.workdir)
     results = []
     for batch in args.gpt_batches:
         prompts = make_prompts(spec, batch)
@@ -407,7 +477,7 @@ def bench_gpt(args, systems: list[str]) -> list[dict]:
 def bench_translation(args, systems: list[str]) -> list[dict]:
     spec = TranslationSpec()
     print(f"Translation: {spec}", flush=True)
-    built, skipped = build_systems("translation", spec, systems, args.threads, args.workdir)
+    built, skipped = build_systems("translation", spec, systems, args.runtime, args.workdir)
     sources = make_sources(spec, args.sentences)
     times, outputs = measure(built, sources, spec.new_tokens, args.warmup, args.repeats)
     result = summarise(f"translation beam {spec.num_beams} batch 1", "sentences/s", len(sources), times, outputs,
@@ -422,13 +492,16 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 
 def print_result(result: dict) -> None:
-    print(f"\n  {result['case']} ({result['unit']}, median of {args_repeats} passes)")
+    repeats = max((len(entry["seconds"]) for entry in result["systems"].values()), default=0)
+    print(f"\n  {result['case']} ({result['unit']}, median of {repeats} passes)")
     for name in SYSTEMS:
         entry = result["systems"].get(name)
         if entry is None:
             print(f"    {name:<13} {'skipped':>10}")
         else:
-            print(f"    {name:<13} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass)")
+            seconds = entry["seconds"]
+            print(f"    {name:<13} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass, "
+                  f"range {min(seconds):.3f}-{max(seconds):.3f})")
     ratios = result["ratios"]
     print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items()))
     if "transformers_optimum_agreement" in result:
@@ -451,7 +524,7 @@ def print_table(results: list[dict]) -> None:
     print("=" * len(header))
 
 
-def environment(threads: int) -> dict:
+def environment(runtime: Runtime) -> dict:
     versions = {}
     for package in ("numpy", "onnxruntime", "torch", "transformers", "optimum", "optimum.onnxruntime"):
         try:
@@ -466,19 +539,18 @@ def environment(threads: int) -> dict:
     except Exception:  # noqa: BLE001 - not installed
         versions["optimum-onnx"] = None
     return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-            "threads": threads, "load_average": os.getloadavg(), "executable": sys.executable, "versions": versions}
-
-
-args_repeats = 0  # for print_result's header
+            "threads": runtime.threads, "spin": runtime.spin,
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(), "executable": sys.executable, "versions": versions}
 
 
 def main(argv: list[str] | None = None) -> int:
-    global args_repeats
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up, 2 repeats, 3 sentences")
     parser.add_argument("--threads", type=int, default=2, help="torch and ONNX Runtime intra-op threads (default 2)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 5; quick 2)")
+    parser.add_argument("--spin", action="store_true",
+                        help="let idle threads busy-wait (library defaults); only on an otherwise idle machine")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 7; quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed passes per system (default 2; quick 1)")
     parser.add_argument("--sentences", type=int, default=None,
                         help="translation: source sentences per pass, one at a time (default 10; quick 3)")
@@ -489,11 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_engine"),
                         help="where exported models are kept between runs (default .cache/bench_engine)")
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.repeats = args.repeats or (2 if args.quick else 7)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.sentences = args.sentences or (3 if args.quick else 10)
     args.gpt_batches = [int(b) for b in args.gpt_batches.split(",") if b]
-    args_repeats = args.repeats
     tasks = [t for t in args.tasks.split(",") if t]
     systems = [s for s in args.systems.split(",") if s]
     for name in systems:
@@ -505,13 +576,19 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
+    args.runtime = Runtime(threads=args.threads, spin=args.spin)
+    if "torch" in sys.modules:
+        print("warning: torch was imported before main(); OMP_WAIT_POLICY may not apply", file=sys.stderr)
+    if not args.spin:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read once, when torch loads OpenMP (libgomp)
     import torch
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    env = environment(args.threads)
-    print(f"threads={args.threads} repeats={args.repeats} warmup={args.warmup} load={env['load_average']}")
+    env = environment(args.runtime)
+    print(f"threads={args.threads} spin={args.spin} repeats={args.repeats} warmup={args.warmup} "
+          f"load average={env['load_average']}")
     print(f"versions: {env['versions']}", flush=True)
 
     results = []

@@ -20,12 +20,17 @@ CPU = "CPUExecutionProvider"
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How sessions are built. `intra_op_threads=0` lets ONNX Runtime use every core."""
+    """How sessions are built. `intra_op_threads=0` lets ONNX Runtime use every core.
+
+    `spin=False` makes idle worker threads sleep instead of busy-waiting between ops: on cores shared with other
+    work (a web server, other models, other containers) spinning threads wait for descheduled siblings at every
+    op; ONNX Runtime's default (spinning) only pays on dedicated cores."""
 
     device: str = "auto"  # auto | cuda | cpu
     intra_op_threads: int = 0
     inter_op_threads: int = 1
     graph_optimization: str = "all"  # disable | basic | extended | all
+    spin: bool = False
 
 
 _LEVELS = {
@@ -55,6 +60,9 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions())
     settings.inter_op_num_threads = options.inter_op_threads
     settings.graph_optimization_level = _LEVELS[options.graph_optimization]
     settings.log_severity_level = 3  # errors only; shape-inference chatter is not useful in service logs
+    spin = "1" if options.spin else "0"
+    settings.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    settings.add_session_config_entry("session.inter_op.allow_spinning", spin)
     session = ort.InferenceSession(str(path), sess_options=settings, providers=preferred_providers(options.device))
     active = session.get_providers()[0]
     if options.device == "cuda" and active != CUDA:

@@ -33,3 +33,15 @@ def tiny_runs(tmp_path_factory, data_dir) -> dict[str, Path]:
         assert main([task, "--preset", "tiny", "--data-dir", str(data_dir), "--out", str(out), "--quiet"]) == 0
         runs[task] = out
     return runs
+
+
+@pytest.fixture(scope="session")
+def tiny_repository(tmp_path_factory, tiny_runs, data_dir) -> Path:
+    """A model repository with version 1 of each tiny model, exported (and parity-checked) by the real CLI."""
+    from export.__main__ import main
+
+    repository = tmp_path_factory.mktemp("repository")
+    for kind, run_dir in tiny_runs.items():
+        assert main([kind, "--checkpoint", str(run_dir), "--repository", str(repository),
+                     "--data-dir", str(data_dir)]) == 0
+    return repository

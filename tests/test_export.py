@@ -1,0 +1,81 @@
+"""Export: repository layout, config and model card, graph interfaces, versions and errors."""
+
+import json
+
+import onnx
+import pytest
+
+from export.__main__ import main as export_main
+from service import onnx_schema as schema
+from service.repository import ModelRepository, RepositoryError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind, files", [("translation", ["encoder.onnx", "decoder.onnx", "tokenizer.json"]),
+                                         ("gpt", ["decoder.onnx", "tokenizer.json"]), ("vit", ["model.onnx"])])
+def test_version_folder_is_complete(tiny_repository, kind, files):
+    folder = tiny_repository / kind / "1"
+    for name in files + ["config.json", "metrics.json", "README.md", "curves.png"]:
+        assert (folder / name).is_file(), name
+    config = json.loads((folder / "config.json").read_text())
+    assert config["kind"] == kind and config["name"] == kind and config["version"] == 1
+    metrics = json.loads((folder / "metrics.json").read_text())
+    checks = metrics["export_checks"]
+    assert all(v <= 1e-4 for k, v in checks.items() if k.endswith("diff"))
+    assert checks.get("greedy_identical", checks.get("argmax_identical")) in ("50/50", "1000/1000")
+    card = (folder / "README.md").read_text()
+    assert "python -m models.train" in card and "Export checks" in card and str(metrics["parameters"]) in \
+        card.replace(",", "")
+
+
+def test_config_describes_the_models(tiny_repository):
+    repo = ModelRepository(tiny_repository)
+    translation = repo.get("translation").config
+    assert translation["special_tokens"] == {"pad_id": 0, "bos_id": 1, "eos_id": 2}
+    assert translation["architecture"]["head_dim"] * translation["architecture"]["n_heads"] == \
+        translation["architecture"]["d_model"]
+    gpt = repo.get("gpt").config
+    assert gpt["context_length"] == 64 and gpt["special_tokens"]["eos_id"] == 256
+    vit = repo.get("vit").config
+    assert vit["image"]["size"] == 28 and vit["image"]["channels"] == 1 and len(vit["labels"]) == 10
+    assert vit["labels"][9] == "Ankle boot"
+
+
+def test_graph_interfaces_follow_the_shared_schema(tiny_repository):
+    def names(path):
+        graph = onnx.load(str(path)).graph
+        return tuple(i.name for i in graph.input), tuple(o.name for o in graph.output)
+
+    folder = tiny_repository / "translation" / "1"
+    spec = schema.decoder_spec(2)
+    assert names(folder / "decoder.onnx") == (spec.inputs, spec.outputs)
+    assert "past_key_values.1.value" in spec.inputs and "present.1.value" in spec.outputs
+    spec = schema.encoder_spec(2)
+    assert names(folder / "encoder.onnx") == (spec.inputs, spec.outputs)
+    spec = schema.gpt_decoder_spec(2)
+    assert names(tiny_repository / "gpt" / "1" / "decoder.onnx") == (spec.inputs, spec.outputs)
+    assert names(tiny_repository / "vit" / "1" / "model.onnx") == (("pixel_values",), ("logits",))
+
+
+def test_versions_increment_and_the_highest_is_loaded(tiny_runs, data_dir, tmp_path):
+    repo_root = tmp_path / "repo"
+    args = ["vit", "--checkpoint", str(tiny_runs["vit"]), "--repository", str(repo_root), "--data-dir", str(data_dir)]
+    assert export_main(args) == 0 and export_main(args) == 0
+    assert export_main(args + ["--version", "7"]) == 0
+    repo = ModelRepository(repo_root)
+    assert repo.versions("vit") == [1, 2, 7]
+    assert repo.get("vit").version == 7 and repo.get("vit", 2).version == 2
+    assert export_main(args + ["--version", "2"]) == 2  # never overwrite a version
+    assert not list((repo_root / "vit").glob(".*"))  # no staging folders left behind
+    with pytest.raises(RepositoryError, match="no version 3"):
+        repo.get("vit", 3)
+    with pytest.raises(RepositoryError, match="not found"):
+        repo.get("nope")
+
+
+def test_wrong_kind_or_missing_run_is_a_clear_error(tiny_runs, tmp_path, capsys):
+    assert export_main(["gpt", "--checkpoint", str(tiny_runs["vit"]), "--repository", str(tmp_path)]) == 2
+    assert "holds a vit model" in capsys.readouterr().err
+    assert export_main(["gpt", "--checkpoint", str(tmp_path / "none"), "--repository", str(tmp_path)]) == 2
+    assert "not found" in capsys.readouterr().err

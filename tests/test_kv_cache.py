@@ -1,0 +1,54 @@
+"""KVCache row bookkeeping: select (reorder, repeat, drop), trim and concatenate, table-style."""
+
+import numpy as np
+import pytest
+
+from service.kv_cache import KVCache
+
+
+def cache(rows, length, start=0, encoder_row=None):
+    keys = [np.arange(rows * length, dtype=np.float32).reshape(rows, 1, length, 1) + start]
+    mask = np.ones((rows, length), np.int64)
+    return KVCache(keys, [k + 0.5 for k in keys], mask, np.full(rows, length, np.int64),
+                   None if encoder_row is None else np.asarray(encoder_row, np.int64))
+
+
+@pytest.mark.parametrize("rows, expected_first_keys", [
+    ([0, 1, 2], [0, 3, 6]),  # identity: nothing moves
+    ([2, 0], [6, 0]),  # reorder and drop
+    ([1, 1, 1, 1], [3, 3, 3, 3]),  # a beam expanding from one row
+    ([], []),  # every request finished
+])
+def test_select(rows, expected_first_keys):
+    c = cache(3, 3, encoder_row=[10, 11, 12])
+    c.select(np.array(rows, dtype=np.int64))
+    assert c.rows == len(rows)
+    assert c.keys[0][:, 0, 0, 0].tolist() == expected_first_keys
+    assert c.values[0][:, 0, 0, 0].tolist() == [k + 0.5 for k in expected_first_keys]
+    assert c.encoder_row.tolist() == [10 + r for r in rows]
+
+
+def test_concatenate_left_pads_shorter_caches_with_masked_slots():
+    merged = KVCache.concatenate([cache(1, 2, encoder_row=[0]), cache(2, 4, encoder_row=[0, 1])],
+                                 encoder_offsets=[0, 1])
+    assert merged.rows == 3 and merged.length == 4
+    assert merged.mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert merged.keys[0][0, 0, :, 0].tolist() == [0, 0, 0, 1]
+    assert merged.positions.tolist() == [2, 4, 4]
+    assert merged.encoder_row.tolist() == [0, 1, 2]
+
+
+def test_dropping_the_longest_row_trims_unused_leading_slots():
+    merged = KVCache.concatenate([cache(1, 2), cache(1, 5)])
+    merged.select(np.array([0]))
+    assert merged.length == 2 and merged.mask.tolist() == [[1, 1]]
+    assert merged.keys[0].flags["C_CONTIGUOUS"]
+
+
+def test_append_adopts_presents_and_extends_the_mask():
+    c = KVCache.empty(2, n_layers=2, n_heads=1, head_dim=1)
+    presents = [np.zeros((2, 1, 3, 1), np.float32) for _ in range(4)]
+    c.append(presents, np.array([[0, 1, 1], [1, 1, 1]]), np.array([2, 3]))
+    assert c.length == 3 and c.positions.tolist() == [2, 3] and len(c.feeds()) == 4
+    assert set(c.feeds()) == {"past_key_values.0.key", "past_key_values.0.value",
+                              "past_key_values.1.key", "past_key_values.1.value"}
