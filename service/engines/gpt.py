@@ -68,6 +68,15 @@ class GPTEngine:
         return self._run(cache, tokens.reshape(R, 1).astype(np.int64), cache.positions.reshape(R, 1),
                          np.ones((R, 1), np.int64))
 
+    @staticmethod
+    def select(cache: KVCache, rows: np.ndarray) -> KVCache:
+        cache.select(rows)
+        return cache
+
+    @staticmethod
+    def concatenate(caches: Sequence[KVCache]) -> KVCache:
+        return KVCache.concatenate(caches)
+
     def generate(self, prompts: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
         """Decode a batch offline: prefill, then steps until every search is done (see `run_search`)."""
         logits, cache = self.prefill(prompts)

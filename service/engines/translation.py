@@ -50,6 +50,18 @@ class EncodedSources:
         return EncodedSources([c[sources] for c in self.cross], self.mask[sources])
 
 
+@dataclass
+class DecoderBatch:
+    """The decoding state of a batch: the self-attention cache of every row and the sources the rows attend to."""
+
+    cache: KVCache
+    encoded: EncodedSources
+
+    @property
+    def rows(self) -> int:
+        return self.cache.rows
+
+
 class TranslationEngine:
     def __init__(self, model: ModelVersion, options: RuntimeOptions = RuntimeOptions()):
         config = model.config
@@ -101,17 +113,36 @@ class TranslationEngine:
         cache.append(presents, new_mask, cache.positions + 1)
         return logits[:, -1]
 
-    def start(self, encoded: EncodedSources) -> tuple[np.ndarray, KVCache]:
-        """Feed the decoder start token for every source -> first logits (N, V) and a cache of one row each."""
+    def start(self, encoded: EncodedSources) -> tuple[np.ndarray, DecoderBatch]:
+        """Feed the decoder start token for every source -> first logits (N, V) and a batch of one row each."""
         cache = KVCache.empty(encoded.count, self.n_layers, self.n_heads, self.head_dim)
         cache.encoder_row = np.arange(encoded.count, dtype=np.int64)
-        return self._run(cache, encoded, np.full(encoded.count, self.bos_id, np.int64)), cache
+        return self._run(cache, encoded, np.full(encoded.count, self.bos_id, np.int64)), DecoderBatch(cache, encoded)
 
-    def step(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
+    def prefill(self, sources: Sequence[Sequence[int]]) -> tuple[np.ndarray, DecoderBatch]:
+        """Encoder pass + decoder start token: the prefill of the batching scheduler."""
+        return self.start(self.encode(sources))
+
+    def step(self, batch: DecoderBatch, tokens: np.ndarray) -> np.ndarray:
         """Append one token per row (R,) and return the next-token logits (R, V)."""
-        if int(cache.positions.max(initial=0)) >= self.max_target_length:
+        if int(batch.cache.positions.max(initial=0)) >= self.max_target_length:
             raise ValueError(f"a row reached the longest target the model embeds ({self.max_target_length})")
-        return self._run(cache, encoded, tokens)
+        return self._run(batch.cache, batch.encoded, tokens)
+
+    @staticmethod
+    def select(batch: DecoderBatch, rows: np.ndarray) -> DecoderBatch:
+        """Keep rows `rows`; sources no row attends to any more are dropped and the rows re-pointed."""
+        batch.cache.select(rows)
+        used = np.unique(batch.cache.encoder_row)
+        if len(used) < batch.encoded.count:
+            batch.encoded = batch.encoded.select(used)
+            batch.cache.encoder_row = np.searchsorted(used, batch.cache.encoder_row).astype(np.int64)
+        return batch
+
+    @staticmethod
+    def concatenate(batches: Sequence[DecoderBatch]) -> DecoderBatch:
+        encoded, offsets = EncodedSources.concatenate([b.encoded for b in batches])
+        return DecoderBatch(KVCache.concatenate([b.cache for b in batches], offsets), encoded)
 
     def default_max_new_tokens(self, source_length: int) -> int:
         """Room for a translation: twice the source plus 10 tokens, within the positional table."""
@@ -119,13 +150,11 @@ class TranslationEngine:
 
     def translate_ids(self, sources: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
         """Decode a batch offline: encode once, start, then steps until every search is done."""
-        encoded = self.encode(sources)
-        logits, cache = self.start(encoded)
+        logits, batch = self.prefill(sources)
         searches = [make_search(i) for i in range(len(sources))]
 
         def step_fn(tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
-            cache.select(parents)
-            return self.step(cache, encoded, tokens)
+            return self.step(self.select(batch, parents), tokens)
 
         run_search(searches, list(logits), step_fn)
         return searches

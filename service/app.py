@@ -1,0 +1,76 @@
+"""The FastAPI application: settings, metrics and the model registry on `app.state`, models loaded in the
+lifespan (in the background), routers, error handlers, the request middleware, and graceful shutdown.
+
+Shutdown on SIGTERM: readiness turns 503 at once (draining); after `drain_delay_s` uvicorn stops accepting and
+lets in-flight requests finish (up to `drain_timeout_s`); then the schedulers drain what they accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service.errors import install_error_handlers
+from service.metrics import Metrics
+from service.middleware import RequestMiddleware
+from service.registry import ModelRegistry
+from service.routes import admin, text
+from service.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def _hook_sigterm(registry: ModelRegistry, drain_delay_s: float) -> None:
+    """Chain a handler in front of uvicorn's: mark the registry draining, then let uvicorn shut down."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # e.g. under TestClient: no signals to handle
+    previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous):
+        return
+
+    def on_sigterm(signum, frame):
+        log.info("SIGTERM: draining (ready -> 503), stopping in %.1fs", drain_delay_s)
+        registry.draining = True
+        if drain_delay_s > 0:
+            threading.Timer(drain_delay_s, previous, args=(signum, frame)).start()
+        else:
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    metrics = Metrics()
+    registry = ModelRegistry(settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        registry.start_loading()
+        _hook_sigterm(registry, settings.drain_delay_s)
+        yield
+        registry.stop(settings.drain_timeout_s)
+
+    app = FastAPI(
+        title="transformer-serving",
+        version="0.1.0",
+        summary="German->English translation, Shakespeare text generation and Fashion-MNIST classification, "
+                "served by ONNX Runtime with continuous and dynamic batching.",
+        lifespan=lifespan,
+    )
+    app.state.settings, app.state.metrics, app.state.registry = settings, metrics, registry
+    install_error_handlers(app)
+    app.include_router(text.router)
+    try:
+        from service.routes import images
+    except ImportError as error:  # pragma: no cover - only while the images router is being written
+        log.warning("classify endpoint unavailable: %s", error)
+    else:
+        app.include_router(images.router)
+    app.include_router(admin.router)
+    app.add_middleware(RequestMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,55 @@
+"""Every Prometheus metric of the service, declared in one place (vLLM's layout): namespaced `tserve_`,
+unit-suffixed, explicit buckets. Observed where the work happens (routes, schedulers, model loading).
+
+Labels: `model`, `version`, and `mode` = greedy | beam | sample (text) or classify (images).
+Each app instance owns its own registry, so tests and several apps in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+
+FAILURE_REASONS = ("bad_input", "queue_full", "timeout", "cancelled", "internal", "unavailable")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.request_duration = Histogram(
+            "tserve_request_duration_seconds", "Time from receiving a request to its last byte, by endpoint/status.",
+            ["endpoint", "model", "version", "mode", "status"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "tserve_queue_wait_seconds", "Time a request waited before its first batch (prefill or image batch).",
+            ["model", "version", "mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram(
+            "tserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            ["model", "version", "mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "tserve_inter_token_latency_seconds", "Time between consecutive decoding steps of a request.",
+            ["model", "version", "mode"], buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(
+            "tserve_prompt_tokens", "Prompt / source tokens processed.", ["model", "version"], registry=r)
+        self.generated_tokens = Counter(
+            "tserve_generated_tokens", "Tokens generated (every row of a beam search counts).",
+            ["model", "version", "mode"], registry=r)
+        self.images = Counter("tserve_images", "Images classified.", ["model", "version"], registry=r)
+        self.batch_size = Histogram(
+            "tserve_batch_size", "Rows per decoding step (text) or images per batch (ViT).",
+            ["model", "version"], buckets=BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge(
+            "tserve_queue_depth", "Requests waiting for admission.", ["model", "version"], registry=r)
+        self.running_requests = Gauge(
+            "tserve_running_requests", "Requests being decoded / classified now.", ["model", "version"], registry=r)
+        self.failures = Counter(
+            "tserve_request_failures", "Requests that ended in an error, by reason.",
+            ["model", "version", "reason"], registry=r)
+        self.model_load_seconds = Gauge(
+            "tserve_model_load_seconds", "Time it took to load a model's sessions.", ["model", "version"], registry=r)
+        self.model_info = Info("tserve_model", "Loaded models: kind, version, provider.", ["model"], registry=r)
+        self.ready = Gauge("tserve_ready", "1 when every configured model is loaded and the server is not draining.",
+                           registry=r)

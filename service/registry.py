@@ -1,0 +1,165 @@
+"""The models this process serves: loading them (engine + scheduler) from the repository, looking them up for a
+request, readiness, and stopping their schedulers on shutdown.
+
+Models load in a background thread after the server starts, so `/health/live` answers at once and
+`/health/ready` says 503, with reasons, until every configured model is loaded (Kubernetes' startup pattern).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import BadInput, NotFound, Unavailable
+from service.metrics import Metrics
+from service.repository import ModelRepository, RepositoryError
+from service.runtime import RuntimeOptions
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    version: int
+    kind: str
+    engine: Any  # TranslationEngine | GPTEngine | ViTEngine
+    scheduler: Any  # ContinuousBatcher | DynamicBatcher
+    provider: str
+    load_seconds: float
+
+
+def parse_model_spec(spec: str) -> tuple[str, int | None]:
+    """'gpt' -> ('gpt', None); 'gpt:3' -> ('gpt', 3)."""
+    name, _, version = spec.partition(":")
+    if version and not version.isdigit():
+        raise ValueError(f"bad model spec {spec!r}: expected NAME or NAME:VERSION")
+    return name, int(version) if version else None
+
+
+class ModelRegistry:
+    def __init__(self, settings: Settings, metrics: Metrics):
+        self.settings = settings
+        self.metrics = metrics
+        self.repository = ModelRepository(settings.repository)
+        self.loaded: dict[tuple[str, int], LoadedModel] = {}
+        self.pending: list[str] = []
+        self.errors: dict[str, str] = {}
+        self.draining = False
+        self._loader: threading.Thread | None = None
+
+    # --- loading ------------------------------------------------------------------------------------------
+
+    def configured(self) -> list[tuple[str, int | None]]:
+        specs = self.settings.models or self.repository.model_names()
+        return [parse_model_spec(spec) for spec in specs]
+
+    def start_loading(self) -> None:
+        self.pending = [f"{n}:{v}" if v else n for n, v in self.configured()]
+        if not self.pending:
+            self.errors["repository"] = f"no models found in {self.repository.root}"
+        self._loader = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
+        self._loader.start()
+
+    def _load_all(self) -> None:
+        for name, version in self.configured():
+            label = f"{name}:{version}" if version else name
+            try:
+                self.load(name, version)
+            except Exception as error:  # a broken model must not take the others down
+                log.exception("could not load %s", label)
+                self.errors[label] = str(error)
+            finally:
+                self.pending.remove(label)
+
+    def load(self, name: str, version: int | None = None) -> LoadedModel:
+        from service.engines.gpt import GPTEngine
+        from service.engines.translation import TranslationEngine
+        from service.engines.vit import ViTEngine
+        from service.scheduling.continuous import ContinuousBatcher
+
+        s = self.settings
+        model = self.repository.get(name, version)
+        options = RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin)
+        started = time.perf_counter()
+        if model.kind == "vit":
+            from service.scheduling.dynamic import DynamicBatcher
+
+            engine = ViTEngine(model, options)
+            scheduler = DynamicBatcher(engine, model.name, model.version, self.metrics,
+                                       max_batch_size=s.vit_max_batch_size, max_queue_delay_ms=s.vit_max_queue_delay_ms,
+                                       max_queue=s.max_queue_size, batching=s.vit_batching)
+        else:
+            engine = (TranslationEngine if model.kind == "translation" else GPTEngine)(model, options)
+            max_rows = s.translation_max_batch_rows if model.kind == "translation" else s.gpt_max_batch_rows
+            scheduler = ContinuousBatcher(engine, model.name, model.version, self.metrics, max_rows=max_rows,
+                                          max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size)
+        scheduler.start()
+        seconds = time.perf_counter() - started
+        loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds)
+        self.loaded[(model.name, model.version)] = loaded
+        labels = {"model": model.name, "version": str(model.version)}
+        self.metrics.model_load_seconds.labels(**labels).set(seconds)
+        self.metrics.model_info.labels(model=model.name).info(
+            {"kind": model.kind, "version": str(model.version), "provider": engine.provider})
+        log.info("loaded %s version %d (%s) on %s in %.2fs", model.name, model.version, model.kind,
+                 engine.provider, seconds)
+        return loaded
+
+    # --- lookup and state ---------------------------------------------------------------------------------
+
+    def resolve(self, kind: str, name: str | None, version: int | None) -> LoadedModel:
+        """The loaded model a request asks for (its kind's default when unnamed, the highest loaded version)."""
+        if self.draining:
+            raise Unavailable("the server is draining (shutting down); retry on another replica")
+        name = name or kind
+        versions = sorted(v for (n, v) in self.loaded if n == name)
+        if not versions:
+            if any(spec.partition(":")[0] == name for spec in self.pending):
+                raise Unavailable(f"model {name!r} is still loading")
+            if name in self.repository.model_names():
+                raise Unavailable(f"model {name!r} is not loaded: {self.errors.get(name, 'not configured')}")
+            known = sorted({n for n, _ in self.loaded})
+            raise NotFound(f"model {name!r} not found (loaded models: {', '.join(known) or 'none'})")
+        if version is None:
+            version = versions[-1]
+        elif version not in versions:
+            raise NotFound(f"model {name!r} has no loaded version {version} (loaded: {versions})")
+        loaded = self.loaded[(name, version)]
+        if loaded.kind != kind:
+            raise BadInput(f"model {name!r} is a {loaded.kind} model; this endpoint serves {kind} models")
+        return loaded
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        reasons = [f"loading {spec}" for spec in self.pending]
+        reasons += [f"failed to load {spec}: {message}" for spec, message in self.errors.items()]
+        if self.draining:
+            reasons.append("draining: the server is shutting down")
+        ready = not reasons and bool(self.loaded)
+        self.metrics.ready.set(1 if ready else 0)
+        return ready, reasons
+
+    def status(self) -> list[dict]:
+        names = sorted(set(self.repository.model_names()) | {n for n, _ in self.loaded})
+        out = []
+        for name in names:
+            loaded = sorted(v for (n, v) in self.loaded if n == name)
+            try:
+                kind = self.repository.get(name).kind
+            except RepositoryError:
+                kind = self.loaded[(name, loaded[-1])].kind
+            active = self.loaded[(name, loaded[-1])] if loaded else None
+            out.append({"name": name, "kind": kind, "versions": self.repository.versions(name),
+                        "active_version": active.version if active else None, "loaded_versions": loaded,
+                        "provider": active.provider if active else None, "ready": bool(loaded)})
+        return out
+
+    def stop(self, timeout: float) -> None:
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        for loaded in self.loaded.values():
+            loaded.scheduler.stop(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,36 @@
+"""Operations endpoints: `GET /v1/models`, `/health/live`, `/health/ready` and `/metrics`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.protocol import ModelsResponse, ModelStatus
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/v1/models", response_model=ModelsResponse, summary="Models in the repository and what is loaded")
+async def list_models(request: Request) -> ModelsResponse:
+    return ModelsResponse(models=[ModelStatus(**status) for status in request.app.state.registry.status()])
+
+
+@router.get("/health/live", summary="Liveness: the process answers")
+async def live() -> dict:
+    return {"status": "live"}
+
+
+@router.get("/health/ready", summary="Readiness: every configured model is loaded and the server is not draining",
+            responses={503: {"description": "Not ready, with reasons"}})
+async def ready(request: Request) -> JSONResponse:
+    is_ready, reasons = request.app.state.registry.readiness()
+    if is_ready:
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "not ready", "reasons": reasons}, status_code=503)
+
+
+@router.get("/metrics", summary="Prometheus metrics (text exposition format)")
+async def metrics(request: Request) -> Response:
+    request.app.state.registry.readiness()  # refresh the tserve_ready gauge
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

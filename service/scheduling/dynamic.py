@@ -1,0 +1,257 @@
+"""Dynamic (request-level) batching for the image classifier, after Triton's dynamic batcher
+(`max_batch_size` + `max_queue_delay_microseconds`).
+
+One worker thread per model version owns the ONNX Runtime calls; nothing blocking runs on the event loop. The worker
+takes the oldest waiting job, then keeps adding the next waiting jobs (in arrival order) until the batch holds
+`max_batch_size` images, the next job would not fit, or `max_queue_delay_ms` has passed since the oldest job
+arrived. A job's images are never split across batches, unless the job alone holds more than `max_batch_size`
+images: then it runs alone, in chunks of `max_batch_size`. Each batch is one `engine.logits(...)` call whose rows
+are sliced back to the jobs' futures. `batching=False` runs one job per call (the baseline benchmarks compare to).
+
+The queue in front is bounded (429 with Retry-After). Every accepted job ends in logits or an explicit error:
+expired or cancelled jobs are failed without running, an engine error fails only its batch, and `stop()` drains
+what was accepted before failing leftovers with 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class ImageBackend(Protocol):
+    """What the batcher needs from an engine (`ViTEngine`)."""
+
+    def logits(self, batch: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(eq=False)
+class ImageJob:
+    """One request inside the batcher: its preprocessed images and where their logits go."""
+
+    pixels: np.ndarray  # (n, C, H, W) float32, already preprocessed
+    deadline: float  # time.monotonic() seconds
+    future: Future = field(default_factory=Future)  # resolves to logits (n, classes) float32
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def size(self) -> int:
+        """Number of images."""
+        return len(self.pixels)
+
+    def cancel(self) -> None:
+        """Ask the batcher to drop this job if it has not run yet."""
+        self.cancelled.set()
+
+
+class DynamicBatcher:
+    def __init__(self, engine: ImageBackend, model: str, version: int, metrics: Metrics, max_batch_size: int = 64,
+                 max_queue_delay_ms: float = 5.0, max_queue: int = 256, batching: bool = True):
+        if max_batch_size < 1 or max_queue < 1 or max_queue_delay_ms < 0:
+            raise ValueError("max_batch_size and max_queue must be >= 1 and max_queue_delay_ms >= 0")
+        self.engine = engine
+        self.labels = {"model": model, "version": str(version)}
+        self.metrics = metrics
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay = max_queue_delay_ms / 1000.0
+        self.max_queue = max_queue
+        self.batching = batching
+        self._waiting: deque[ImageJob] = deque()
+        self._changed = threading.Condition()  # guards _waiting / _accepting / _stop; notified on every change
+        self._accepting = True
+        self._stop = False
+        self._active: list[ImageJob] = []  # the batch being run
+        self._seconds_per_batch = 0.05  # moving average, for Retry-After
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{model}-{version}", daemon=True)
+
+    # --- the caller's side (event loop) -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: ImageJob) -> ImageJob:
+        """Queue a job; raises QueueFull (429, Retry-After) when the queue is full, Unavailable when stopping."""
+        with self._changed:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.failures.labels(**self.labels, reason="queue_full").inc()
+                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
+                                self.retry_after())
+            self._waiting.append(job)
+            self.metrics.queue_depth.labels(**self.labels).set(len(self._waiting))
+            self._changed.notify_all()
+        return job
+
+    def retry_after(self) -> float:
+        """Seconds until the waiting jobs have run, estimated from recent batch durations."""
+        waiting = list(self._waiting)
+        if self.batching:
+            batches = math.ceil(sum(job.size for job in waiting) / self.max_batch_size)
+        else:
+            batches = sum(math.ceil(job.size / self.max_batch_size) for job in waiting)
+        return batches * self._seconds_per_batch
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    def stop(self, timeout: float) -> None:
+        """Stop accepting; let accepted jobs run for up to `timeout` seconds; fail whatever is left with 503."""
+        with self._changed:
+            self._accepting = False
+            self._changed.notify_all()  # a batch being collected goes now: nothing more will arrive
+        deadline = time.monotonic() + timeout
+        while (self._waiting or self._active) and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        with self._changed:
+            self._stop = True
+            self._changed.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._changed:
+            leftovers, self._waiting = list(self._waiting) + self._active, deque()
+            self.metrics.queue_depth.labels(**self.labels).set(0)
+        for job in leftovers:
+            self._fail(job, Unavailable("the server shut down before this request finished"))
+
+    # --- the worker thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            batch = self._collect()
+            if batch is None:
+                return
+            self.metrics.running_requests.labels(**self.labels).set(len(batch))
+            try:
+                if len(batch) == 1 and batch[0].size > self.max_batch_size:
+                    self._run_chunked(batch[0])
+                else:
+                    self._run_batch(batch)
+            except Exception as error:  # an engine failure: fail this batch, keep serving
+                log.exception("image batch failed for %s", self.labels["model"])
+                for job in batch:
+                    self._fail(job, ServiceError(f"inference failed: {error}"))
+            self._active = []
+            self.metrics.running_requests.labels(**self.labels).set(0)
+
+    def _collect(self) -> list[ImageJob] | None:
+        """Block until a batch is ready (see the module docstring); None when the batcher stops."""
+        with self._changed:
+            first = None
+            while first is None:
+                if self._stop:
+                    return None
+                first = self._pop_live()
+                if first is None:
+                    self._changed.wait(timeout=0.1)
+            batch, images = [first], first.size
+            if self.batching:
+                flush_at = first.arrived + self.max_queue_delay
+                while images < self.max_batch_size and not self._stop:
+                    job = self._pop_live(fits=self.max_batch_size - images)
+                    if job is not None:
+                        batch.append(job)
+                        images += job.size
+                        continue
+                    remaining = flush_at - time.monotonic()
+                    if self._waiting or remaining <= 0 or not self._accepting:
+                        break  # the next job does not fit, the delay is over, or nothing more will come
+                    self._changed.wait(timeout=remaining)
+            self.metrics.queue_depth.labels(**self.labels).set(len(self._waiting))
+            self._active = batch  # set under the lock, so stop() never sees a batch in neither place
+            return batch
+
+    def _pop_live(self, fits: int | None = None) -> ImageJob | None:
+        """The oldest waiting job that can still run (holding at most `fits` images), failing dead ones on the way."""
+        while self._waiting:
+            job = self._waiting[0]
+            if self._dead(job):
+                self._waiting.popleft()
+                continue
+            if fits is not None and job.size > fits:
+                return None
+            return self._waiting.popleft()
+        return None
+
+    def _dead(self, job: ImageJob) -> bool:
+        """Fail a job that expired or was cancelled; True if it was."""
+        if time.monotonic() > job.deadline:
+            self._fail(job, DeadlineExceeded("the request's deadline expired before its images were classified"))
+        elif job.cancelled.is_set() or job.future.cancelled():
+            self._fail(job, Cancelled("client went away"))
+        else:
+            return False
+        return True
+
+    def _run_batch(self, batch: list[ImageJob]) -> None:
+        batch = [job for job in batch if not self._dead(job)]  # may have expired during the queue delay
+        if not batch:
+            return
+        started = time.monotonic()
+        self._observe_start(batch, started)
+        pixels = np.concatenate([job.pixels for job in batch]) if len(batch) > 1 else batch[0].pixels
+        logits = self._infer(pixels)  # (B, classes)
+        self._seconds_per_batch = 0.9 * self._seconds_per_batch + 0.1 * (time.monotonic() - started)
+        offset = 0
+        for job in batch:
+            self._complete(job, logits[offset : offset + job.size])
+            offset += job.size
+
+    def _run_chunked(self, job: ImageJob) -> None:
+        """A job larger than max_batch_size: alone, in chunks of max_batch_size, checking its deadline between."""
+        started = time.monotonic()
+        self._observe_start([job], started)
+        parts = []
+        for start in range(0, job.size, self.max_batch_size):
+            if start and self._dead(job):
+                return
+            chunk_started = time.monotonic()
+            parts.append(self._infer(job.pixels[start : start + self.max_batch_size]))
+            self._seconds_per_batch = 0.9 * self._seconds_per_batch + 0.1 * (time.monotonic() - chunk_started)
+        self._complete(job, np.concatenate(parts))
+
+    def _infer(self, pixels: np.ndarray) -> np.ndarray:
+        logits = np.asarray(self.engine.logits(pixels), dtype=np.float32)
+        if logits.ndim != 2 or len(logits) != len(pixels):
+            raise ValueError(f"engine returned logits of shape {logits.shape} for {len(pixels)} images")
+        self.metrics.batch_size.labels(**self.labels).observe(len(pixels))
+        return logits
+
+    def _observe_start(self, jobs: list[ImageJob], started: float) -> None:
+        for job in jobs:
+            self.metrics.queue_wait.labels(**self.labels, mode="classify").observe(started - job.arrived)
+
+    def _complete(self, job: ImageJob, logits: np.ndarray) -> None:
+        self.metrics.images.labels(**self.labels).inc(job.size)
+        try:
+            job.future.set_result(logits.copy())
+        except InvalidStateError:  # the caller gave up (deadline or disconnect) while the batch ran
+            pass
+
+    def _fail(self, job: ImageJob, error: ServiceError) -> None:
+        if job.future.done() and not job.future.cancelled():
+            return  # it already has its result
+        self.metrics.failures.labels(**self.labels, reason=error.reason).inc()
+        try:
+            job.future.set_exception(error)
+        except InvalidStateError:
+            pass

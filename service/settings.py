@@ -1,0 +1,65 @@
+"""Service configuration, from the environment (prefix `TSERVE_`) or a `.env` file, with pydantic-settings.
+
+Every knob an operator may turn lives here: the model repository, provider and threads, batching and queueing,
+deadlines, input limits, logging and shutdown. Example: `TSERVE_GPT_MAX_BATCH_ROWS=64 make serve`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TSERVE_", env_file=".env", extra="ignore")
+
+    # where the models are, and which to load ("" = every model in the repository; else "name" or "name:version")
+    repository: Path = Path("model_repository")
+    models: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # ONNX Runtime
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    intra_op_threads: int = 0  # 0 = ONNX Runtime's default (all cores)
+    ort_spin: bool = False  # busy-wait between ops: only on dedicated cores
+
+    # iteration-level batching for the text models: rows (beams count as rows) decoded together per step
+    translation_max_batch_rows: int = Field(64, ge=1)
+    gpt_max_batch_rows: int = Field(64, ge=1)
+    max_prefill_requests: int = Field(16, ge=1)  # requests admitted into one prompt/encoder pass
+    # dynamic batching for the ViT (Triton's knobs)
+    vit_max_batch_size: int = Field(64, ge=1)
+    vit_max_queue_delay_ms: float = Field(5.0, ge=0)
+    vit_batching: bool = True
+    # bounded queues: requests waiting for admission, per model (beyond this: 429 with Retry-After)
+    max_queue_size: int = Field(256, ge=1)
+
+    # deadlines: default when a request gives no timeout_ms, and the most a request may ask for
+    default_timeout_ms: int = Field(30_000, ge=1)
+    max_timeout_ms: int = Field(120_000, ge=1)
+
+    # input limits
+    max_text_chars: int = Field(2_000, ge=1)
+    max_texts: int = Field(32, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+    max_num_beams: int = Field(8, ge=1)
+    max_images: int = Field(64, ge=1)
+    max_image_bytes: int = Field(5_000_000, ge=1)
+    max_image_pixels: int = Field(16_000_000, ge=1)
+    max_body_bytes: int = Field(40_000_000, ge=1)
+
+    # logging and shutdown
+    log_level: str = "INFO"
+    log_format: Literal["json", "text"] = "json"
+    drain_delay_s: float = Field(0.0, ge=0)  # after SIGTERM: keep serving (ready = 503) this long before stopping
+    drain_timeout_s: float = Field(30.0, ge=0)  # then let in-flight requests finish for at most this long
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
