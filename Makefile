@@ -7,7 +7,11 @@ DATA_DIR ?= $(firstword $(wildcard ../shared/data /work/shared/data) data)
 export TSERVE_DATA_DIR ?= $(abspath $(DATA_DIR))
 RUNS ?= runs
 
-.PHONY: venv test test-fast train-tiny clean
+REPOSITORY ?= model_repository
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: venv serve repository test test-fast train-tiny clean
 
 # torch==2.13.0 first: it is a CPU wheel on this machine's disk, and installing it before the project keeps pip
 # from resolving `torch>=2.4` to a multi-GB CUDA build.
@@ -19,6 +23,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# Serve the model repository on http://$(HOST):$(PORT) (built from the tiny presets first if it is empty).
+serve: repository
+	TSERVE_REPOSITORY=$(REPOSITORY) TSERVE_HOST=$(HOST) TSERVE_PORT=$(PORT) $(BIN)/python -m service
+
+repository: venv
+	$(BIN)/python -m export.bootstrap --repository $(REPOSITORY)
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -18,7 +18,8 @@ class _Strict(BaseModel):
 class _Routing(_Strict):
     model: str | None = Field(None, description="Model name in the repository; default: the kind's default model.",
                               examples=["translation"])
-    version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded version.")
+    version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded version.",
+                                examples=[1])
     timeout_ms: int | None = Field(None, ge=1, description="Deadline for queueing + decoding, in milliseconds; "
                                    "default and maximum are server settings. Past it: 504.", examples=[10000])
 
@@ -26,16 +27,24 @@ class _Routing(_Strict):
 class TranslateRequest(_Routing):
     model_config = ConfigDict(json_schema_extra={"examples": [{"text": "Ein Mann fährt Fahrrad.", "num_beams": 4}]})
 
-    text: str | list[str] = Field(..., description="German sentence, or a list of up to 32 sentences.")
-    num_beams: int = Field(4, ge=1, le=32, description="Beam width; 1 = greedy decoding.")
+    text: str | list[str] = Field(..., description="German sentence, or a list of up to 32 sentences.",
+                                  examples=["Ein Mann fährt Fahrrad."])
+    num_beams: int = Field(4, ge=1, le=32, description="Beam width; 1 = greedy decoding.", examples=[4])
     length_penalty: float = Field(1.0, ge=-5.0, le=5.0,
-                                  description="Beam score = sum of log-probs / generated_length ** length_penalty.")
-    early_stopping: bool | Literal["never"] = Field(False, description="Beam stopping rule, as in transformers.")
-    num_return_sequences: int = Field(1, ge=1, description="Size of the n-best list per sentence (<= num_beams).")
-    max_new_tokens: int | None = Field(None, ge=1, description="Default: twice the source length + 10.")
-    min_new_tokens: int = Field(0, ge=0)
-    no_repeat_ngram_size: int = Field(0, ge=0, le=10)
-    stream: bool = Field(False, description="Server-sent events, one per token (greedy: num_beams=1, one text).")
+                                  description="Beam score = sum of log-probs / generated_length ** length_penalty.",
+                                  examples=[1.0])
+    early_stopping: bool | Literal["never"] = Field(False, description="Beam stopping rule, as in transformers: "
+                                                    "true, false or \"never\".", examples=[False])
+    num_return_sequences: int = Field(1, ge=1, description="Size of the n-best list per sentence (<= num_beams).",
+                                      examples=[1])
+    max_new_tokens: int | None = Field(None, ge=1, description="Most tokens to generate per sentence; default: "
+                                       "twice the source length + 10.", examples=[40])
+    min_new_tokens: int = Field(0, ge=0, description="End of sentence is blocked before this many tokens.",
+                                examples=[0])
+    no_repeat_ngram_size: int = Field(0, ge=0, le=10, description="Forbid repeating any n-gram of this size; 0 = off.",
+                                      examples=[0])
+    stream: bool = Field(False, description="Server-sent events, one per token (greedy: num_beams=1, one text).",
+                         examples=[False])
 
     @model_validator(mode="after")
     def _consistent(self) -> TranslateRequest:
@@ -61,16 +70,19 @@ class GenerateRequest(_Routing):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"prompt": "ROMEO:\n", "max_new_tokens": 80, "temperature": 0.8, "top_k": 40, "seed": 7}]})
 
-    prompt: str = Field(..., min_length=1, description="Text to continue.")
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=5.0, description="0 = greedy decoding.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1 = off.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    seed: int | None = Field(None, ge=0, description="Same seed, same output.")
-    stop: list[str] = Field(default_factory=list, max_length=8, description="Stop strings (cut from the text).")
-    num_beams: int = Field(1, ge=1, le=32, description="> 1: beam search instead of sampling.")
-    stream: bool = Field(False, description="Server-sent events, one per token.")
+    prompt: str = Field(..., min_length=1, description="Text to continue.", examples=["ROMEO:\n"])
+    max_new_tokens: int = Field(64, ge=1, description="Most tokens (bytes) to generate.", examples=[80])
+    temperature: float = Field(1.0, ge=0.0, le=5.0, description="Softmax temperature; 0 = greedy decoding.",
+                               examples=[0.8])
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1 = off.", examples=[0.95])
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="> 1 discourages tokens already present "
+                                      "(prompt included), as in transformers.", examples=[1.1])
+    seed: int | None = Field(None, ge=0, description="Same seed, same output.", examples=[7])
+    stop: list[str] = Field(default_factory=list, max_length=8, description="Up to 8 stop strings; the text is cut "
+                            "before the first one and finish_reason is \"stop\".", examples=[["\n\n"]])
+    num_beams: int = Field(1, ge=1, le=32, description="> 1: beam search instead of sampling.", examples=[1])
+    stream: bool = Field(False, description="Server-sent events, one per token.", examples=[False])
 
     @field_validator("stop")
     @classmethod
@@ -107,11 +119,13 @@ class ClassifyJSONRequest(_Strict):
     model_config = ConfigDict(json_schema_extra={"examples": [{"images": ["iVBORw0KGgoAAAANSUhEUgAA..."],
                                                                "top_k": 3}]})
 
-    images: list[str] = Field(..., min_length=1, description="Base64-encoded image files (PNG, JPEG, ...).")
-    top_k: int = Field(5, ge=1)
-    model: str | None = None
-    version: int | None = Field(None, ge=1)
-    timeout_ms: int | None = Field(None, ge=1)
+    images: list[str] = Field(..., min_length=1, description="Base64-encoded image files (PNG, JPEG, ...), up to 64.",
+                              examples=[["iVBORw0KGgoAAAANSUhEUgAA..."]])
+    top_k: int = Field(5, ge=1, description="Predictions per image, best first.", examples=[3])
+    model: str | None = Field(None, description="Model name; default: vit.", examples=["vit"])
+    version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded.", examples=[1])
+    timeout_ms: int | None = Field(None, ge=1, description="Deadline in milliseconds (default: server setting).",
+                                   examples=[5000])
 
 
 class Prediction(BaseModel):

@@ -1,0 +1,209 @@
+"""HTTP contract of /v1/translate, /v1/generate, /v1/models, health and metrics, through the ASGI app
+(the real-process behaviours - streaming over a socket, disconnects, SIGTERM - are in test_server_process.py)."""
+
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.decoding import BeamSearch, GreedySearch
+from service.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(tiny_repository):
+    settings = Settings(repository=tiny_repository, max_text_chars=300, max_new_tokens=60, max_timeout_ms=60_000)
+    with TestClient(create_app(settings)) as client:
+        for _ in range(300):
+            if client.get("/health/ready").status_code == 200:
+                break
+            time.sleep(0.1)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def engines(client):
+    registry = client.app.state.registry
+    return registry.resolve("translation", None, None).engine, registry.resolve("gpt", None, None).engine
+
+
+def error_of(response, status):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}
+    return body["error"]
+
+
+# --- operations ---------------------------------------------------------------------------------------------
+
+def test_health_and_models(client):
+    assert client.get("/health/live").json() == {"status": "live"}
+    assert client.get("/health/ready").json() == {"status": "ready"}
+    models = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
+    assert set(models) == {"translation", "gpt", "vit"}
+    for name, kind in [("translation", "translation"), ("gpt", "gpt"), ("vit", "vit")]:
+        assert models[name]["kind"] == kind and models[name]["active_version"] == 1 and models[name]["ready"]
+        assert models[name]["provider"] == "CPUExecutionProvider" and models[name]["versions"] == [1]
+
+
+def test_request_id_is_accepted_and_echoed(client):
+    response = client.get("/v1/models", headers={"X-Request-ID": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    generated = client.get("/v1/models").headers["x-request-id"]
+    assert len(generated) == 32  # a fresh uuid4 hex when none (or an unsafe one) is given
+    assert client.get("/v1/models", headers={"X-Request-ID": "bad id\twith spaces"}).headers["x-request-id"] != \
+        "bad id\twith spaces"
+
+
+def test_openapi_documents_every_endpoint_with_examples(client):
+    spec = client.get("/openapi.json").json()
+    assert {"/v1/translate", "/v1/generate", "/v1/models", "/health/live", "/health/ready", "/metrics"} <= \
+        set(spec["paths"])
+    schemas = spec["components"]["schemas"]
+    for name in ("TranslateRequest", "GenerateRequest", "ClassifyJSONRequest"):
+        assert schemas[name].get("examples"), name
+        for field_name, field in schemas[name]["properties"].items():
+            assert field.get("description") and field.get("examples"), f"{name}.{field_name}"
+    assert "429" in spec["paths"]["/v1/generate"]["post"]["responses"]
+
+
+# --- translate ----------------------------------------------------------------------------------------------
+
+def test_translate_matches_the_engine(client, engines):
+    translation, _ = engines
+    body = client.post("/v1/translate", json={"text": "Zwei Hunde spielen im Schnee."}).json()
+    assert body["model"] == "translation" and body["version"] == 1
+    source = translation.source_ids("Zwei Hunde spielen im Schnee.")
+    max_new = translation.default_max_new_tokens(len(source))
+    best = translation.translate_ids([source], lambda _: BeamSearch(4, max_new, translation.eos_id,
+                                                                    prefix=[translation.bos_id]))[0].results()[0]
+    assert body["translations"] == [[{"text": translation.tokenizer.decode(best.tokens), "score": best.score}]]
+
+
+def test_translate_batch_and_n_best(client, engines):
+    texts = ["Ein Mann fährt Fahrrad.", "Eine Frau singt.", "Kinder spielen am Strand."]
+    body = client.post("/v1/translate", json={"text": texts, "num_beams": 4, "num_return_sequences": 3}).json()
+    assert len(body["translations"]) == 3
+    for n_best in body["translations"]:
+        scores = [h["score"] for h in n_best]
+        assert len(n_best) == 3 and scores == sorted(scores, reverse=True)
+    greedy = client.post("/v1/translate", json={"text": texts[0], "num_beams": 1}).json()
+    translation, _ = engines
+    source = translation.source_ids(texts[0])
+    expected = translation.translate_ids([source], lambda _: GreedySearch(translation.default_max_new_tokens(
+        len(source)), translation.eos_id))[0].results()[0]
+    assert greedy["translations"][0][0]["text"] == translation.tokenizer.decode(expected.tokens)
+
+
+@pytest.mark.parametrize("payload, status, fragment", [
+    ({"text": ""}, 400, "empty"),
+    ({"text": ["ok", "   "]}, 400, "text[1] is empty"),
+    ({"text": ["Hallo."] * 33}, 413, "at most 32"),
+    ({"text": "x" * 301}, 413, "301 characters"),
+    ({"text": "Hallo.", "colour": "blue"}, 422, "colour"),
+    ({"text": "Hallo.", "num_beams": 0}, 422, "num_beams"),
+    ({"text": "Hallo.", "num_beams": 2, "num_return_sequences": 3}, 422, "num_return_sequences"),
+    ({"text": "Hallo.", "num_beams": 4, "stream": True}, 422, "stream"),
+    ({"text": "Hallo.", "early_stopping": "sometimes"}, 422, "early_stopping"),
+    ({"text": "Hallo.", "max_new_tokens": 61}, 400, "max_new_tokens"),
+    ({"text": "Hallo.", "timeout_ms": 120_000}, 400, "timeout_ms"),
+    ({"text": "Hallo.", "model": "nope"}, 404, "not found"),
+    ({"text": "Hallo.", "version": 9}, 404, "no loaded version 9"),
+    ({"text": "Hallo.", "model": "gpt"}, 400, "gpt model"),
+    ({}, 422, "text"),
+])
+def test_translate_bad_input(client, payload, status, fragment):
+    assert fragment in error_of(client.post("/v1/translate", json=payload), status)["message"]
+
+
+def test_malformed_json_is_a_422(client):
+    response = client.post("/v1/translate", content=b"{not json", headers={"content-type": "application/json"})
+    assert error_of(response, 422)["type"] == "invalid_request"
+
+
+# --- generate -----------------------------------------------------------------------------------------------
+
+def test_greedy_generation_matches_the_engine(client, engines):
+    _, gpt = engines
+    body = client.post("/v1/generate", json={"prompt": "ROMEO:\n", "max_new_tokens": 30, "temperature": 0}).json()
+    prompt = gpt.tokenizer.encode("ROMEO:\n").ids
+    expected = gpt.generate([prompt], lambda _: GreedySearch(30, gpt.eos_id))[0].results()[0]
+    assert body["text"] == gpt.tokenizer.decode(expected.tokens)
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 30}
+    assert body["finish_reason"] == "length" and body["model"] == "gpt"
+
+
+def test_sampling_is_reproducible_with_a_seed(client):
+    payload = {"prompt": "To be", "max_new_tokens": 40, "temperature": 1.0, "top_k": 20, "top_p": 0.95, "seed": 11}
+    first, second = (client.post("/v1/generate", json=payload).json()["text"] for _ in range(2))
+    others = {client.post("/v1/generate", json={**payload, "seed": s}).json()["text"] for s in range(5)}
+    assert first == second and len(others) > 1
+
+
+def test_stop_strings_end_the_text(client):
+    body = client.post("/v1/generate", json={"prompt": "ROMEO:\n", "max_new_tokens": 50, "temperature": 0,
+                                              "stop": ["e"]}).json()
+    assert body["finish_reason"] == "stop" and "e" not in body["text"]
+    assert body["usage"]["completion_tokens"] >= len(body["text"])
+
+
+def test_beam_search_generation(client):
+    body = client.post("/v1/generate", json={"prompt": "KING:", "max_new_tokens": 12, "num_beams": 3}).json()
+    assert body["finish_reason"] in ("eos", "length") and body["usage"]["completion_tokens"] <= 12
+
+
+def test_streamed_text_equals_the_plain_text(client):
+    payload = {"prompt": "First Citizen:\n", "max_new_tokens": 40, "temperature": 0.8, "seed": 3, "stop": ["ou"]}
+    plain = client.post("/v1/generate", json=payload).json()
+    with client.stream("POST", "/v1/generate", json={**payload, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert [e["index"] for e in events] == list(range(len(events)))
+    assert "".join(e["token"] for e in events) == plain["text"]
+    assert events[-1]["finish_reason"] == plain["finish_reason"] and events[-1]["usage"] == plain["usage"]
+
+
+@pytest.mark.parametrize("payload, status, fragment", [
+    ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": "x" * 60, "max_new_tokens": 10}, 400, "context"),
+    ({"prompt": "x", "max_new_tokens": 61}, 400, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": 0}, 422, "max_new_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, 422, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 422, "top_p"),
+    ({"prompt": "x", "top_k": -1}, 422, "top_k"),
+    ({"prompt": "x", "stop": [""]}, 422, "stop"),
+    ({"prompt": "x", "num_beams": 2, "stream": True}, 422, "stream"),
+    ({"prompt": "x", "seed": "abc"}, 422, "seed"),
+    ({"prompt": "x", "model": "vit"}, 400, "vit model"),
+])
+def test_generate_bad_input(client, payload, status, fragment):
+    assert fragment in error_of(client.post("/v1/generate", json=payload), status)["message"]
+
+
+def test_unknown_route_and_method_are_json_errors(client):
+    assert error_of(client.get("/v1/nothing"), 404)["type"] == "not_found"
+    assert error_of(client.get("/v1/generate"), 405)["type"] == "method_not_allowed"
+
+
+# --- metrics ------------------------------------------------------------------------------------------------
+
+def test_metrics_describe_the_traffic(client):
+    client.post("/v1/generate", json={"prompt": "ROMEO:", "max_new_tokens": 5, "temperature": 0})
+    client.post("/v1/translate", json={"text": "Ein Hund."})
+    client.post("/v1/translate", json={"text": ""})
+    text = client.get("/metrics").text
+    assert 'tserve_request_duration_seconds_count{endpoint="/v1/translate",mode="beam",model="translation",' \
+           'status="200",version="1"}' in text
+    for name in ("tserve_time_to_first_token_seconds_bucket", "tserve_inter_token_latency_seconds_bucket",
+                 "tserve_queue_wait_seconds_bucket", "tserve_batch_size_bucket", "tserve_prompt_tokens_total",
+                 'tserve_generated_tokens_total{mode="greedy",model="gpt",version="1"}', "tserve_queue_depth",
+                 "tserve_running_requests", "tserve_model_load_seconds", 'tserve_model_info{kind="gpt"',
+                 "tserve_ready 1.0"):
+        assert name in text, name
+    assert 'tserve_request_failures_total{model="translation",reason="bad_input",version="1"}' in text
