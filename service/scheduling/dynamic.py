@@ -89,7 +89,6 @@ class DynamicBatcher:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
-                self.metrics.failures.labels(**self.labels, reason="queue_full").inc()
                 raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
                                 self.retry_after())
             self._waiting.append(job)
@@ -250,7 +249,8 @@ class DynamicBatcher:
     def _fail(self, job: ImageJob, error: ServiceError) -> None:
         if job.future.done() and not job.future.cancelled():
             return  # it already has its result
-        self.metrics.failures.labels(**self.labels, reason=error.reason).inc()
+        if isinstance(error, Cancelled):  # other failures are counted by the request middleware, by status
+            self.metrics.failures.labels(**self.labels, reason=error.reason).inc()
         try:
             job.future.set_exception(error)
         except InvalidStateError:
