@@ -64,10 +64,17 @@ def test_openapi_documents_every_endpoint_with_examples(client):
     assert {"/v1/translate", "/v1/generate", "/v1/models", "/health/live", "/health/ready", "/metrics"} <= \
         set(spec["paths"])
     schemas = spec["components"]["schemas"]
-    for name in ("TranslateRequest", "GenerateRequest", "ClassifyJSONRequest"):
-        assert schemas[name].get("examples"), name
-        for field_name, field in schemas[name]["properties"].items():
-            assert field.get("description") and field.get("examples"), f"{name}.{field_name}"
+
+    def request_schema(path, content_type="application/json"):
+        schema = spec["paths"][path]["post"]["requestBody"]["content"][content_type]["schema"]
+        return schemas[schema["$ref"].rsplit("/", 1)[1]] if "$ref" in schema else schema
+
+    for path in ("/v1/translate", "/v1/generate", "/v1/classify"):
+        schema = request_schema(path)
+        assert schema.get("examples"), path
+        for field_name, field in schema["properties"].items():
+            assert field.get("description") and field.get("examples"), f"{path}: {field_name}"
+    assert "files" in request_schema("/v1/classify", "multipart/form-data")["properties"]
     assert "429" in spec["paths"]["/v1/generate"]["post"]["responses"]
 
 
