@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import uvicorn
 
 from service.app import create_app
@@ -12,6 +15,9 @@ from service.settings import get_settings
 def main() -> None:
     settings = get_settings()
     configure_logging(settings.log_level, settings.log_format)
+    # uvicorn re-raises a caught SIGTERM after its graceful shutdown, with the handler that was there before it:
+    # make that a clean exit (status 0) rather than death by signal.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
                 timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
 

@@ -117,6 +117,7 @@ def test_translate_batch_and_n_best(client, engines):
     ({"text": "Hallo.", "num_beams": 4, "stream": True}, 422, "stream"),
     ({"text": "Hallo.", "early_stopping": "sometimes"}, 422, "early_stopping"),
     ({"text": "Hallo.", "max_new_tokens": 61}, 400, "max_new_tokens"),
+    ({"text": "Hallo.", "num_beams": 9}, 400, "num_beams=9 exceeds"),
     ({"text": "Hallo.", "timeout_ms": 120_000}, 400, "timeout_ms"),
     ({"text": "Hallo.", "model": "nope"}, 404, "not found"),
     ({"text": "Hallo.", "version": 9}, 404, "no loaded version 9"),
@@ -199,6 +200,16 @@ def test_unknown_route_and_method_are_json_errors(client):
 
 
 # --- metrics ------------------------------------------------------------------------------------------------
+
+def test_generated_tokens_are_counted_exactly(client):
+    def counted():
+        return client.app.state.metrics.registry.get_sample_value(
+            "tserve_generated_tokens_total", {"model": "gpt", "version": "1", "mode": "greedy"}) or 0.0
+
+    before = counted()
+    body = client.post("/v1/generate", json={"prompt": "ROMEO:", "max_new_tokens": 7, "temperature": 0}).json()
+    assert body["usage"]["completion_tokens"] == 7 and counted() - before == 7
+
 
 def test_metrics_describe_the_traffic(client):
     client.post("/v1/generate", json={"prompt": "ROMEO:", "max_new_tokens": 5, "temperature": 0})

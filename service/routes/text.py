@@ -48,10 +48,12 @@ def _label(request: Request, loaded: LoadedModel, mode: str) -> None:
     request.state.model, request.state.version, request.state.mode = loaded.name, loaded.version, mode
 
 
-def _check_new_tokens(request: Request, max_new_tokens: int | None) -> None:
-    limit = request.app.state.settings.max_new_tokens
-    if max_new_tokens is not None and max_new_tokens > limit:
-        raise BadInput(f"max_new_tokens={max_new_tokens} exceeds the server limit of {limit}")
+def _check_limits(request: Request, max_new_tokens: int | None, num_beams: int) -> None:
+    settings = request.app.state.settings
+    if max_new_tokens is not None and max_new_tokens > settings.max_new_tokens:
+        raise BadInput(f"max_new_tokens={max_new_tokens} exceeds the server limit of {settings.max_new_tokens}")
+    if num_beams > settings.max_num_beams:
+        raise BadInput(f"num_beams={num_beams} exceeds the server limit of {settings.max_num_beams}")
 
 
 def _submit(loaded: LoadedModel, jobs: list[TextJob]) -> None:
@@ -79,6 +81,7 @@ async def _wait(request: Request, jobs: list[TextJob], deadline: float) -> list[
     except BaseException:
         for job in jobs:
             job.cancel()
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no asyncio error log
         gathered.cancel()
         raise
 
@@ -96,8 +99,8 @@ class _IncrementalText:
 
     def add(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        text = self.decode(self.ids)
-        stable = len(text) - self.holdback
+        text, hit = truncate_at_stop(self.decode(self.ids), self.stops)
+        stable = len(text) if hit else len(text) - self.holdback
         if text.endswith("\ufffd"):
             stable = min(stable, len(text) - 1)
         piece = text[self.released : max(self.released, stable)]
@@ -131,7 +134,9 @@ def _stream(request: Request, loaded: LoadedModel, job: TextJob, decode: Callabl
                     index += 1
             try:
                 hypothesis = job.future.result()[0]
-            except ServiceError as error:
+            except ServiceError as error:  # the status (200) is already sent: count the failure here
+                request.app.state.metrics.failures.labels(model=loaded.name, version=str(loaded.version),
+                                                          reason=error.reason).inc()
                 yield _sse({"error": {"type": error.type, "message": error.message}})
             else:
                 final_text, extra = finish(hypothesis)
@@ -161,7 +166,7 @@ async def translate(body: TranslateRequest, request: Request):
             raise BadInput(f"text[{i}] is empty")
         if len(text) > settings.max_text_chars:
             raise PayloadTooLarge(f"text[{i}] has {len(text)} characters; the limit is {settings.max_text_chars}")
-    _check_new_tokens(request, body.max_new_tokens)
+    _check_limits(request, body.max_new_tokens, body.num_beams)
     deadline = _deadline(request, body.timeout_ms)
     engine = loaded.engine
     sources = [engine.source_ids(" ".join(text.split())) for text in texts]  # tabs/newlines -> spaces
@@ -195,7 +200,7 @@ async def generate(body: GenerateRequest, request: Request):
     _label(request, loaded, body.mode)
     if len(body.prompt) > settings.max_text_chars:
         raise PayloadTooLarge(f"prompt has {len(body.prompt)} characters; the limit is {settings.max_text_chars}")
-    _check_new_tokens(request, body.max_new_tokens)
+    _check_limits(request, body.max_new_tokens, body.num_beams)
     deadline = _deadline(request, body.timeout_ms)
     engine = loaded.engine
     prompt = engine.tokenizer.encode(body.prompt).ids

@@ -186,6 +186,7 @@ class ContinuousBatcher:
                 job.row_offset = offset  # its prefill row in the combined batch
                 offset += 1
                 job.pending = job.search.step(row[None])
+                self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc()  # its first token
                 self._after_step(job, time.monotonic())
             state = new_state if state is None or state_rows == 0 else self.backend.concatenate([state, new_state])
             self._active.extend(admitted)
@@ -217,8 +218,8 @@ class ContinuousBatcher:
         for job, job_tokens in zip(live, tokens):
             n = len(job_tokens)
             job.row_offset = offset
-            self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc(n)
             job.pending = job.search.step(logits[offset : offset + n])
+            self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc(n)  # one choice per row
             offset += n
             self._after_step(job, now)
         return state
