@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,24 @@ def tiny_repository(tmp_path_factory, tiny_runs, data_dir) -> Path:
         assert main([kind, "--checkpoint", str(run_dir), "--repository", str(repository),
                      "--data-dir", str(data_dir)]) == 0
     return repository
+
+
+@contextmanager
+def _serving(settings):
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/health/ready").json()
+            time.sleep(0.1)
+        yield client
+
+
+@pytest.fixture(scope="session")
+def serving():
+    """`with serving(settings) as client:` a TestClient over the app (lifespan running), once /health/ready says
+    the models are loaded."""
+    return _serving

@@ -4,17 +4,14 @@ predictions as the engine, any image size or mode is accepted, and every bad inp
 import base64
 import io
 import struct
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from PIL import Image
 
 from models.data import load_fashion_mnist
-from service.app import create_app
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -23,14 +20,10 @@ MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS = 8, 200_000, 1_000_000
 
 
 @pytest.fixture(scope="module")
-def client(tiny_repository):
+def client(tiny_repository, serving):
     settings = Settings(repository=tiny_repository, models=["vit"], max_images=MAX_IMAGES,
                         max_image_bytes=MAX_IMAGE_BYTES, max_image_pixels=MAX_IMAGE_PIXELS, max_timeout_ms=60_000)
-    with TestClient(create_app(settings)) as client:
-        for _ in range(600):
-            if client.get("/health/ready").status_code == 200:
-                break
-            time.sleep(0.1)
+    with serving(settings) as client:
         yield client
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +19,6 @@ from models.data import (
     resolve_data_dir,
 )
 
-_SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Path:
-    """TSERVE_DATA_DIR if set, else the shared data folder next to the checkout, else resolve_data_dir's default."""
-    if not os.environ.get("TSERVE_DATA_DIR") and _SHARED.is_dir():
-        return resolve_data_dir(_SHARED)
-    return resolve_data_dir()
 
 
 # --- real data ---------------------------------------------------------------------------------------------------

@@ -2,12 +2,9 @@
 (the real-process behaviours - streaming over a socket, disconnects, SIGTERM - are in test_server_process.py)."""
 
 import json
-import time
 
 import pytest
-from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.decoding import BeamSearch, GreedySearch
 from service.settings import Settings
 
@@ -15,13 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def client(tiny_repository):
+def client(tiny_repository, serving):
     settings = Settings(repository=tiny_repository, max_text_chars=300, max_new_tokens=60, max_timeout_ms=60_000)
-    with TestClient(create_app(settings)) as client:
-        for _ in range(300):
-            if client.get("/health/ready").status_code == 200:
-                break
-            time.sleep(0.1)
+    with serving(settings) as client:
         yield client
 
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import unicodedata
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-from models.data import load_multi30k, load_shakespeare, resolve_data_dir
+from models.data import load_multi30k, load_shakespeare
 from models.tokenization import (
     BOS,
     BOS_ID,
@@ -30,15 +28,6 @@ from models.tokenization import (
     train_translation_tokenizer,
 )
 
-_SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Path:
-    """TSERVE_DATA_DIR if set, else the shared data folder next to the checkout, else resolve_data_dir's default."""
-    if not os.environ.get("TSERVE_DATA_DIR") and _SHARED.is_dir():
-        return resolve_data_dir(_SHARED)
-    return resolve_data_dir()
 
 
 @pytest.fixture(scope="module")
