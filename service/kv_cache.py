@@ -62,51 +62,77 @@ class KVCache:
         self.positions = new_positions.astype(np.int64)
 
     def select(self, rows: np.ndarray) -> None:
-        """Keep rows `rows` (indices into the current rows, repeats allowed) in that order."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) == self.rows and np.array_equal(rows, np.arange(self.rows)):
-            return  # nothing moves: greedy and sampling rows keep their place
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.mask = self.mask[rows]
-        self.positions = self.positions[rows]
-        if self.encoder_row is not None:
-            self.encoder_row = self.encoder_row[rows]
-        self.trim()
+        """Keep rows `rows` (indices into the current rows, repeats allowed) in that order.
 
-    def trim(self) -> None:
-        """Drop leading slots that no row uses any more (left padding left behind by departed rows)."""
-        if self.rows == 0 or self.length == 0:
-            return
-        used = self.mask.any(axis=0)
-        first = int(np.argmax(used)) if used.any() else self.length
-        if first > 0:
-            self.keys = [np.ascontiguousarray(k[:, :, first:]) for k in self.keys]
-            self.values = [np.ascontiguousarray(v[:, :, first:]) for v in self.values]
-            self.mask = self.mask[:, first:]
+        A same-size reordering (beams swapping parents) copies only the rows that change, in place; anything else
+        gathers the kept rows once, dropping leading slots that none of them uses any more."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) == self.rows:
+            moved = np.flatnonzero(rows != np.arange(self.rows))
+            if moved.size == 0:
+                return  # nothing moves: greedy and sampling rows keep their place
+            if 2 * moved.size <= self.rows:
+                sources = rows[moved]
+                for array in (*self.keys, *self.values, self.mask, self.positions):
+                    array[moved] = array[sources]  # the right side is gathered first, so overlaps are safe
+                if self.encoder_row is not None:
+                    self.encoder_row[moved] = self.encoder_row[sources]
+                return
+        merged = KVCache.concatenate([self], rows=[rows])
+        self.keys, self.values, self.mask, self.positions = merged.keys, merged.values, merged.mask, merged.positions
+        if self.encoder_row is not None:
+            self.encoder_row = merged.encoder_row
+
+    def first_used_slot(self, rows: np.ndarray | None = None) -> int:
+        """The first slot any of `rows` (default: all) uses; slots before it are left padding."""
+        mask = self.mask if rows is None else self.mask[rows]
+        used = mask.any(axis=0)
+        return int(np.argmax(used)) if used.any() else self.length
 
     @staticmethod
-    def concatenate(caches: Sequence[KVCache], encoder_offsets: Sequence[int] | None = None) -> KVCache:
-        """Stack the rows of several caches; shorter caches are left-padded with masked (zero) slots.
+    def concatenate(caches: Sequence[KVCache], encoder_offsets: Sequence[int] | None = None,
+                    rows: Sequence[np.ndarray | None] | None = None) -> KVCache:
+        """Stack (selected) rows of several caches in one copy; shorter caches are left-padded with masked slots
+        and slots that no kept row uses are dropped.
 
-        With `encoder_offsets`, cache i's encoder rows are shifted by offsets[i] (its sources' first row in the
-        concatenated encoder output)."""
-        length = max(c.length for c in caches)
+        `rows[i]`: the rows of cache i to keep, in order (None = all). With `encoder_offsets`, cache i's encoder
+        rows are shifted by offsets[i] (its sources' first row in the concatenated encoder output)."""
+        rows = [np.arange(c.rows) if r is None else np.asarray(r, dtype=np.int64)
+                for c, r in zip(caches, rows or [None] * len(caches))]
+        firsts = [c.first_used_slot(r) if len(r) else c.length for c, r in zip(caches, rows)]
+        length = max((c.length - f for c, f, r in zip(caches, firsts, rows) if len(r)), default=0)
+        total = sum(len(r) for r in rows)
+        reference = caches[0]
+        n_heads, head_dim = reference.keys[0].shape[1], reference.keys[0].shape[3]
 
-        def left_pad(array: np.ndarray, axis: int) -> np.ndarray:
-            missing = length - array.shape[axis]
-            if missing == 0:
-                return array
-            widths = [(0, 0)] * array.ndim
-            widths[axis] = (missing, 0)
-            return np.pad(array, widths)
+        def gather(arrays_of: str, layer: int | None = None) -> np.ndarray:
+            if layer is None:  # the mask
+                out = np.zeros((total, length), np.int64)
+            else:
+                out = np.zeros((total, n_heads, length, head_dim), np.float32)
+            start = 0
+            for cache, kept, first in zip(caches, rows, firsts):
+                if len(kept) and (kept.min() < 0 or kept.max() >= cache.rows):
+                    raise IndexError(f"row index out of range for a cache of {cache.rows} rows")
+                if len(kept):
+                    source = getattr(cache, arrays_of)
+                    source = source[layer][:, :, first:] if layer is not None else source[:, first:]
+                    width = source.shape[-2] if layer is not None else source.shape[-1]
+                    target = (out[start : start + len(kept), :, length - width :] if layer is not None
+                              else out[start : start + len(kept), length - width :])
+                    np.take(source, kept, axis=0, out=target, mode="clip")
+                start += len(kept)
+            return out
 
-        n_layers = len(caches[0].keys)
+        n_layers = len(reference.keys)
+        encoder_row = None
+        if encoder_offsets is not None or reference.encoder_row is not None:
+            offsets = encoder_offsets or [0] * len(caches)
+            encoder_row = np.concatenate([c.encoder_row[r] + o for c, r, o in zip(caches, rows, offsets)])
         return KVCache(
-            [np.concatenate([left_pad(c.keys[i], 2) for c in caches]) for i in range(n_layers)],
-            [np.concatenate([left_pad(c.values[i], 2) for c in caches]) for i in range(n_layers)],
-            np.concatenate([left_pad(c.mask, 1) for c in caches]),
-            np.concatenate([c.positions for c in caches]),
-            None if encoder_offsets is None else
-            np.concatenate([c.encoder_row + offset for c, offset in zip(caches, encoder_offsets)]),
+            [gather("keys", i) for i in range(n_layers)],
+            [gather("values", i) for i in range(n_layers)],
+            gather("mask"),
+            np.concatenate([c.positions[r] for c, r in zip(caches, rows)]),
+            encoder_row,
         )

@@ -23,6 +23,9 @@ def test_select(rows, expected_first_keys):
     c = cache(3, 3, encoder_row=[10, 11, 12])
     c.select(np.array(rows, dtype=np.int64))
     assert c.rows == len(rows)
+    if not rows:
+        assert c.keys[0].shape[0] == 0 and c.length == 0  # no rows: no slots either
+        return
     assert c.keys[0][:, 0, 0, 0].tolist() == expected_first_keys
     assert c.values[0][:, 0, 0, 0].tolist() == [k + 0.5 for k in expected_first_keys]
     assert c.encoder_row.tolist() == [10 + r for r in rows]
@@ -52,3 +55,18 @@ def test_append_adopts_presents_and_extends_the_mask():
     assert c.length == 3 and c.positions.tolist() == [2, 3] and len(c.feeds()) == 4
     assert set(c.feeds()) == {"past_key_values.0.key", "past_key_values.0.value",
                               "past_key_values.1.key", "past_key_values.1.value"}
+
+
+def test_a_same_size_reordering_moves_only_the_changed_rows_in_place():
+    c = cache(4, 3, encoder_row=[0, 0, 1, 1])
+    keys = c.keys[0]
+    c.select(np.array([0, 0, 2, 3]))  # beam 1 continues beam 0; the others stay
+    assert c.keys[0] is keys  # no new array
+    assert c.keys[0][:, 0, 0, 0].tolist() == [0, 0, 6, 9]
+    assert c.values[0][:, 0, 0, 0].tolist() == [0.5, 0.5, 6.5, 9.5]
+    assert c.encoder_row.tolist() == [0, 0, 1, 1]
+
+
+def test_bad_row_indices_are_an_error():
+    with pytest.raises(IndexError):
+        cache(2, 2).select(np.array([0, 5, 1]))

@@ -74,8 +74,8 @@ class GPTEngine:
         return cache
 
     @staticmethod
-    def concatenate(caches: Sequence[KVCache]) -> KVCache:
-        return KVCache.concatenate(caches)
+    def concatenate(caches: Sequence[KVCache], rows: Sequence[np.ndarray | None] | None = None) -> KVCache:
+        return KVCache.concatenate(caches, rows=rows)
 
     def generate(self, prompts: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
         """Decode a batch offline: prefill, then steps until every search is done (see `run_search`)."""

@@ -61,6 +61,10 @@ class DecoderBatch:
     def rows(self) -> int:
         return self.cache.rows
 
+    @property
+    def positions(self) -> np.ndarray:
+        return self.cache.positions
+
 
 class TranslationEngine:
     def __init__(self, model: ModelVersion, options: RuntimeOptions = RuntimeOptions()):
@@ -140,9 +144,11 @@ class TranslationEngine:
         return batch
 
     @staticmethod
-    def concatenate(batches: Sequence[DecoderBatch]) -> DecoderBatch:
+    def concatenate(batches: Sequence[DecoderBatch], rows: Sequence[np.ndarray | None] | None = None
+                    ) -> DecoderBatch:
+        """Stack (selected rows of) several batches; sources no kept row uses go at the next `select`."""
         encoded, offsets = EncodedSources.concatenate([b.encoded for b in batches])
-        return DecoderBatch(KVCache.concatenate([b.cache for b in batches], offsets), encoded)
+        return DecoderBatch(KVCache.concatenate([b.cache for b in batches], offsets, rows), encoded)
 
     def default_max_new_tokens(self, source_length: int) -> int:
         """Room for a translation: twice the source plus 10 tokens, within the positional table."""

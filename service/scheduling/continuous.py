@@ -44,7 +44,7 @@ class DecodingBackend(Protocol):
 
     def select(self, state: Any, rows: np.ndarray) -> Any: ...
 
-    def concatenate(self, states: Sequence[Any]) -> Any: ...
+    def concatenate(self, states: Sequence[Any], rows: Sequence[np.ndarray | None] | None = None) -> Any: ...
 
 
 @dataclass(eq=False)
@@ -62,7 +62,8 @@ class TextJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # scheduler bookkeeping
     pending: StepResult | None = None
-    row_offset: int = 0
+    row_offset: int = 0  # its first row in the batch
+    state_rows: int = 0  # how many rows of the batch it holds
     streamed: int = 0
     first_token_at: float | None = None
     last_step_at: float | None = None
@@ -153,7 +154,7 @@ class ContinuousBatcher:
             self.metrics.running_requests.labels(**self.labels).set(len(self._active))
 
     def _admit(self) -> list[TextJob]:
-        rows = sum(len(job.pending.tokens) for job in self._active)  # rows of the next step
+        rows = sum(len(job.pending.tokens) for job in self._active)  # live rows of the next step
         admitted = []
         now = time.monotonic()
         with self._lock:
@@ -173,28 +174,10 @@ class ContinuousBatcher:
             self.metrics.queue_depth.labels(**self.labels).set(len(self._waiting))
         return admitted
 
-    def _iterate(self, state):
-        admitted = self._admit()
-        if admitted:
-            started = time.monotonic()
-            logits, new_state = self.backend.prefill([job.input_ids for job in admitted])
-            offset = state_rows = state.rows if state is not None else 0  # newcomers' rows go after these
-            for job, row in zip(admitted, logits):
-                mode = {"model": self.labels["model"], "version": self.labels["version"], "mode": job.mode}
-                self.metrics.queue_wait.labels(**mode).observe(started - job.arrived)
-                self.metrics.prompt_tokens.labels(**self.labels).inc(len(job.input_ids))
-                job.row_offset = offset  # its prefill row in the combined batch
-                offset += 1
-                job.pending = job.search.step(row[None])
-                self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc()  # its first token
-                self._after_step(job, time.monotonic())
-            state = new_state if state is None or state_rows == 0 else self.backend.concatenate([state, new_state])
-            self._active.extend(admitted)
-            self._jobs_per_batch = 0.9 * self._jobs_per_batch + 0.1 * len(self._active)
-
-        # retire finished, cancelled and expired requests; collect the rows that go on
-        now = time.monotonic()
-        tokens, parents, live = [], [], []
+    def _retire(self) -> None:
+        """Drop finished, cancelled and expired requests from the running set. Their rows stay in the batch as
+        dead rows until the next compaction, so that a departure does not cost a copy of the whole cache."""
+        now, live = time.monotonic(), []
         for job in self._active:
             if job.pending.done:
                 self._complete(job)
@@ -203,24 +186,70 @@ class ContinuousBatcher:
             elif now > job.deadline:
                 self._fail(job, DeadlineExceeded("the request's deadline expired during decoding"))
             else:
-                tokens.append(job.pending.tokens)
-                parents.append(job.pending.parents + job.row_offset)
                 live.append(job)
         self._active = live
-        if not live:
+
+    def _live_rows(self) -> np.ndarray:
+        """The batch rows of the running requests, in order (everything else is dead)."""
+        if not self._active:
+            return np.zeros(0, np.int64)
+        return np.concatenate([np.arange(job.row_offset, job.row_offset + job.state_rows) for job in self._active])
+
+    def _iterate(self, state):
+        self._retire()
+        admitted = self._admit()
+        if admitted:
+            started = time.monotonic()
+            logits, new_state = self.backend.prefill([job.input_ids for job in admitted])
+            keep = self._live_rows()
+            # compaction (dropping dead rows) and the newcomers' join in one copy of the cache
+            state = new_state if state is None or not len(keep) else \
+                self.backend.concatenate([state, new_state], rows=[keep, None])
+            offset = 0
+            for job in self._active:
+                job.row_offset, offset = offset, offset + job.state_rows
+            for job, row in zip(admitted, logits):
+                mode = {"model": self.labels["model"], "version": self.labels["version"], "mode": job.mode}
+                self.metrics.queue_wait.labels(**mode).observe(started - job.arrived)
+                self.metrics.prompt_tokens.labels(**self.labels).inc(len(job.input_ids))
+                job.row_offset, job.state_rows = offset, 1  # its prefill row
+                offset += 1
+                job.pending = job.search.step(row[None])
+                self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc()  # its first token
+                self._after_step(job, time.monotonic())
+            self._active.extend(admitted)
+            self._jobs_per_batch = 0.9 * self._jobs_per_batch + 0.1 * len(self._active)
+            self._retire()  # a newcomer may be done on its first token
+        if not self._active:
             return None
 
-        all_tokens = np.concatenate(tokens)
-        state = self.backend.select(state, np.concatenate(parents))
-        logits = self.backend.step(state, all_tokens)  # (rows, V)
-        self.metrics.batch_size.labels(**self.labels).observe(len(all_tokens))
-        offset, now = 0, time.monotonic()
-        for job, job_tokens in zip(live, tokens):
-            n = len(job_tokens)
-            job.row_offset = offset
-            job.pending = job.search.step(logits[offset : offset + n])
+        # Plan the step. If every request keeps its row count and few rows are dead, rows stay where they are
+        # (reordered in place, dead rows fed a pad token); otherwise the batch is compacted in one gather.
+        R = state.rows
+        dead = R - sum(job.state_rows for job in self._active)
+        in_place = dead <= R // 4 and all(len(job.pending.tokens) == job.state_rows for job in self._active)
+        if in_place:
+            parents, tokens = np.arange(R), np.zeros(R, np.int64)
+            for job in self._active:
+                rows = slice(job.row_offset, job.row_offset + job.state_rows)
+                parents[rows], tokens[rows] = job.pending.parents + job.row_offset, job.pending.tokens
+            if dead:
+                state.positions[np.setdiff1d(np.arange(R), self._live_rows())] = 0  # garbage rows, valid positions
+        else:
+            parents = np.concatenate([job.pending.parents + job.row_offset for job in self._active])
+            tokens = np.concatenate([job.pending.tokens for job in self._active])
+            offset = 0
+            for job in self._active:
+                job.row_offset, job.state_rows = offset, len(job.pending.tokens)
+                offset += job.state_rows
+        state = self.backend.select(state, parents)
+        logits = self.backend.step(state, tokens)  # (rows, V)
+        self.metrics.batch_size.labels(**self.labels).observe(R - dead if in_place else len(tokens))
+        now = time.monotonic()
+        for job in self._active:
+            n = job.state_rows
+            job.pending = job.search.step(logits[job.row_offset : job.row_offset + n])
             self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc(n)  # one choice per row
-            offset += n
             self._after_step(job, now)
         return state
 
