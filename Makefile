@@ -58,3 +58,9 @@ $(BENCH_VENV)/.installed: bench/requirements.txt pyproject.toml
 .PHONY: bench-engine
 bench-engine: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python bench/bench_engine.py $(BENCH_ARGS)
+
+# HTTP benchmark: throughput and latency percentiles per endpoint vs a plain FastAPI + transformers generate()
+# baseline, in one run. Writes reports/bench_http.json.
+.PHONY: bench-http
+bench-http: venv
+	$(BIN)/python bench/bench_http.py $(BENCH_ARGS)

@@ -72,6 +72,8 @@ class GenerateRequest(_Routing):
 
     prompt: str = Field(..., min_length=1, description="Text to continue.", examples=["ROMEO:\n"])
     max_new_tokens: int = Field(64, ge=1, description="Most tokens (bytes) to generate.", examples=[80])
+    min_new_tokens: int = Field(0, ge=0, description="End of text is blocked before this many tokens.",
+                                examples=[0])
     temperature: float = Field(1.0, ge=0.0, le=5.0, description="Softmax temperature; 0 = greedy decoding.",
                                examples=[0.8])
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
@@ -93,6 +95,8 @@ class GenerateRequest(_Routing):
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerateRequest:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens must be <= max_new_tokens")
         if self.stream and self.num_beams > 1:
             raise ValueError("stream=true needs num_beams=1")
         return self

@@ -178,6 +178,7 @@ def test_streamed_text_equals_the_plain_text(client):
     ({"prompt": "x", "temperature": -0.5}, 422, "temperature"),
     ({"prompt": "x", "top_p": 0}, 422, "top_p"),
     ({"prompt": "x", "top_k": -1}, 422, "top_k"),
+    ({"prompt": "x", "max_new_tokens": 5, "min_new_tokens": 6}, 422, "min_new_tokens"),
     ({"prompt": "x", "stop": [""]}, 422, "stop"),
     ({"prompt": "x", "num_beams": 2, "stream": True}, 422, "stream"),
     ({"prompt": "x", "seed": "abc"}, 422, "seed"),

@@ -210,11 +210,12 @@ async def generate(body: GenerateRequest, request: Request):
     decode = engine.tokenizer.decode
     stop_checker = StopStrings(body.stop, decode) if body.stop else None
     if body.num_beams > 1:
-        search = BeamSearch(body.num_beams, body.max_new_tokens, engine.eos_id, prefix=prompt)
+        search = BeamSearch(body.num_beams, body.max_new_tokens, engine.eos_id, prefix=prompt,
+                            min_new_tokens=body.min_new_tokens)
     else:  # temperature 0 = greedy (after the repetition penalty), else sampling
         search = SamplingSearch(body.max_new_tokens, engine.eos_id, temperature=body.temperature, top_k=body.top_k,
                                 top_p=body.top_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-                                prefix=prompt, stop_checker=stop_checker)
+                                min_new_tokens=body.min_new_tokens, prefix=prompt, stop_checker=stop_checker)
     job = TextJob(prompt, search, body.mode, deadline)
 
     def finish(hypothesis: Hypothesis) -> tuple[str, dict]:
