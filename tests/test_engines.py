@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from service import onnx_schema as schema
-from service.decoding import BeamSearch, GreedySearch, SamplingSearch, run_search
+from service.decoding import BeamSearch, GreedySearch, SamplingSearch
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
 from service.repository import ModelRepository
