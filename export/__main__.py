@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="model name in the repository (default: the kind)")
     parser.add_argument("--version", type=int, default=None, help="version number (default: highest + 1)")
     parser.add_argument("--data-dir", default=None, help="data for the parity checks (default: $TSERVE_DATA_DIR)")
+    parser.add_argument("--weights", choices=("fp32", "fp16"), default="fp32",
+                        help="fp16: store weights as float16 (half the file size; computed in float32)")
     args = parser.parse_args(argv)
     try:
-        path = export_run(args.kind, args.checkpoint, args.repository, args.name, args.version, args.data_dir)
+        path = export_run(args.kind, args.checkpoint, args.repository, args.name, args.version, args.data_dir,
+                          args.weights)
     except (FileNotFoundError, ValueError, DataError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from export import checks
+from export.compress import store_weights_as_fp16
 from export.onnx_export import EXPORTERS, OPSET
 from models import data
+from service.decoding import GreedySearch
 from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
 
 DATA_NOTES = {
@@ -27,7 +30,8 @@ DATA_NOTES = {
 }
 
 
-def _parity(kind: str, model, version: ModelVersion, tokenizer, data_dir) -> dict[str, Any]:
+def _engine_and_inputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> tuple[Any, dict[str, Any]]:
+    """The ONNX Runtime engine of a version folder and the real validation inputs the checks use."""
     from service.engines.gpt import GPTEngine
     from service.engines.translation import TranslationEngine
     from service.engines.vit import ViTEngine
@@ -40,15 +44,34 @@ def _parity(kind: str, model, version: ModelVersion, tokenizer, data_dir) -> dic
         room = engine.context_length - max_new_tokens - 4  # longest prompt that leaves room to generate
         starts = np.linspace(0, len(val_text) - engine.context_length, 50).astype(int)
         prompts = [tokenizer.encode(val_text[s : s + 4 + (i * 7) % room]).ids for i, s in enumerate(starts)]
-        return checks.check_gpt(model, engine, prompts, max_new_tokens)
+        return engine, {"prompts": prompts, "max_new_tokens": max_new_tokens}
     if kind == "translation":
         engine = TranslationEngine(version)
         pairs = data.load_multi30k(root, "val")[:50]
-        sources = [engine.source_ids(de) for de, _ in pairs]
-        targets = [tokenizer.encode(en).ids for _, en in pairs]
-        return checks.check_translation(model, engine, sources, targets)
+        return engine, {"sources": [engine.source_ids(de) for de, _ in pairs],
+                        "targets": [tokenizer.encode(en).ids for _, en in pairs]}
     images, _ = data.load_fashion_mnist(root, "test")
-    return checks.check_vit(model, ViTEngine(version), images[:1000])
+    return ViTEngine(version), {"images": images[:1000]}
+
+
+def _parity(kind: str, model, version: ModelVersion, tokenizer, data_dir) -> dict[str, Any]:
+    engine, inputs = _engine_and_inputs(kind, version, tokenizer, data_dir)
+    return {"gpt": checks.check_gpt, "translation": checks.check_translation, "vit": checks.check_vit}[kind](
+        model, engine, **inputs)
+
+
+def _greedy_outputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> list:
+    """Greedy tokens (text models) or argmax labels (ViT) of the check inputs, from the ONNX Runtime engine."""
+    engine, inputs = _engine_and_inputs(kind, version, tokenizer, data_dir)
+    if kind == "vit":
+        return [row[0][1] for row in engine.classify([Image.fromarray(i) for i in inputs["images"]], top_k=1)]
+    if kind == "gpt":
+        searches = engine.generate(inputs["prompts"], lambda _: GreedySearch(inputs["max_new_tokens"], engine.eos_id))
+    else:
+        sources = inputs["sources"]
+        searches = engine.translate_ids(sources, lambda i: GreedySearch(
+            engine.default_max_new_tokens(len(sources[i])), engine.eos_id))
+    return [s.results()[0].tokens for s in searches]
 
 
 def _model_card(name: str, version: int, config: dict, metrics: dict, run_config: dict, run_dir: Path) -> str:
@@ -72,7 +95,8 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
 
 
 def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = None, version: int | None = None,
-               data_dir: str | None = None) -> Path:
+               data_dir: str | None = None, weights: str = "fp32") -> Path:
+    """Export, check, and (weights="fp16") store the weights as float16, recording the agreement with float32."""
     from models.runs import load_trained
 
     task, model, model_config, tokenizer, run_config = load_trained(run_dir)
@@ -98,8 +122,17 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         metrics_path = run_dir / "metrics.json"
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
-        metrics["export_checks"] = _parity(kind, model, ModelVersion(name, version, staging, config), tokenizer,
-                                           data_dir)
+        staged = ModelVersion(name, version, staging, config)
+        metrics["export_checks"] = _parity(kind, model, staged, tokenizer, data_dir)
+        if weights == "fp16":
+            reference = _greedy_outputs(kind, staged, tokenizer, data_dir)
+            for file in config["files"].values():
+                store_weights_as_fp16(staging / file)
+            compressed = _greedy_outputs(kind, staged, tokenizer, data_dir)
+            same = sum(a == b for a, b in zip(reference, compressed))
+            metrics["export_checks"]["fp16_weights_same_greedy_output_as_fp32"] = f"{same}/{len(reference)}"
+            config["weights_storage"] = "float16, cast to float32 when the session loads"
+            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if (run_dir / "curves.png").exists():
             shutil.copy(run_dir / "curves.png", staging / "curves.png")

@@ -79,3 +79,13 @@ def test_wrong_kind_or_missing_run_is_a_clear_error(tiny_runs, tmp_path, capsys)
     assert "holds a vit model" in capsys.readouterr().err
     assert export_main(["gpt", "--checkpoint", str(tmp_path / "none"), "--repository", str(tmp_path)]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_fp16_weight_storage_halves_the_files_and_keeps_the_outputs(tiny_runs, tiny_repository, data_dir, tmp_path):
+    assert export_main(["gpt", "--checkpoint", str(tiny_runs["gpt"]), "--repository", str(tmp_path),
+                        "--data-dir", str(data_dir), "--weights", "fp16"]) == 0
+    half, full = tmp_path / "gpt" / "1" / "decoder.onnx", tiny_repository / "gpt" / "1" / "decoder.onnx"
+    assert half.stat().st_size < 0.6 * full.stat().st_size
+    checks = json.loads((tmp_path / "gpt" / "1" / "metrics.json").read_text())["export_checks"]
+    assert checks["fp16_weights_same_greedy_output_as_fp32"] == "50/50"
+    assert "float16" in json.loads((tmp_path / "gpt" / "1" / "config.json").read_text())["weights_storage"]
