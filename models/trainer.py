@@ -139,6 +139,8 @@ def train(
                 model.train()
                 state.history["val_loss"].append([state.step, val])
                 bar.write(f"step {state.step}: train loss {smoothed:.4f}, validation loss {val:.4f}")
+            if last and state.batch_in_epoch == per_epoch:  # the budget ended exactly with an epoch
+                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             if state.step % cfg.checkpoint_every == 0 or last:
                 _save_checkpoint(checkpoint_path, model, optimizer, state)
             if last:

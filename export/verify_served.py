@@ -1,0 +1,126 @@
+"""What is served equals what was trained: quality measured through the HTTP API against the model card.
+
+    python -m export.verify_served --repository model_repository [--data-dir DIR] [--url http://host:port]
+
+Starts `python -m service` on the repository (or uses --url), then
+- translation: sacreBLEU (cased, 13a) of `POST /v1/translate` (beam 4) on Multi30k test_2016_flickr, compared with
+  the PyTorch model's `bleu` in metrics.json: must be within 0.2;
+- vit: accuracy of `POST /v1/classify` on the 10,000 Fashion-MNIST test images (sent as PNG files), compared with
+  the PyTorch model's `test_accuracy`: must be within 0.1 (percentage points).
+Models missing from the repository are skipped. Prints JSON; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import sacrebleu
+from PIL import Image
+
+from models import data
+from service.repository import ModelRepository
+
+BLEU_TOLERANCE = 0.2
+ACCURACY_TOLERANCE = 0.1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(repository: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "TSERVE_REPOSITORY": str(repository), "TSERVE_PORT": str(port), "TSERVE_LOG_LEVEL": "WARNING"}
+    process = subprocess.Popen([sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("the service did not become ready within 120 s")
+
+
+def _post(client: httpx.Client, path: str, **kwargs) -> dict:
+    response = client.post(path, timeout=300, **kwargs)
+    response.raise_for_status()
+    return response.json()
+
+
+def verify_translation(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
+    pairs = data.load_multi30k(data_dir, "test_2016_flickr")
+    chunks = [pairs[i : i + 32] for i in range(0, len(pairs), 32)]
+    with httpx.Client(base_url=url) as client, ThreadPoolExecutor(workers) as pool:
+        answers = pool.map(lambda chunk: _post(client, "/v1/translate", json={
+            "text": [de for de, _ in chunk], "num_beams": 4, "model": "translation"}), chunks)
+        hypotheses = [n_best[0]["text"] for answer in answers for n_best in answer["translations"]]
+    served = round(sacrebleu.corpus_bleu(hypotheses, [[en for _, en in pairs]]).score, 2)
+    trained = card["bleu"]
+    return {"metric": "sacreBLEU test_2016_flickr, beam 4", "served": served, "trained": trained,
+            "delta": round(served - trained, 2), "ok": abs(served - trained) <= BLEU_TOLERANCE}
+
+
+def verify_vit(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
+    images, labels = data.load_fashion_mnist(data_dir, "test")
+
+    def classify(start: int) -> list[int]:
+        files = []
+        for i in range(start, min(start + 64, len(images))):
+            buffer = io.BytesIO()
+            Image.fromarray(images[i]).save(buffer, format="PNG")
+            files.append(("files", (f"{i}.png", buffer.getvalue(), "image/png")))
+        with httpx.Client(base_url=url) as client:
+            answer = _post(client, "/v1/classify", files=files, data={"top_k": "1", "model": "vit"})
+        return [p[0]["index"] for p in answer["predictions"]]
+
+    with ThreadPoolExecutor(workers) as pool:
+        predicted = [i for batch in pool.map(classify, range(0, len(images), 64)) for i in batch]
+    served = round(100.0 * sum(int(p == y) for p, y in zip(predicted, labels)) / len(labels), 2)
+    trained = card["test_accuracy"]
+    return {"metric": "Fashion-MNIST test accuracy (%)", "served": served, "trained": trained,
+            "delta": round(served - trained, 2), "ok": abs(served - trained) <= ACCURACY_TOLERANCE}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.verify_served", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--url", default=None, help="a running service (default: start one on the repository)")
+    args = parser.parse_args(argv)
+    repository = ModelRepository(args.repository)
+    data_dir = data.resolve_data_dir(args.data_dir)
+    checks = {"translation": verify_translation, "vit": verify_vit}
+    present = [kind for kind in checks if repository.versions(kind)]
+    process, url = (None, args.url) if args.url else _start_server(args.repository)
+    try:
+        results = {}
+        for kind in present:
+            card = json.loads((repository.get(kind).path / "metrics.json").read_text())
+            results[kind] = checks[kind](url, card, data_dir)
+        results["skipped"] = [kind for kind in checks if kind not in present]
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+    print(json.dumps(results, indent=2))
+    return 0 if all(r["ok"] for k, r in results.items() if k != "skipped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
