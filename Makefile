@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[train,dev]'
+	$(BIN)/pip install --quiet -e '.[train,dev,load]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -64,3 +64,6 @@ bench-engine: $(BENCH_VENV)/.installed
 .PHONY: bench-http
 bench-http: venv
 	$(BIN)/python bench/bench_http.py $(BENCH_ARGS)
+
+# Load testing (locust) and the static deployment checks.
+include deploy/Makefile.fragment

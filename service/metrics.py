@@ -53,3 +53,17 @@ class Metrics:
         self.model_info = Info("tserve_model", "Loaded models: kind, version, provider.", ["model"], registry=r)
         self.ready = Gauge("tserve_ready", "1 when every configured model is loaded and the server is not draining.",
                            registry=r)
+
+    def declare_model(self, model: str, version: int, kind: str) -> None:
+        """Create a loaded model's series at zero, so that rate() and alerts see its first events too."""
+        labels = {"model": model, "version": str(version)}
+        for reason in FAILURE_REASONS:
+            self.failures.labels(**labels, reason=reason)
+        self.queue_depth.labels(**labels).set(0)
+        self.running_requests.labels(**labels).set(0)
+        if kind == "vit":
+            self.images.labels(**labels)
+            return
+        self.prompt_tokens.labels(**labels)
+        for mode in ("greedy", "beam") + (("sample",) if kind == "gpt" else ()):
+            self.generated_tokens.labels(**labels, mode=mode)

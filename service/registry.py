@@ -103,6 +103,7 @@ class ModelRegistry:
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds)
         self.loaded[(model.name, model.version)] = loaded
         labels = {"model": model.name, "version": str(model.version)}
+        self.metrics.declare_model(model.name, model.version, model.kind)
         self.metrics.model_load_seconds.labels(**labels).set(seconds)
         self.metrics.model_info.labels(model=model.name).info(
             {"kind": model.kind, "version": str(model.version), "provider": engine.provider})

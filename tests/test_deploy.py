@@ -1,0 +1,431 @@
+"""The deployment files are valid and agree with the service: Prometheus config and alert rules (promtool, with
+unit tests of the alerts), docker-compose.yml (docker-compose config), the nginx config (nginx -t), the
+Dockerfiles and .dockerignore, the Kubernetes manifests (kubernetes-validate, offline schemas), the Grafana
+dashboard, and no drift: every metric a dashboard or alert query names is exported by a live service, and every
+TSERVE_* variable the deployment sets is a setting of service/settings.py.
+
+A missing tool fails (never skips): CI must prove these checks; deploy/ci-packages.txt lists what .ci/run installs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from service.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+PROMETHEUS_DIR = DEPLOY / "prometheus"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tserve.json"
+K8S = DEPLOY / "k8s"
+# tools .ci/run installs (Debian packages; deploy/ci-packages.txt)
+TOOLS = {"promtool": "prometheus", "prometheus": "prometheus", "nginx": "nginx", "docker-compose": "docker-compose"}
+# Prometheus' own series that rules may use besides the service's
+PROMETHEUS_BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE", "scrape_duration_seconds", "scrape_samples_scraped"}
+K8S_VERSIONS = ("1.29.0", None)  # the oldest supported Kubernetes we target, and the newest schemas shipped
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` not found on PATH: .ci/run must `apt-get install -y {TOOLS[name]}` "
+                    f"(Debian package, listed in deploy/ci-packages.txt)")
+    return path
+
+
+def run(command: list[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (f"{' '.join(command)} exited {result.returncode}\n"
+                                    f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+    return result
+
+
+# --- PromQL: the metric names a query uses ---------------------------------------------------------------------
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_IDENTIFIER = re.compile(r"(?<![\w.$])([a-zA-Z_:][\w:]*)\b(?!\s*\()")
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "and", "or", "unless",
+             "inf", "nan", "Inf", "NaN"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression: identifiers outside strings, label matchers, grouping clauses and
+    ranges that are not function calls or keywords."""
+    expr = _STRING.sub('""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = _GROUPING.sub("", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    return {name for name in _IDENTIFIER.findall(expr) if name not in _KEYWORDS}
+
+
+def test_promql_metric_names():
+    expr = ('histogram_quantile(0.95, sum by (le, endpoint) (rate(tserve_request_duration_seconds_bucket'
+            '{job="tserve", endpoint=~"/v1/.*", instance=~"$instance"}[$__rate_interval]))) / on (job) '
+            'group_left sum without (reason) (increase(tserve_images_total[5m] offset 1m)) > 1e3 and up == 0')
+    assert promql_metric_names(expr) == {"tserve_request_duration_seconds_bucket", "tserve_images_total", "up"}
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = []
+
+    def walk(panels):
+        for panel in panels:
+            exprs.extend(t["expr"] for t in panel.get("targets", []) if t.get("expr"))
+            walk(panel.get("panels", []))
+
+    walk(dashboard["panels"])
+    return exprs
+
+
+def dashboard_variable_metrics() -> set[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = set()
+    for variable in dashboard["templating"]["list"]:
+        query = variable.get("definition") or variable.get("query", {}).get("query", "")
+        match = re.match(r"\s*label_values\(\s*([a-zA-Z_:][\w:]*)", query)
+        if match:
+            names.add(match.group(1))
+    return names
+
+
+def rule_exprs() -> list[str]:
+    rules = yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())
+    return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+
+
+def rule_test_series() -> set[str]:
+    tests = yaml.safe_load((PROMETHEUS_DIR / "alerts.test.yml").read_text())
+    return {re.match(r"[a-zA-Z_:][\w:]*", series["series"]).group(0)
+            for case in tests["tests"] for series in case["input_series"]}
+
+
+def exported_names(metrics_text: str) -> set[str]:
+    """Every series name the exposition allows: sample names seen, plus each family's suffixes by type."""
+    names = set()
+    for line in metrics_text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(maxsplit=3)
+            names.add(name)
+            if kind == "histogram":
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count", f"{name}_created"}
+            elif kind == "summary":
+                names |= {f"{name}_sum", f"{name}_count", f"{name}_created"}
+            elif kind == "counter":
+                base = name.removesuffix("_total")
+                names |= {f"{base}_total", f"{base}_created"}
+        elif line and not line.startswith("#"):
+            names.add(re.match(r"[a-zA-Z_:][\w:]*", line).group(0))
+    return names
+
+
+# --- Prometheus -------------------------------------------------------------------------------------------------
+
+
+def test_ci_packages_list_every_tool():
+    packages = {line.strip() for line in (DEPLOY / "ci-packages.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#")}
+    assert set(TOOLS.values()) <= packages
+
+
+def test_prometheus_config_and_alert_rules():
+    promtool = require_tool("promtool")
+    run([promtool, "check", "config", "prometheus.yml"], cwd=PROMETHEUS_DIR)
+    run([promtool, "check", "rules", "alerts.yml"], cwd=PROMETHEUS_DIR)
+    result = run([promtool, "test", "rules", "alerts.test.yml"], cwd=PROMETHEUS_DIR)
+    assert "SUCCESS" in result.stdout
+    # every alert has a unit test
+    tested = {t["alertname"] for case in yaml.safe_load((PROMETHEUS_DIR / "alerts.test.yml").read_text())["tests"]
+              for t in case.get("alert_rule_test", [])}
+    alerts = {r["alert"] for g in yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())["groups"]
+              for r in g["rules"] if "alert" in r}
+    assert alerts == tested, f"alerts without a unit test: {sorted(alerts - tested)}"
+
+
+def test_prometheus_scrapes_every_replica_directly():
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "tserve")
+    assert job["dns_sd_configs"][0]["names"] == ["tserve"] and job["dns_sd_configs"][0]["port"] == 8000
+
+
+# --- docker-compose ---------------------------------------------------------------------------------------------
+
+
+def _compose_config(*profile: str) -> dict:
+    compose = require_tool("docker-compose")
+    run([compose, "-f", str(ROOT / "docker-compose.yml"), *profile, "config", "-q"], cwd=ROOT)
+    return yaml.safe_load(run([compose, "-f", str(ROOT / "docker-compose.yml"), *profile, "config"],
+                              cwd=ROOT).stdout)
+
+
+def test_compose_config():
+    config = _compose_config()
+    services = config["services"]
+    assert {"tserve", "nginx", "prometheus", "grafana"} <= set(services)
+    gpu = _compose_config("--profile", "gpu")["services"]["tserve-gpu"]
+    assert gpu["profiles"] == ["gpu"], "GPU replicas start only with --profile gpu"
+    assert all("profiles" not in services[name] for name in ("tserve", "nginx", "prometheus", "grafana"))
+    assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.gpu"
+    assert gpu["environment"]["TSERVE_DEVICE"] == "cuda"
+    assert "tserve" in gpu["networks"]["default"]["aliases"]  # same DNS name: nginx/Prometheus find it
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+    tserve = services["tserve"]
+    assert (ROOT / tserve["build"]["context"] / tserve["build"]["dockerfile"]).is_file()
+    assert "ports" not in tserve, "replicas must not publish a host port (nginx does), or they cannot scale"
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
+            if source.startswith("/"):
+                assert Path(source).exists(), f"compose mounts {source}, which does not exist"
+    fields = set(Settings.model_fields)
+    for name in ("tserve", "tserve-gpu"):
+        service = services.get(name) or gpu
+        for key in service["environment"]:
+            assert key.startswith("TSERVE_") and key[7:].lower() in fields, f"{name}: {key} is not a setting"
+    grace = float(str(tserve["stop_grace_period"]).rstrip("s"))
+    env = tserve["environment"]
+    assert grace > float(env["TSERVE_DRAIN_DELAY_S"]) + float(env["TSERVE_DRAIN_TIMEOUT_S"])
+
+
+# --- nginx ------------------------------------------------------------------------------------------------------
+
+
+def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> Path:
+    """deploy/nginx/nginx.conf with loopback upstreams, a loopback listen address and its paths under prefix."""
+    text = (DEPLOY / "nginx" / "nginx.conf").read_text()
+    server_line = re.search(r"^(\s*)server tserve:8000( [^;]*);$", text, flags=re.M)
+    assert server_line, "nginx.conf: `server tserve:8000 ...;` not found in the upstream block"
+    indent, params = server_line.groups()
+    text = text.replace(server_line.group(0), "\n".join(f"{indent}server {u}{params};" for u in upstreams))
+    assert "listen 80;" in text
+    text = text.replace("listen 80;", f"listen {listen};").replace("/tmp/nginx", str(prefix / "run"))
+    text = text.replace("access_log /dev/stdout", f"access_log {prefix / 'access.log'}")
+    (prefix / "run").mkdir(parents=True, exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(text)
+    return conf
+
+
+def test_nginx_config(tmp_path):
+    nginx = require_tool("nginx")
+    conf = render_nginx_conf(tmp_path, "127.0.0.1:18080", ["127.0.0.1:18001", "127.0.0.1:18002"])
+    run([nginx, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf), "-g", "daemon off;"])
+    text = (DEPLOY / "nginx" / "nginx.conf").read_text()
+    retry = re.search(r"proxy_next_upstream ([^;]*);", text).group(1).split()
+    assert {"error", "timeout", "http_502", "http_503", "non_idempotent"} <= set(retry)
+    assert not re.search(r"^\s*daemon ", text, flags=re.M), "the nginx image passes `daemon off;` itself"
+    max_body = Settings.model_fields["max_body_bytes"].default
+    size = re.search(r"client_max_body_size (\d+)m;", text).group(1)
+    assert int(size) * 1_000_000 >= max_body
+
+
+# --- Docker images ----------------------------------------------------------------------------------------------
+
+
+def _dockerignore_allows(path: str) -> bool:
+    """.dockerignore semantics for the patterns we use: later lines win; `!x/` re-includes x and what is under it."""
+    allowed = True
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line.lstrip("!").rstrip("/")
+        if pattern == "*" or path == pattern or path.startswith(pattern + "/"):
+            allowed = negate
+    return allowed
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_dockerfile(dockerfile):
+    text = (DEPLOY / dockerfile).read_text()
+    instructions = [line.strip() for line in re.sub(r"\\\n", " ", text).splitlines()
+                    if line.strip() and not line.lstrip().startswith("#")]
+    copies = [i.split()[1:-1] for i in instructions if i.startswith("COPY") and "--from=" not in i]
+    for sources in copies:
+        for source in (s for s in sources if not s.startswith("--")):
+            assert (ROOT / source).exists() or source == "model_repository/", f"{dockerfile}: COPY {source}: missing"
+            assert _dockerignore_allows(source.rstrip("/")), f"{dockerfile}: .dockerignore excludes {source}"
+    for excluded in (".venv", "runs", ".git", "reports", ".cache", "tests"):
+        assert not _dockerignore_allows(excluded), f".dockerignore lets {excluded} into the build context"
+    code = " ".join(instructions).replace("find_spec('torch')", "")
+    assert "[train]" not in code and "torch" not in code, "the serving image must not install torch"
+    user = [i for i in instructions if i.startswith("USER")]
+    assert user and not user[-1].split()[1].startswith(("0", "root")), "the server must not run as root"
+    assert any(i.startswith("HEALTHCHECK") and "/health/ready" in i for i in instructions)
+    assert instructions[-1] == 'ENTRYPOINT ["python", "-m", "service"]'
+    env = dict(re.findall(r"\b(TSERVE_\w+)=(\S+)", " ".join(i for i in instructions if i.startswith("ENV"))))
+    assert env["TSERVE_HOST"] == "0.0.0.0" and env["TSERVE_PORT"] == "8000"
+    fields = set(Settings.model_fields)
+    assert all(key[7:].lower() in fields for key in env), f"not settings: {[k for k in env if k[7:].lower() not in fields]}"
+    assert "EXPOSE 8000" in instructions
+
+
+# --- Kubernetes -------------------------------------------------------------------------------------------------
+
+
+def _k8s_resources() -> dict[str, dict]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    resources = {}
+    for name in kustomization["resources"]:
+        path = K8S / name
+        assert path.is_file(), f"kustomization.yaml lists {name}, which does not exist"
+        for document in yaml.safe_load_all(path.read_text()):
+            resources[document["kind"]] = document
+    return resources
+
+
+def test_kubernetes_manifests_validate():
+    try:
+        import kubernetes_validate
+        from kubernetes_validate.utils import ValidationError
+    except ImportError:
+        pytest.fail("kubernetes-validate is not installed: it belongs to the `dev` extra (pip install -e '.[dev]')")
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert set(kustomization["resources"]) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    for version in K8S_VERSIONS:
+        version = version or kubernetes_validate.latest_version()
+        for name in kustomization["resources"]:
+            for document in yaml.safe_load_all((K8S / name).read_text()):
+                try:
+                    kubernetes_validate.validate(document, version, strict=True)
+                except ValidationError as error:
+                    pytest.fail(f"{name} ({document['kind']}) against Kubernetes {version}: {error.message} at "
+                                f"{'.'.join(map(str, error.path))}")
+
+
+def test_kubernetes_manifests_agree():
+    r = _k8s_resources()
+    deployment, config = r["Deployment"], r["ConfigMap"]["data"]
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert r["Service"]["spec"]["selector"].items() <= labels.items()
+    assert r["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    target = r["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    assert r["HorizontalPodAutoscaler"]["spec"]["minReplicas"] > r["PodDisruptionBudget"]["spec"]["minAvailable"]
+
+    container = pod["spec"]["containers"][0]
+    assert container["envFrom"][0]["configMapRef"]["name"] == r["ConfigMap"]["metadata"]["name"]
+    fields = set(Settings.model_fields)
+    assert all(key.startswith("TSERVE_") and key[7:].lower() in fields for key in config), "unknown setting"
+    Settings(**{key[7:].lower(): value for key, value in config.items()})  # every value parses
+    port = next(p for p in container["ports"] if p["name"] == "http")
+    assert port["containerPort"] == int(config["TSERVE_PORT"]) and config["TSERVE_HOST"] == "0.0.0.0"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert int(config["TSERVE_INTRA_OP_THREADS"]) <= float(container["resources"]["limits"]["cpu"])
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    drain = float(pre_stop[1]) + float(config["TSERVE_DRAIN_DELAY_S"]) + float(config["TSERVE_DRAIN_TIMEOUT_S"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > drain
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == config["TSERVE_PORT"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+# --- Grafana ----------------------------------------------------------------------------------------------------
+
+
+def test_grafana_provisioning_and_dashboard():
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    uid = datasource["datasources"][0]["uid"]
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/tserve.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "tserve"
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == uid, panel["title"]
+            assert panel["targets"], panel["title"]
+    exprs = "\n".join(dashboard_exprs())
+    for quantile in ("0.5", "0.95", "0.99"):
+        assert re.search(rf"histogram_quantile\({quantile}, sum by \(endpoint, le\) \(rate\("
+                         r"tserve_request_duration_seconds_bucket", exprs), f"p{quantile} latency per endpoint"
+    for needed in ("tserve_time_to_first_token_seconds_bucket", "tserve_generated_tokens_total",
+                   "tserve_images_total", "tserve_batch_size_", "tserve_queue_depth", "tserve_request_failures_total"):
+        assert needed in exprs, f"the dashboard has no panel on {needed}"
+
+
+# --- drift: every metric the dashboard and the alerts use exists in a live /metrics ------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dashboard_and_alerts_use_only_exported_metrics(tiny_repository, tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TSERVE_")}
+    env.update(TSERVE_REPOSITORY=str(tiny_repository), TSERVE_HOST="127.0.0.1", TSERVE_PORT=str(port),
+               TSERVE_INTRA_OP_THREADS="1", TSERVE_LOG_FORMAT="text", PYTHONPATH=str(ROOT))
+    log = tmp_path / "service.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "service"], cwd=tmp_path, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            deadline = time.monotonic() + 180
+            while True:
+                assert process.poll() is None, f"the service exited with {process.returncode}"
+                try:
+                    if client.get("/health/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "the service was not ready within 180 s"
+                time.sleep(0.25)
+            # one request of each kind, so every labelled family has samples too
+            assert client.post("/v1/translate", json={"text": "Ein Hund läuft.", "num_beams": 2}).status_code == 200
+            assert client.post("/v1/generate", json={"prompt": "ROMEO:", "max_new_tokens": 8}).status_code == 200
+            assert client.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 9999}).status_code == 400
+            metrics = client.get("/metrics").text
+    except BaseException:
+        print(log.read_text(errors="replace"))
+        raise
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+    exported = exported_names(metrics)
+    assert "tserve_request_duration_seconds_bucket" in exported and "tserve_images_total" in exported
+    used = {}
+    for where, exprs in (("dashboard", dashboard_exprs()), ("alerts.yml", rule_exprs())):
+        for expr in exprs:
+            for name in promql_metric_names(expr):
+                used.setdefault(name, set()).add(where)
+    for name in dashboard_variable_metrics():
+        used.setdefault(name, set()).add("dashboard variable")
+    for name in rule_test_series():
+        used.setdefault(name, set()).add("alerts.test.yml")
+    assert len(used) >= 10
+    missing = {name: sorted(where) for name, where in used.items()
+               if name not in exported and name not in PROMETHEUS_BUILTINS}
+    assert not missing, f"queries use metrics the service does not export: {missing}"

@@ -1,0 +1,358 @@
+"""The monitoring and load-balancing stack for real, on loopback, with the configs of deploy/:
+
+- a real Prometheus (the `prometheus` binary) with deploy/prometheus/prometheus.yml and alerts.yml, its tserve job
+  pointed at a live `python -m service` process: it scrapes the service, the dashboard's and the alerts' PromQL
+  evaluate without errors and give the values the traffic implies, and killing the service makes `up` 0 and the
+  TserveReplicaDown alert pending;
+- a real nginx with deploy/nginx/nginx.conf in front of two service processes: both get traffic, one is killed
+  (SIGKILL) mid-run, and no failed request reaches the client.
+
+A missing binary fails the test with the Debian package .ci/run must install (deploy/ci-packages.txt).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from models.data import load_fashion_mnist, load_multi30k
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+TOOLS = {"prometheus": "prometheus", "nginx": "nginx"}
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` not found on PATH: .ci/run must `apt-get install -y {TOOLS[name]}` "
+                    f"(Debian package, listed in deploy/ci-packages.txt)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout: float, process: subprocess.Popen | None = None, interval: float = 0.25):
+    """Poll check() until it returns a truthy value (returned) or timeout; fail early if process exits."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with {process.returncode}")
+        try:
+            result = check()
+            if result:
+                return result
+            last = result
+        except (httpx.TransportError, KeyError, IndexError, ValueError) as error:
+            last = error
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
+
+
+class Process:
+    """A subprocess in its own session with its output in a log file; stop() ends it and its children."""
+
+    def __init__(self, name: str, command: list[str], workdir: Path, env: dict | None = None):
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        with self.log_path.open("wb") as out:
+            self.popen = subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class Service(Process):
+    def __init__(self, name: str, repository: Path, workdir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TSERVE_")}
+        env.update(TSERVE_REPOSITORY=str(repository), TSERVE_HOST="127.0.0.1", TSERVE_PORT=str(self.port),
+                   TSERVE_INTRA_OP_THREADS="1", TSERVE_LOG_FORMAT="text", PYTHONPATH=str(ROOT))
+        super().__init__(name, [sys.executable, "-m", "service"], workdir, env)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        wait_for(f"{self.name} ready", lambda: httpx.get(f"{self.url}/health/ready", timeout=5).status_code == 200,
+                 timeout, self.popen)
+
+
+@pytest.fixture
+def processes(tmp_path):
+    """Started processes; all stopped at the end, and their logs printed (pytest shows them when a test fails)."""
+    started: list[Process] = []
+    yield started
+    for process in reversed(started):
+        process.stop()
+    for process in started:
+        print(f"----- {process.name} (exit {process.popen.returncode}) -----\n{process.log()[-20000:]}")
+
+
+@pytest.fixture(scope="module")
+def inputs(data_dir):
+    from PIL import Image
+
+    sentences = [de for de, _ in load_multi30k(data_dir, "val")[:50]]
+    images, _ = load_fashion_mnist(data_dir, "test")
+    pngs = []
+    for image in images[:20]:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    return sentences, pngs
+
+
+# --- Prometheus -------------------------------------------------------------------------------------------------
+
+
+def grafana_to_promql(expr: str) -> str:
+    return expr.replace("$__rate_interval", "1m").replace("$instance", ".*")
+
+
+def test_prometheus_scrapes_the_service_and_evaluates_dashboard_and_alerts(tiny_repository, tmp_path, processes,
+                                                                           inputs):
+    prometheus = require_tool("prometheus")
+    sentences, pngs = inputs
+    service = Service("service", tiny_repository, tmp_path)
+    processes.append(service)
+
+    # deploy/prometheus/prometheus.yml, its tserve job pointed at the loopback service, scraping every second
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    prom_port = free_port()
+    for job in config["scrape_configs"]:
+        job.pop("dns_sd_configs", None)
+        target = f"127.0.0.1:{service.port}" if job["job_name"] == "tserve" else f"127.0.0.1:{prom_port}"
+        job["static_configs"] = [{"targets": [target]}]
+    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    processes.append(Process("prometheus", [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                            f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
+                             tmp_path))
+    api = httpx.Client(base_url=f"http://127.0.0.1:{prom_port}", timeout=10)
+
+    def query(promql: str) -> list[dict]:
+        response = api.get("/api/v1/query", params={"query": promql})
+        body = response.json()
+        assert response.status_code == 200 and body["status"] == "success", f"{promql}: {body}"
+        return body["data"]["result"]
+
+    def value(promql: str) -> float:
+        result = query(promql)
+        return float(result[0]["value"][1]) if result else math.nan
+
+    service.wait_ready()
+    wait_for("prometheus ready", lambda: api.get("/-/ready").status_code == 200, 60, processes[-1].popen)
+    # traffic only after the first successful scrape, so that rate() sees it as an increase
+    wait_for("first scrape of tserve", lambda: value('up{job="tserve"}') == 1, 30)
+    wait_for("a second scrape of tserve", lambda: value('count_over_time(up{job="tserve"}[1m])') >= 2, 30)
+
+    def send_traffic(client: httpx.Client) -> None:
+        for sentence in sentences[:4]:
+            for beams in (1, 3):
+                assert client.post("/v1/translate", json={"text": sentence, "num_beams": beams}).status_code == 200
+        for seed in range(3):
+            body = {"prompt": "ROMEO:", "max_new_tokens": 12, "seed": seed}
+            assert client.post("/v1/generate", json=body).status_code == 200
+            with client.stream("POST", "/v1/generate", json={**body, "stream": True}) as stream:
+                assert stream.status_code == 200 and "[DONE]" in stream.read().decode()
+        response = client.post("/v1/classify", files=[("files", (f"{i}.png", png, "image/png"))
+                                                      for i, png in enumerate(pngs[:5])])
+        assert response.status_code == 200, response.text
+        response = client.post("/v1/classify", json={"images": [base64.b64encode(p).decode() for p in pngs[5:8]]})
+        assert response.status_code == 200, response.text
+        assert client.post("/v1/generate", json={"prompt": ""}).status_code == 422  # counted as bad_input
+
+    classify_count = 'sum(tserve_request_duration_seconds_count{job="tserve", endpoint="/v1/classify"})'
+    # Labelled series appear with their first observation, and rate() needs a sample before the increase: one
+    # round creates every series, the second (after a scrape has seen them) is what rate() and the quantiles see.
+    with httpx.Client(base_url=service.url, timeout=60) as client:
+        send_traffic(client)
+        wait_for("first round scraped", lambda: value(classify_count) == 2, 30)
+        send_traffic(client)
+    wait_for("second round scraped", lambda: value(classify_count) == 4, 30)
+    time.sleep(2)  # one more scrape and rule evaluation
+
+    counts = {r["metric"]["endpoint"]: float(r["value"][1]) for r in
+              query('sum by (endpoint) (tserve_request_duration_seconds_count{job="tserve"})')}
+    assert counts["/v1/translate"] == 16 and counts["/v1/generate"] == 14 and counts["/v1/classify"] == 4, counts
+    assert value('sum(tserve_images_total{job="tserve"})') == 16
+    assert value('sum(tserve_generated_tokens_total{job="tserve", model="gpt"})') > 0
+    assert value('sum(tserve_request_failures_total{job="tserve", reason="bad_input"})') == 2
+    assert value('sum(increase(tserve_images_total{job="tserve"}[1m]))') > 0
+    assert value('tserve_ready{job="tserve"}') == 1
+    p95 = {r["metric"]["endpoint"]: float(r["value"][1]) for r in query(
+        'histogram_quantile(0.95, sum by (endpoint, le) (rate(tserve_request_duration_seconds_bucket'
+        '{job="tserve", endpoint=~"/v1/.*", status="200"}[1m])))')}
+    assert set(p95) == {"/v1/translate", "/v1/generate", "/v1/classify"}
+    assert all(0 < seconds < 120 for seconds in p95.values()), p95
+    ttft = value('histogram_quantile(0.5, sum by (le) (rate(tserve_time_to_first_token_seconds_bucket'
+                 '{job="tserve", model="gpt"}[1m])))')
+    assert 0 < ttft < 60, ttft
+
+    # every query of the dashboard is valid PromQL for this Prometheus and has data after this traffic
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "tserve.json").read_text())
+    targets = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+    empty = [f"{title}: {expr}" for title, expr in targets if not query(grafana_to_promql(expr))]
+    # panels that stay empty after this traffic: no request waited in a queue at the moment of a scrape
+    assert all(re.search(r"tserve_queue_depth|tserve_running_requests|tserve_request_failures_total\{[^}]*reason=~",
+                         line) for line in empty), "\n".join(empty)
+
+    # every alert rule evaluates without error, and none fires for a healthy replica
+    def rules_evaluated():
+        groups = api.get("/api/v1/rules").json()["data"]["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        return rules if rules and all(not r["lastEvaluation"].startswith("0001") for r in rules) else None
+
+    rules = wait_for("alert rules evaluated", rules_evaluated, 30)
+    assert {r["name"] for r in rules} >= {"TserveReplicaDown", "TserveHighErrorRate", "TserveHighLatencyP95"}
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    alerts = api.get("/api/v1/alerts").json()["data"]["alerts"]
+    assert not [a for a in alerts if a["state"] == "firing" or a["labels"]["alertname"].startswith("TserveReplica")]
+
+    # the replica dies: up -> 0 and TserveReplicaDown goes pending (it fires after its `for: 1m`)
+    service.kill()
+    wait_for("up == 0 after the kill", lambda: value('up{job="tserve"}') == 0, 30)
+
+    def pending():
+        alerts = api.get("/api/v1/alerts").json()["data"]["alerts"]
+        return [a for a in alerts if a["labels"]["alertname"] == "TserveReplicaDown" and a["state"] == "pending"]
+
+    alert = wait_for("TserveReplicaDown pending", pending, 30)[0]
+    assert alert["labels"]["instance"] == f"127.0.0.1:{service.port}" and alert["labels"]["severity"] == "critical"
+    api.close()
+
+
+# --- nginx in front of two replicas -----------------------------------------------------------------------------
+
+
+def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> Path:
+    """deploy/nginx/nginx.conf with loopback upstreams, a loopback listen address and its paths under prefix."""
+    text = (DEPLOY / "nginx" / "nginx.conf").read_text()
+    server_line = re.search(r"^(\s*)server tserve:8000( [^;]*);$", text, flags=re.M)
+    assert server_line, "nginx.conf: `server tserve:8000 ...;` not found in the upstream block"
+    indent, params = server_line.groups()
+    text = text.replace(server_line.group(0), "\n".join(f"{indent}server {u}{params};" for u in upstreams))
+    assert "listen 80;" in text
+    text = text.replace("listen 80;", f"listen {listen};").replace("/tmp/nginx", str(prefix / "run"))
+    text = text.replace("access_log /dev/stdout", f"access_log {prefix / 'access.log'}")
+    (prefix / "run").mkdir(parents=True, exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(text)
+    return conf
+
+
+def test_nginx_spreads_load_and_survives_a_killed_replica(tiny_repository, tmp_path, processes, inputs):
+    nginx = require_tool("nginx")
+    sentences, pngs = inputs
+    replicas = [Service(f"replica-{i}", tiny_repository, tmp_path) for i in range(2)]
+    processes.extend(replicas)
+    port = free_port()
+    conf = render_nginx_conf(tmp_path, f"127.0.0.1:{port}", [f"127.0.0.1:{r.port}" for r in replicas])
+    processes.append(Process("nginx", [nginx, "-e", "stderr", "-p", str(tmp_path), "-c", str(conf),
+                                       "-g", "daemon off;"], tmp_path))
+    for replica in replicas:
+        replica.wait_ready()
+    url = f"http://127.0.0.1:{port}"
+    wait_for("nginx up", lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 30,
+             processes[-1].popen)
+
+    requests = [
+        ("POST", "/v1/translate", {"json": {"text": sentences[0], "num_beams": 1, "max_new_tokens": 16}}),
+        ("POST", "/v1/translate", {"json": {"text": sentences[1], "num_beams": 3, "max_new_tokens": 16}}),
+        ("POST", "/v1/generate", {"json": {"prompt": "KING:", "max_new_tokens": 16, "seed": 1}}),
+        ("POST", "/v1/classify", {"files": [("files", ("0.png", pngs[0], "image/png"))]}),
+        ("GET", "/v1/models", {}),
+    ]
+    results: list[tuple[float, str, int, str]] = []  # (time, path, status or -1, error)
+    lock = threading.Lock()
+    stop = threading.Event()
+    duration = 14.0
+
+    def client_loop(worker: int):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            i = worker
+            while not stop.is_set():
+                method, path, kwargs = requests[i % len(requests)]
+                i += 1
+                try:
+                    response = client.request(method, path, **kwargs)
+                    outcome = (time.monotonic(), path, response.status_code,
+                               "" if response.status_code == 200 else response.text[:300])
+                except httpx.HTTPError as error:
+                    outcome = (time.monotonic(), path, -1, repr(error))
+                with lock:
+                    results.append(outcome)
+
+    workers = [threading.Thread(target=client_loop, args=(w,), daemon=True) for w in range(4)]
+    started = time.monotonic()
+    for worker in workers:
+        worker.start()
+    time.sleep(duration / 3)
+    with lock:
+        before_kill = len(results)
+    killed_at = time.monotonic()
+    replicas[0].kill()  # SIGKILL mid-run, requests in flight
+    time.sleep(duration - (time.monotonic() - started))
+    stop.set()
+    for worker in workers:
+        worker.join(90)
+    assert not any(worker.is_alive() for worker in workers), "a client thread hung"
+
+    failed = [r for r in results if r[2] != 200]
+    after_kill = [r for r in results if r[0] > killed_at]
+    assert before_kill >= 10 and len(after_kill) >= 10, (before_kill, len(after_kill))
+    assert not failed, f"{len(failed)} of {len(results)} requests failed at the client: {failed[:5]}"
+
+    # nginx's access log says which replica answered: both did before the kill, and requests that met the
+    # dead replica were passed on to the live one
+    log = [json.loads(line) for line in (tmp_path / "access.log").read_text().splitlines()]
+    dead, live = f"127.0.0.1:{replicas[0].port}", f"127.0.0.1:{replicas[1].port}"
+    proxied = [entry for entry in log if entry["uri"] != "/health/ready"]
+    served_by = {entry["upstream"].split(", ")[-1] for entry in proxied if entry["status"] == 200}
+    assert served_by == {dead, live}, served_by
+    retried = [entry for entry in proxied if dead in entry["upstream"] and ", " in entry["upstream"]]
+    assert retried, "no request was retried on the live replica after the kill"
+    assert all(entry["status"] == 200 and entry["upstream"].endswith(live) for entry in retried), retried
+    assert all(entry["status"] == 200 for entry in proxied)
+    print(f"{len(results)} requests, {len(after_kill)} after the kill, {len(retried)} retried on {live}")
