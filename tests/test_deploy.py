@@ -161,7 +161,7 @@ def test_prometheus_config_and_alert_rules():
 def test_prometheus_scrapes_every_replica_directly():
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "tserve")
-    assert job["dns_sd_configs"][0]["names"] == ["tserve"] and job["dns_sd_configs"][0]["port"] == 8000
+    assert job["dns_sd_configs"][0]["names"] == ["api"] and job["dns_sd_configs"][0]["port"] == 8000
 
 
 # --- docker-compose ---------------------------------------------------------------------------------------------
@@ -177,16 +177,23 @@ def _compose_config(*profile: str) -> dict:
 def test_compose_config():
     config = _compose_config()
     services = config["services"]
-    assert {"tserve", "nginx", "prometheus", "grafana"} <= set(services)
-    gpu = _compose_config("--profile", "gpu")["services"]["tserve-gpu"]
+    assert {"api", "nginx", "prometheus", "grafana"} <= set(services)
+    gpu = _compose_config("--profile", "gpu")["services"]["api-gpu"]
     assert gpu["profiles"] == ["gpu"], "GPU replicas start only with --profile gpu"
-    assert all("profiles" not in services[name] for name in ("tserve", "nginx", "prometheus", "grafana"))
+    assert all("profiles" not in services[name] for name in ("api", "nginx", "prometheus", "grafana"))
     assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.gpu"
     assert gpu["environment"]["TSERVE_DEVICE"] == "cuda"
-    assert "tserve" in gpu["networks"]["default"]["aliases"]  # same DNS name: nginx/Prometheus find it
+    assert "api" in gpu["networks"]["default"]["aliases"]  # same DNS name: nginx/Prometheus find it
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
-    tserve = services["tserve"]
+    load = _compose_config("--profile", "load")["services"]
+    assert load["locust-master"]["profiles"] == ["load"] and load["locust-worker"]["profiles"] == ["load"]
+    assert "--master" in load["locust-master"]["command"] and "--worker" in load["locust-worker"]["command"]
+    assert any(str(p.get("target", p)).startswith("8089") or "8089" in str(p) for p in load["locust-master"]["ports"])
+    assert (ROOT / "deploy" / "Dockerfile.locust").is_file()
+
+    tserve = services["api"]
+    assert any("/srv/model_repository" in str(v) for v in tserve["volumes"]), "the model repository is mounted"
     assert (ROOT / tserve["build"]["context"] / tserve["build"]["dockerfile"]).is_file()
     assert "ports" not in tserve, "replicas must not publish a host port (nginx does), or they cannot scale"
     for service in services.values():
@@ -195,7 +202,7 @@ def test_compose_config():
             if source.startswith("/"):
                 assert Path(source).exists(), f"compose mounts {source}, which does not exist"
     fields = set(Settings.model_fields)
-    for name in ("tserve", "tserve-gpu"):
+    for name in ("api", "api-gpu"):
         service = services.get(name) or gpu
         for key in service["environment"]:
             assert key.startswith("TSERVE_") and key[7:].lower() in fields, f"{name}: {key} is not a setting"
@@ -210,8 +217,8 @@ def test_compose_config():
 def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> Path:
     """deploy/nginx/nginx.conf with loopback upstreams, a loopback listen address and its paths under prefix."""
     text = (DEPLOY / "nginx" / "nginx.conf").read_text()
-    server_line = re.search(r"^(\s*)server tserve:8000( [^;]*);$", text, flags=re.M)
-    assert server_line, "nginx.conf: `server tserve:8000 ...;` not found in the upstream block"
+    server_line = re.search(r"^(\s*)server api:8000( [^;]*);$", text, flags=re.M)
+    assert server_line, "nginx.conf: `server api:8000 ...;` not found in the upstream block"
     indent, params = server_line.groups()
     text = text.replace(server_line.group(0), "\n".join(f"{indent}server {u}{params};" for u in upstreams))
     assert "listen 80;" in text
