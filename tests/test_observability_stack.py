@@ -269,8 +269,8 @@ def test_prometheus_scrapes_the_service_and_evaluates_dashboard_and_alerts(tiny_
 def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> Path:
     """deploy/nginx/nginx.conf with loopback upstreams, a loopback listen address and its paths under prefix."""
     text = (DEPLOY / "nginx" / "nginx.conf").read_text()
-    server_line = re.search(r"^(\s*)server tserve:8000( [^;]*);$", text, flags=re.M)
-    assert server_line, "nginx.conf: `server tserve:8000 ...;` not found in the upstream block"
+    server_line = re.search(r"^(\s*)server api:8000( [^;]*);$", text, flags=re.M)
+    assert server_line, "nginx.conf: `server api:8000 ...;` not found in the upstream block"
     indent, params = server_line.groups()
     text = text.replace(server_line.group(0), "\n".join(f"{indent}server {u}{params};" for u in upstreams))
     assert "listen 80;" in text
