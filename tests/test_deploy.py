@@ -12,18 +12,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from deploy_support import render_nginx_conf
+from deploy_support import (
+    TOOLS,
+    free_port,
+    render_nginx_conf,
+    require_tool,
+    start_service,
+)
 
 from service.settings import Settings
 
@@ -35,18 +38,11 @@ PROMETHEUS_DIR = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tserve.json"
 K8S = DEPLOY / "k8s"
 # tools .ci/run installs (Debian packages; deploy/ci-packages.txt)
-TOOLS = {"promtool": "prometheus", "prometheus": "prometheus", "nginx": "nginx", "docker-compose": "docker-compose"}
 # Prometheus' own series that rules may use besides the service's
 PROMETHEUS_BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE", "scrape_duration_seconds", "scrape_samples_scraped"}
 K8S_VERSIONS = ("1.29.0", None)  # the oldest supported Kubernetes we target, and the newest schemas shipped
 
 
-def require_tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"`{name}` not found on PATH: .ci/run must `apt-get install -y {TOOLS[name]}` "
-                    f"(Debian package, listed in deploy/ci-packages.txt)")
-    return path
 
 
 def run(command: list[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -362,21 +358,12 @@ def test_grafana_provisioning_and_dashboard():
 # --- drift: every metric the dashboard and the alerts use exists in a live /metrics ------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_dashboard_and_alerts_use_only_exported_metrics(tiny_repository, tmp_path):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSERVE_")}
-    env.update(TSERVE_REPOSITORY=str(tiny_repository), TSERVE_HOST="127.0.0.1", TSERVE_PORT=str(port),
-               TSERVE_INTRA_OP_THREADS="1", TSERVE_LOG_FORMAT="text", PYTHONPATH=str(ROOT))
+    port = free_port()
     log = tmp_path / "service.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "service"], cwd=tmp_path, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+    process = start_service(tiny_repository, port, tmp_path, log)
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=30) as client:

@@ -11,7 +11,13 @@ from concurrent.futures import wait
 import numpy as np
 import pytest
 
-from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    QueueFull,
+    ServiceError,
+    Unavailable,
+)
 from service.metrics import Metrics
 from service.scheduling.dynamic import DynamicBatcher, ImageJob
 

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deploy_support import clean_env, free_port, start_service
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +35,6 @@ def require_locust() -> None:
                     "with it (pip install -e '.[train,dev,load]')")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_stats(prefix: Path) -> dict[str, dict[str, str]]:
@@ -49,13 +45,8 @@ def read_stats(prefix: Path) -> dict[str, dict[str, str]]:
 def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path):
     require_locust()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSERVE_")}
-    env.update(TSERVE_REPOSITORY=str(tiny_repository), TSERVE_HOST="127.0.0.1", TSERVE_PORT=str(port),
-               TSERVE_INTRA_OP_THREADS="1", TSERVE_LOG_FORMAT="text", PYTHONPATH=str(ROOT))
     service_log = tmp_path / "service.log"
-    with service_log.open("wb") as out:
-        service = subprocess.Popen([sys.executable, "-m", "service"], cwd=tmp_path, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    service = start_service(tiny_repository, port, tmp_path, service_log)
     locust_log = tmp_path / "locust.log"
     prefix = tmp_path / "loadtest"
     try:
@@ -71,7 +62,7 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
             time.sleep(0.25)
 
         # the tiny GPT's context is 64 tokens: 16 prompt + 24 new
-        load_env = {**env, "TSERVE_DATA_DIR": str(data_dir), "TSERVE_LOAD_PROMPT_CHARS": "16",
+        load_env = {**clean_env(), "TSERVE_DATA_DIR": str(data_dir), "TSERVE_LOAD_PROMPT_CHARS": "16",
                     "TSERVE_LOAD_MAX_NEW_TOKENS": "24", "TSERVE_LOAD_THINK_S": "0.05"}
         command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
                    "--users", "4", "--spawn-rate", "4", "--run-time", "15s", "--stop-timeout", "20",

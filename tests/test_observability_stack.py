@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_support import render_nginx_conf
+from deploy_support import free_port, render_nginx_conf, require_tool
 
 from models.data import load_fashion_mnist, load_multi30k
 
@@ -38,21 +37,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-TOOLS = {"prometheus": "prometheus", "nginx": "nginx"}
 
 
-def require_tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"`{name}` not found on PATH: .ci/run must `apt-get install -y {TOOLS[name]}` "
-                    f"(Debian package, listed in deploy/ci-packages.txt)")
-    return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout: float, process: subprocess.Popen | None = None, interval: float = 0.25):

@@ -29,7 +29,6 @@ from models.tokenization import (
 )
 
 
-
 @pytest.fixture(scope="module")
 def pairs(data_dir):
     return load_multi30k(data_dir, "train")[:2000]
