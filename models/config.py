@@ -122,9 +122,9 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
                         betas=(0.9, 0.99), eval_every=100, eval_limit=20_000, checkpoint_every=1000),
         ),
         "release": (
-            GPTConfig(context_length=256, d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.1),
-            TrainConfig(epochs=1000, max_steps=2400, batch_size=32, lr=1e-3, warmup_steps=100, weight_decay=0.1,
-                        betas=(0.9, 0.99), eval_every=250, checkpoint_every=200),
+            GPTConfig(context_length=256, d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.0),
+            TrainConfig(epochs=1000, max_steps=5400, batch_size=16, lr=1.5e-3, warmup_steps=100, weight_decay=0.1,
+                        betas=(0.9, 0.99), eval_every=300, checkpoint_every=300),
         ),
     },
     "vit": {
