@@ -134,8 +134,8 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
                         label_smoothing=0.1, train_limit=20000, eval_limit=2000, checkpoint_every=1000),
         ),
         "release": (
-            ViTConfig(patch_size=4, d_model=128, n_heads=4, n_layers=6, d_ff=256, dropout=0.1),
-            TrainConfig(epochs=18, batch_size=128, lr=2e-3, warmup_steps=300, weight_decay=0.05,
+            ViTConfig(patch_size=4, d_model=128, n_heads=4, n_layers=6, d_ff=256, dropout=0.0),
+            TrainConfig(epochs=26, batch_size=128, lr=2e-3, warmup_steps=300, weight_decay=0.05,
                         label_smoothing=0.1, min_lr_ratio=0.0, augment=True, checkpoint_every=200),
         ),
     },
