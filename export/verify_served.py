@@ -7,7 +7,9 @@ Starts `python -m service` on the repository (or uses --url), then
   the PyTorch model's `bleu` in metrics.json: must be within 0.2;
 - vit: accuracy of `POST /v1/classify` on the 10,000 Fashion-MNIST test images (sent as PNG files), compared with
   the PyTorch model's `test_accuracy`: must be within 0.1 (percentage points).
-Models missing from the repository are skipped. Prints JSON; exits 1 when a check fails.
+Each check uses the sentences/images the card was measured on (`test_2016_flickr_sentences`, `test_images`: the
+whole split for release models, the first N for tiny ones). Models missing from the repository are skipped.
+Prints JSON; exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _post(client: httpx.Client, path: str, **kwargs) -> dict:
 
 
 def verify_translation(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
-    pairs = data.load_multi30k(data_dir, "test_2016_flickr")
+    pairs = data.load_multi30k(data_dir, "test_2016_flickr")[: card.get("test_2016_flickr_sentences")]
     chunks = [pairs[i : i + 32] for i in range(0, len(pairs), 32)]
     with httpx.Client(base_url=url) as client, ThreadPoolExecutor(workers) as pool:
         answers = pool.map(lambda chunk: _post(client, "/v1/translate", json={
@@ -72,12 +74,14 @@ def verify_translation(url: str, card: dict, data_dir: Path, workers: int = 4) -
         hypotheses = [n_best[0]["text"] for answer in answers for n_best in answer["translations"]]
     served = round(sacrebleu.corpus_bleu(hypotheses, [[en for _, en in pairs]]).score, 2)
     trained = card["bleu"]
-    return {"metric": "sacreBLEU test_2016_flickr, beam 4", "served": served, "trained": trained,
+    return {"metric": "sacreBLEU test_2016_flickr, beam 4", "sentences": len(pairs), "served": served, "trained": trained,
             "delta": round(served - trained, 2), "ok": abs(served - trained) <= BLEU_TOLERANCE}
 
 
 def verify_vit(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
     images, labels = data.load_fashion_mnist(data_dir, "test")
+    count = card.get("test_images", len(labels))
+    images, labels = images[:count], labels[:count]
 
     def classify(start: int) -> list[int]:
         files = []
@@ -93,7 +97,7 @@ def verify_vit(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
         predicted = [i for batch in pool.map(classify, range(0, len(images), 64)) for i in batch]
     served = round(100.0 * sum(int(p == y) for p, y in zip(predicted, labels)) / len(labels), 2)
     trained = card["test_accuracy"]
-    return {"metric": "Fashion-MNIST test accuracy (%)", "served": served, "trained": trained,
+    return {"metric": "Fashion-MNIST test accuracy (%)", "images": len(labels), "served": served, "trained": trained,
             "delta": round(served - trained, 2), "ok": abs(served - trained) <= ACCURACY_TOLERANCE}
 
 

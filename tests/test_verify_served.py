@@ -1,0 +1,29 @@
+"""The served-equals-trained script (export.verify_served) against the tiny repository, through a real server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from export.verify_served import main
+
+
+def test_served_quality_equals_the_model_cards(tiny_repository, data_dir, capsys):
+    assert main(["--repository", str(tiny_repository), "--data-dir", str(data_dir)]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["skipped"] == []
+    assert results["translation"]["sentences"] == 100 and results["translation"]["ok"]
+    assert results["vit"]["images"] == 2000 and results["vit"]["ok"]
+
+
+def test_a_card_the_server_does_not_match_fails(tiny_repository, data_dir, tmp_path, capsys):
+    repository = tmp_path / "repository"
+    shutil.copytree(tiny_repository, repository)
+    card_path = next(repository.glob("vit/*/metrics.json"))
+    card = json.loads(card_path.read_text())
+    card["test_accuracy"] += 0.5  # half a point the served model cannot reproduce
+    card_path.write_text(json.dumps(card))
+    assert main(["--repository", str(repository), "--data-dir", str(data_dir)]) == 1
+    results = json.loads(capsys.readouterr().out)
+    assert results["translation"]["ok"] and not results["vit"]["ok"]
+    assert results["vit"]["delta"] == -0.5
