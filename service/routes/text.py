@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from service.decoding import BeamSearch, GreedySearch, Hypothesis, SamplingSearch, StopStrings, truncate_at_stop
 from service.errors import BadInput, Cancelled, DeadlineExceeded, PayloadTooLarge, ServiceError
+from service.handoff import mailbox_for
 from service.protocol import (ErrorResponse, GenerateRequest, GenerateResponse, TranslateRequest, TranslateResponse,
                               Translation, Usage)
 from service.registry import LoadedModel
@@ -118,10 +119,10 @@ def _sse(payload) -> bytes:
 def _stream(request: Request, loaded: LoadedModel, job: TextJob, decode: Callable[[list[int]], str],
             finish: Callable[[Hypothesis], tuple[str, dict]], stops: list[str]) -> StreamingResponse:
     """Submit `job` and stream its tokens. `finish(hypothesis)` -> (final text, extra fields of the last event)."""
-    loop = asyncio.get_running_loop()
+    mailbox = mailbox_for(asyncio.get_running_loop())  # one loop wake-up per decoding step, not per stream
     updates: asyncio.Queue = asyncio.Queue()
-    job.on_tokens = lambda ids: loop.call_soon_threadsafe(updates.put_nowait, ids)
-    job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(updates.put_nowait, None))
+    job.on_tokens = lambda ids: mailbox.put(updates, ids)
+    job.future.add_done_callback(lambda _: mailbox.put(updates, None))
     _submit(loaded, [job])  # before the response starts, so a full queue is still a 429
 
     async def events() -> AsyncIterator[bytes]:
