@@ -5,7 +5,8 @@
 - identical greedy outputs on 50 validation prompts / sentences, decoded by the ONNX Runtime engine on one side
   and by the PyTorch model (same decoding code) on the other;
 - identical ViT argmax on 1,000 test images.
-A failed check raises `ExportCheckError`; the results go into the model card.
+A failed check raises `ExportCheckError`; the results go into the model card. `gpt_validation_loss` and
+`vit_test_accuracy` measure the exported graph's quality on the card's own data (after any weight compression).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from service.decoding import GreedySearch
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
 from service.engines.vit import ViTEngine
+from service.kv_cache import KVCache
 
 ATOL = 1e-4
 
@@ -151,3 +153,35 @@ def check_vit(model, engine: ViTEngine, images: np.ndarray) -> dict[str, Any]:
     _require(diff <= ATOL, f"ViT logits differ from PyTorch by {diff:.2e} (> {ATOL})")
     _require(same == len(images), f"ViT argmax differs from PyTorch on {len(images) - same} of {len(images)} images")
     return {"logits_max_abs_diff": diff, "argmax_identical": f"{same}/{len(images)}"}
+
+
+def gpt_validation_loss(engine: GPTEngine, ids: np.ndarray, batch_size: int = 32) -> float:
+    """Mean next-token loss (nats) of the ONNX graph over consecutive context-length windows of `ids`: the same
+    windows `GPTTask.validation_loss` scores in PyTorch, so the two numbers compare directly."""
+    T = engine.context_length
+    n_windows = (len(ids) - 1) // T
+    inputs = ids[: n_windows * T].reshape(n_windows, T)
+    targets = ids[1 : n_windows * T + 1].reshape(n_windows, T)
+    total = 0.0
+    for start in range(0, n_windows, batch_size):
+        x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
+        rows = len(x)
+        feeds = {schema.INPUT_IDS: x, schema.POSITION_IDS: np.tile(np.arange(T, dtype=np.int64), (rows, 1)),
+                 schema.ATTENTION_MASK: np.ones((rows, T), np.int64),
+                 **KVCache.empty(rows, engine.n_layers, engine.n_heads, engine.head_dim).feeds()}
+        logits = engine.session.run([schema.LOGITS], feeds)[0].astype(np.float64)  # (rows, T, V)
+        peak = logits.max(axis=-1, keepdims=True)
+        log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[..., 0]
+        total += float((log_norm - np.take_along_axis(logits, y[..., None], axis=-1)[..., 0]).sum())
+    return total / targets.size
+
+
+def vit_test_accuracy(engine: ViTEngine, images: np.ndarray, labels: np.ndarray) -> float:
+    """Top-1 accuracy (percent) of the ONNX graph on uint8 images (N, H, W), preprocessed as the server does."""
+    from PIL import Image
+
+    correct = 0
+    for start in range(0, len(images), 250):
+        batch = np.stack([engine.preprocess(Image.fromarray(image)) for image in images[start : start + 250]])
+        correct += int((engine.logits(batch).argmax(1) == labels[start : start + 250]).sum())
+    return 100.0 * correct / len(images)

@@ -60,6 +60,28 @@ def _parity(kind: str, model, version: ModelVersion, tokenizer, data_dir) -> dic
         model, engine, **inputs)
 
 
+def _served_quality(kind: str, version: ModelVersion, tokenizer, metrics: dict, data_dir) -> dict[str, Any]:
+    """The exported graph's own figure next to the PyTorch one, on the data the card was measured on (GPT: val
+    loss over the card's `val_tokens`; ViT: accuracy over its `test_images`). Translation BLEU through the
+    server is `export.verify_served`'s job (it needs beam search and batching, i.e. the service)."""
+    from service.engines.gpt import GPTEngine
+    from service.engines.vit import ViTEngine
+
+    root = data.resolve_data_dir(data_dir)
+    if kind == "gpt" and "val_loss" in metrics:
+        _, val_text = data.load_shakespeare(root)
+        ids = np.asarray(tokenizer.encode(val_text).ids, dtype=np.int64)[: metrics.get("val_tokens")]
+        served = checks.gpt_validation_loss(GPTEngine(version), ids)
+        return {"onnx_val_loss": round(served, 4), "onnx_val_loss_minus_pytorch": round(served - metrics["val_loss"], 4)}
+    if kind == "vit" and "test_accuracy" in metrics:
+        images, labels = data.load_fashion_mnist(root, "test")
+        count = metrics.get("test_images", len(labels))
+        served = checks.vit_test_accuracy(ViTEngine(version), images[:count], labels[:count])
+        return {"onnx_test_accuracy": round(served, 2),
+                "onnx_test_accuracy_minus_pytorch": round(served - metrics["test_accuracy"], 2)}
+    return {}
+
+
 def _greedy_outputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> list:
     """Greedy tokens (text models) or argmax labels (ViT) of the check inputs, from the ONNX Runtime engine."""
     engine, inputs = _engine_and_inputs(kind, version, tokenizer, data_dir)
@@ -133,6 +155,7 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
             metrics["export_checks"]["fp16_weights_same_greedy_output_as_fp32"] = f"{same}/{len(reference)}"
             config["weights_storage"] = "float16, cast to float32 when the session loads"
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        metrics["export_checks"].update(_served_quality(kind, staged, tokenizer, metrics, data_dir))
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if (run_dir / "curves.png").exists():
             shutil.copy(run_dir / "curves.png", staging / "curves.png")

@@ -29,6 +29,16 @@ def test_version_folder_is_complete(tiny_repository, kind, files):
         card.replace(",", "")
 
 
+def test_card_records_the_exported_graphs_own_quality(tiny_repository):
+    gpt = json.loads((tiny_repository / "gpt" / "1" / "metrics.json").read_text())
+    assert abs(gpt["export_checks"]["onnx_val_loss"] - gpt["val_loss"]) <= 2e-4  # both rounded to 4 places
+    assert gpt["export_checks"]["onnx_val_loss_minus_pytorch"] == pytest.approx(
+        gpt["export_checks"]["onnx_val_loss"] - gpt["val_loss"], abs=1e-4)
+    vit = json.loads((tiny_repository / "vit" / "1" / "metrics.json").read_text())
+    assert vit["export_checks"]["onnx_test_accuracy"] == vit["test_accuracy"]
+    assert vit["export_checks"]["onnx_test_accuracy_minus_pytorch"] == 0
+
+
 def test_config_describes_the_models(tiny_repository):
     repo = ModelRepository(tiny_repository)
     translation = repo.get("translation").config
@@ -88,4 +98,5 @@ def test_fp16_weight_storage_halves_the_files_and_keeps_the_outputs(tiny_runs, t
     assert half.stat().st_size < 0.6 * full.stat().st_size
     checks = json.loads((tmp_path / "gpt" / "1" / "metrics.json").read_text())["export_checks"]
     assert checks["fp16_weights_same_greedy_output_as_fp32"] == "50/50"
+    assert abs(checks["onnx_val_loss_minus_pytorch"]) < 0.01  # float16 storage barely moves the loss
     assert "float16" in json.loads((tmp_path / "gpt" / "1" / "config.json").read_text())["weights_storage"]
