@@ -96,6 +96,7 @@ class TrainConfig:
     eval_limit: int | None = None  # evaluate on the first N validation/test examples
     tokenizer_vocab_size: int | None = None  # translation: BPE size (defaults to the model's vocab)
     augment: bool = False  # ViT: pad + random crop + horizontal flip
+    keep_best: bool = False  # end with the weights of the evaluation that had the lowest validation loss
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -124,7 +125,7 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
         "release": (
             GPTConfig(context_length=256, d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.0),
             TrainConfig(epochs=1000, max_steps=5400, batch_size=16, lr=1.5e-3, warmup_steps=100, weight_decay=0.1,
-                        betas=(0.9, 0.99), eval_every=300, checkpoint_every=300),
+                        betas=(0.9, 0.99), eval_every=300, checkpoint_every=300, keep_best=True),
         ),
     },
     "vit": {

@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval_seconds": round(time.perf_counter() - started, 1),
         "final_train_loss": round(state.history["train_loss"][-1][1], 4) if state.history["train_loss"] else None,
     })
+    if train_cfg.keep_best and state.best_step is not None:
+        metrics["kept_step"] = state.best_step  # keep_best: the weights evaluated here are from this step
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(json.dumps(metrics, indent=2))
     return 0

@@ -3,7 +3,9 @@
 Follows nanoGPT's `train.py` in spirit (one loop, a learning-rate function, periodic evaluation and checkpoints)
 with the task-specific parts behind a small `TrainingTask` protocol: batches for an epoch, a loss for a batch,
 and a validation loss for the curve. Everything a resumed run needs (weights, optimiser, position in the epoch,
-RNG state, history) is in one checkpoint file, written atomically.
+RNG state, history) is in one checkpoint file, written atomically. With `keep_best` the weights of the
+evaluation with the lowest validation loss are kept in `best.pt` and restored at the end (nanoGPT keeps its
+best-validation checkpoint the same way).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tqdm import tqdm
 from models.config import TrainConfig
 
 CHECKPOINT_NAME = "checkpoint.pt"
+BEST_NAME = "best.pt"
 
 
 class TrainingTask(Protocol):
@@ -44,6 +47,8 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of `epoch` already consumed
     seconds: float = 0.0  # training wall time so far, across resumes
     history: dict[str, list[list[float]]] = field(default_factory=lambda: {"train_loss": [], "val_loss": []})
+    best_val_loss: float | None = None  # keep_best: the lowest validation loss so far and its step
+    best_step: int | None = None
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
@@ -78,6 +83,12 @@ def _save_checkpoint(path: Path, model, optimizer, state: TrainState) -> None:
          "rng": torch.get_rng_state()},
         tmp,
     )
+    tmp.replace(path)
+
+
+def _save_weights(path: Path, model) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(model.state_dict(), tmp)
     tmp.replace(path)
 
 
@@ -139,6 +150,9 @@ def train(
                 model.train()
                 state.history["val_loss"].append([state.step, val])
                 bar.write(f"step {state.step}: train loss {smoothed:.4f}, validation loss {val:.4f}")
+                if cfg.keep_best and (state.best_val_loss is None or val < state.best_val_loss):
+                    _save_weights(out_dir / BEST_NAME, model)
+                    state.best_val_loss, state.best_step = val, state.step
             if last and state.batch_in_epoch == per_epoch:  # the budget ended exactly with an epoch
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             if state.step % cfg.checkpoint_every == 0 or last:
@@ -152,6 +166,10 @@ def train(
             continue
         break
     bar.close()
+    if cfg.keep_best and state.best_step is not None:
+        model.load_state_dict(torch.load(out_dir / BEST_NAME, map_location="cpu", weights_only=True))
+        if progress:
+            print(f"kept the weights of step {state.best_step} (validation loss {state.best_val_loss:.4f})")
     model.eval()
     (out_dir / "history.json").write_text(json.dumps(state.history))
     return state

@@ -131,6 +131,39 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
 
 
+class ScriptedValidation:
+    """Wraps a task; its validation losses are the given numbers, in order."""
+
+    def __init__(self, task, losses):
+        self.task, self.losses = task, iter(losses)
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def validation_loss(self, model):
+        return next(self.losses)
+
+
+def test_keep_best_ends_with_the_weights_of_the_lowest_validation_loss(tmp_path):
+    config = GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.0)
+    text = "".join(random.Random(0).choice("abcd ") for _ in range(3000))
+    # inverse_sqrt does not depend on the budget, so a 10-step run follows the first 10 steps of a 20-step run
+    cfg = TrainConfig(epochs=100, max_steps=20, batch_size=8, lr=3e-3, warmup_steps=5, schedule="inverse_sqrt",
+                      eval_every=5, checkpoint_every=100, keep_best=True)
+    torch.manual_seed(0)
+    kept = GPT(config)
+    state = train(kept, ScriptedValidation(_toy_task(config, cfg, text), [3.0, 1.0, 2.0, 4.0]), cfg,
+                  tmp_path / "kept", progress=False)
+    assert (state.step, state.best_step, state.best_val_loss) == (20, 10, 1.0)
+
+    torch.manual_seed(0)
+    ten_steps = GPT(config)
+    short = TrainConfig(**{**cfg.__dict__, "max_steps": 10, "keep_best": False})
+    train(ten_steps, _toy_task(config, short, text), short, tmp_path / "ten", progress=False)
+    for (name, a), b in zip(ten_steps.state_dict().items(), kept.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 # --- the seed's toy language --------------------------------------------------------------------------------
 
 def toy_sentences(n, seed):
