@@ -72,13 +72,14 @@ def _served_quality(kind: str, version: ModelVersion, tokenizer, metrics: dict, 
         _, val_text = data.load_shakespeare(root)
         ids = np.asarray(tokenizer.encode(val_text).ids, dtype=np.int64)[: metrics.get("val_tokens")]
         served = checks.gpt_validation_loss(GPTEngine(version), ids)
-        return {"onnx_val_loss": round(served, 4), "onnx_val_loss_minus_pytorch": round(served - metrics["val_loss"], 4)}
+        return {"onnx_val_loss": round(served, 4),
+                "onnx_val_loss_minus_pytorch": round(served - metrics["val_loss"], 4) + 0.0}  # + 0.0: no "-0.0"
     if kind == "vit" and "test_accuracy" in metrics:
         images, labels = data.load_fashion_mnist(root, "test")
         count = metrics.get("test_images", len(labels))
         served = checks.vit_test_accuracy(ViTEngine(version), images[:count], labels[:count])
         return {"onnx_test_accuracy": round(served, 2),
-                "onnx_test_accuracy_minus_pytorch": round(served - metrics["test_accuracy"], 2)}
+                "onnx_test_accuracy_minus_pytorch": round(served - metrics["test_accuracy"], 2) + 0.0}
     return {}
 
 
@@ -104,6 +105,11 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
         if key in metrics:
             lines.append(f"- {key.replace('_', ' ')}: {metrics[key]:,}" if isinstance(metrics[key], int)
                          else f"- {key.replace('_', ' ')}: {metrics[key]}")
+    if "kept_step" in metrics:
+        lines.append(f"- kept weights: step {metrics['kept_step']:,}, the evaluation with the lowest validation "
+                     "loss (`keep_best`); the metrics below are those weights'")
+    if "weights_storage" in config:
+        lines.append(f"- weights stored as {config['weights_storage']}")
     lines += ["", "## Metrics", "", "| metric | value |", "| --- | --- |"]
     for key, value in metrics.items():
         if key not in ("export_checks", "task", "preset") and isinstance(value, (int, float)):

@@ -11,7 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def plot_history(history: dict[str, list[list[float]]], path: Path, title: str) -> None:
+def plot_history(history: dict[str, list[list[float]]], path: Path, title: str, kept_step: int | None = None) -> None:
+    """`kept_step`: the step whose weights the run kept (keep_best), marked with a vertical line."""
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     train = np.asarray(history.get("train_loss") or [[0, np.nan]], dtype=float)
     ax.plot(train[:, 0], train[:, 1], color="tab:blue", alpha=0.25, linewidth=0.8)
@@ -21,6 +22,8 @@ def plot_history(history: dict[str, list[list[float]]], path: Path, title: str) 
         ax.plot(train[window - 1 :, 0], smooth, color="tab:blue", label="train loss")
     val = np.asarray(history.get("val_loss") or [[0, np.nan]], dtype=float)
     ax.plot(val[:, 0], val[:, 1], "o-", color="tab:orange", label="validation loss")
+    if kept_step is not None:
+        ax.axvline(kept_step, color="tab:green", linestyle="--", label=f"kept weights (step {kept_step:,})")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats)")
     ax.set_title(title)

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     state = train(run.model, run.task, train_cfg, out_dir, resume=not args.fresh, progress=not args.quiet)
     torch.save(run.model.state_dict(), out_dir / "model.pt")
-    plot_history(state.history, out_dir / "curves.png", f"{args.task} ({args.preset})")
+    kept_step = state.best_step if train_cfg.keep_best else None
+    plot_history(state.history, out_dir / "curves.png", f"{args.task} ({args.preset})", kept_step)
 
     started = time.perf_counter()
     metrics = evaluate_run(args.task, run.model, run.task, run.tokenizer, run.data_dir, progress=not args.quiet)
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval_seconds": round(time.perf_counter() - started, 1),
         "final_train_loss": round(state.history["train_loss"][-1][1], 4) if state.history["train_loss"] else None,
     })
-    if train_cfg.keep_best and state.best_step is not None:
-        metrics["kept_step"] = state.best_step  # keep_best: the weights evaluated here are from this step
+    if kept_step is not None:
+        metrics["kept_step"] = kept_step  # keep_best: the weights evaluated here are from this step
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(json.dumps(metrics, indent=2))
     return 0
