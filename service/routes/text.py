@@ -129,10 +129,22 @@ def _stream(request: Request, loaded: LoadedModel, job: TextJob, decode: Callabl
         text = _IncrementalText(decode, stops)
         index = 0
         try:
-            while (ids := await updates.get()) is not None:
-                for token in ids:
-                    yield _sse({"token": text.add([token]), "index": index})
-                    index += 1
+            finished = False
+            while not finished:
+                # whatever arrived since the last write goes out as one chunk (several events) in one send
+                arrived = [await updates.get()]
+                while not updates.empty():
+                    arrived.append(updates.get_nowait())
+                events_now = []
+                for ids in arrived:
+                    if ids is None:  # the job is done; nothing follows it in the queue
+                        finished = True
+                        break
+                    for token in ids:
+                        events_now.append(_sse({"token": text.add([token]), "index": index}))
+                        index += 1
+                if events_now:
+                    yield b"".join(events_now)
             try:
                 hypothesis = job.future.result()[0]
             except ServiceError as error:  # the status (200) is already sent: count the failure here
