@@ -158,7 +158,8 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
                 store_weights_as_fp16(staging / file)
             compressed = _greedy_outputs(kind, staged, tokenizer, data_dir)
             same = sum(a == b for a, b in zip(reference, compressed))
-            metrics["export_checks"]["fp16_weights_same_greedy_output_as_fp32"] = f"{same}/{len(reference)}"
+            output = "argmax" if kind == "vit" else "greedy_output"
+            metrics["export_checks"][f"fp16_weights_same_{output}_as_fp32"] = f"{same}/{len(reference)}"
             config["weights_storage"] = "float16, cast to float32 when the session loads"
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         metrics["export_checks"].update(_served_quality(kind, staged, tokenizer, metrics, data_dir))

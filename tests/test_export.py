@@ -99,4 +99,10 @@ def test_fp16_weight_storage_halves_the_files_and_keeps_the_outputs(tiny_runs, t
     checks = json.loads((tmp_path / "gpt" / "1" / "metrics.json").read_text())["export_checks"]
     assert checks["fp16_weights_same_greedy_output_as_fp32"] == "50/50"
     assert abs(checks["onnx_val_loss_minus_pytorch"]) < 0.01  # float16 storage barely moves the loss
+
+    assert export_main(["vit", "--checkpoint", str(tiny_runs["vit"]), "--repository", str(tmp_path),
+                        "--data-dir", str(data_dir), "--weights", "fp16"]) == 0
+    checks = json.loads((tmp_path / "vit" / "1" / "metrics.json").read_text())["export_checks"]
+    same, total = map(int, checks["fp16_weights_same_argmax_as_fp32"].split("/"))
+    assert total == 1000 and same >= 990 and abs(checks["onnx_test_accuracy_minus_pytorch"]) <= 0.5
     assert "float16" in json.loads((tmp_path / "gpt" / "1" / "config.json").read_text())["weights_storage"]
