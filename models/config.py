@@ -95,7 +95,8 @@ class TrainConfig:
     train_limit: int | None = None  # use only the first N training examples (tiny presets)
     eval_limit: int | None = None  # evaluate on the first N validation/test examples
     tokenizer_vocab_size: int | None = None  # translation: BPE size (defaults to the model's vocab)
-    augment: bool = False  # ViT: pad + random crop + horizontal flip
+    augment: bool = False  # ViT: pad + random crop (+ horizontal flip when augment_flip)
+    augment_flip: bool = True
     keep_best: bool = False  # end with the weights of the evaluation that had the lowest validation loss
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -137,7 +138,8 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
         "release": (
             ViTConfig(patch_size=4, d_model=128, n_heads=4, n_layers=6, d_ff=256, dropout=0.0),
             TrainConfig(epochs=26, batch_size=128, lr=2e-3, warmup_steps=300, weight_decay=0.05,
-                        label_smoothing=0.1, min_lr_ratio=0.0, augment=True, checkpoint_every=200),
+                        label_smoothing=0.1, min_lr_ratio=0.0, augment=True, augment_flip=True,
+                        checkpoint_every=200),
         ),
     },
 }

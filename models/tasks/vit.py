@@ -21,8 +21,9 @@ def normalise(images: np.ndarray, config: ViTConfig) -> torch.Tensor:
     return (x - config.mean) / config.std
 
 
-def augment(batch: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
-    """Random crop after zero-padding (in the standardised space, pad with the value of a black pixel) and flip."""
+def augment(batch: torch.Tensor, generator: torch.Generator, pad: int = 2, flip: bool = True) -> torch.Tensor:
+    """Random crop after zero-padding (in the standardised space, pad with the value of a black pixel) and, with
+    `flip`, a random horizontal flip."""
     B, C, H, W = batch.shape
     background = batch.amin()
     padded = F.pad(batch, (pad, pad, pad, pad), value=float(background))
@@ -32,8 +33,10 @@ def augment(batch: torch.Tensor, generator: torch.Generator, pad: int = 2) -> to
     cropped = torch.gather(padded, 2, rows)
     cols = (dx[:, None] + torch.arange(W)[None, :])[:, None, None, :].expand(B, C, H, W)
     cropped = torch.gather(cropped, 3, cols)  # (B, C, H, W)
-    flip = torch.rand(B, generator=generator) < 0.5
-    return torch.where(flip[:, None, None, None], cropped.flip(-1), cropped)
+    if not flip:
+        return cropped
+    flipped = torch.rand(B, generator=generator) < 0.5
+    return torch.where(flipped[:, None, None, None], cropped.flip(-1), cropped)
 
 
 class ViTTask:
@@ -61,7 +64,7 @@ class ViTTask:
             index = order[i * B : (i + 1) * B]
             x = self.train_x[index]
             if self.train_cfg.augment:
-                x = augment(x, generator)
+                x = augment(x, generator, flip=self.train_cfg.augment_flip)
             yield x, self.train_y[index]
 
     def loss(self, model: ViT, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
