@@ -1,5 +1,6 @@
 """ViT training task: Fashion-MNIST images standardised by the model config's mean/std, optional augmentation
-(pad 2 + random crop + horizontal flip), label-smoothed cross-entropy; evaluation is top-1 test accuracy."""
+(pad 2 + random crop, and a horizontal flip unless `augment_flip` is off), label-smoothed cross-entropy;
+evaluation is top-1 test accuracy."""
 
 from __future__ import annotations
 
