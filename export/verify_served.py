@@ -1,6 +1,6 @@
 """What is served equals what was trained: quality measured through the HTTP API against the model card.
 
-    python -m export.verify_served --repository model_repository [--data-dir DIR] [--url http://host:port]
+    python -m export.verify_served --repository model_repository [--data-dir DIR] [--url URL] [--kinds vit]
 
 Starts `python -m service` on the repository (or uses --url), then
 - translation: sacreBLEU (cased, 13a) of `POST /v1/translate` (beam 4) on Multi30k test_2016_flickr, compared with
@@ -106,18 +106,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--url", default=None, help="a running service (default: start one on the repository)")
+    parser.add_argument("--kinds", default="translation,vit", help="which checks to run (default: both)")
     args = parser.parse_args(argv)
     repository = ModelRepository(args.repository)
     data_dir = data.resolve_data_dir(args.data_dir)
     checks = {"translation": verify_translation, "vit": verify_vit}
-    present = [kind for kind in checks if repository.versions(kind)]
+    wanted = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
+    unknown = sorted(set(wanted) - set(checks))
+    if unknown:
+        parser.error(f"--kinds: unknown {unknown}; choose from {sorted(checks)}")
+    present = [kind for kind in wanted if repository.versions(kind)]
     process, url = (None, args.url) if args.url else _start_server(args.repository)
     try:
         results = {}
         for kind in present:
             card = json.loads((repository.get(kind).path / "metrics.json").read_text())
             results[kind] = checks[kind](url, card, data_dir)
-        results["skipped"] = [kind for kind in checks if kind not in present]
+        results["skipped"] = [kind for kind in wanted if kind not in present]
     finally:
         if process is not None:
             process.terminate()

@@ -27,3 +27,9 @@ def test_a_card_the_server_does_not_match_fails(tiny_repository, data_dir, tmp_p
     results = json.loads(capsys.readouterr().out)
     assert results["translation"]["ok"] and not results["vit"]["ok"]
     assert results["vit"]["delta"] == -0.5
+
+
+def test_kinds_selects_the_checks(tiny_repository, data_dir, capsys):
+    assert main(["--repository", str(tiny_repository), "--data-dir", str(data_dir), "--kinds", "vit"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert set(results) == {"vit", "skipped"} and results["vit"]["ok"]
