@@ -312,9 +312,15 @@ def test_nginx_spreads_load_and_survives_a_killed_replica(tiny_repository, tmp_p
         worker.join(90)
     assert not any(worker.is_alive() for worker in workers), "a client thread hung"
 
-    failed = [r for r in results if r[2] != 200]
     after_kill = [r for r in results if r[0] > killed_at]
     assert before_kill >= 10 and len(after_kill) >= 10, (before_kill, len(after_kill))
+    # The one loss no proxy can hide: a response the killed replica had begun (nginx already passed its headers
+    # on) when SIGKILL landed between its header and body writes. At most one per client thread, only at the
+    # kill; every other request, and every request after the kill, must succeed (nginx retries the rest).
+    cut_mid_response = [r for r in results if r[2] == -1 and "without sending complete message body" in r[3]
+                        and r[0] - killed_at < 2.0]
+    failed = [r for r in results if r[2] != 200 and r not in cut_mid_response]
+    assert len(cut_mid_response) <= len(workers), cut_mid_response
     assert not failed, f"{len(failed)} of {len(results)} requests failed at the client: {failed[:5]}"
 
     # nginx's access log says which replica answered: both did before the kill, and requests that met the
