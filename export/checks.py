@@ -141,12 +141,17 @@ def _pad_ids(sequences: list[list[int]], length: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def check_vit(model, engine: ViTEngine, images: np.ndarray) -> dict[str, Any]:
-    """`images`: real test images, uint8 (N, H, W)."""
+def _vit_onnx_logits(engine: ViTEngine, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 images (N, H, W) preprocessed as the server does -> (pixel batch, ONNX logits), 250 images a call."""
     from PIL import Image
 
     batch = np.stack([engine.preprocess(Image.fromarray(image)) for image in images])
-    onnx_logits = np.concatenate([engine.logits(batch[i : i + 250]) for i in range(0, len(batch), 250)])
+    return batch, np.concatenate([engine.logits(batch[i : i + 250]) for i in range(0, len(batch), 250)])
+
+
+def check_vit(model, engine: ViTEngine, images: np.ndarray) -> dict[str, Any]:
+    """`images`: real test images, uint8 (N, H, W)."""
+    batch, onnx_logits = _vit_onnx_logits(engine, images)
     torch_logits = torch.cat([model(torch.from_numpy(batch[i : i + 250])) for i in range(0, len(batch), 250)])
     diff = _max_diff(onnx_logits, torch_logits)
     same = int((onnx_logits.argmax(1) == torch_logits.argmax(1).numpy()).sum())
@@ -178,10 +183,5 @@ def gpt_validation_loss(engine: GPTEngine, ids: np.ndarray, batch_size: int = 32
 
 def vit_test_accuracy(engine: ViTEngine, images: np.ndarray, labels: np.ndarray) -> float:
     """Top-1 accuracy (percent) of the ONNX graph on uint8 images (N, H, W), preprocessed as the server does."""
-    from PIL import Image
-
-    correct = 0
-    for start in range(0, len(images), 250):
-        batch = np.stack([engine.preprocess(Image.fromarray(image)) for image in images[start : start + 250]])
-        correct += int((engine.logits(batch).argmax(1) == labels[start : start + 250]).sum())
-    return 100.0 * correct / len(images)
+    _, logits = _vit_onnx_logits(engine, images)
+    return 100.0 * int((logits.argmax(1) == labels).sum()) / len(images)

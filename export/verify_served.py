@@ -74,8 +74,8 @@ def verify_translation(url: str, card: dict, data_dir: Path, workers: int = 4) -
         hypotheses = [n_best[0]["text"] for answer in answers for n_best in answer["translations"]]
     served = round(sacrebleu.corpus_bleu(hypotheses, [[en for _, en in pairs]]).score, 2)
     trained = card["bleu"]
-    return {"metric": "sacreBLEU test_2016_flickr, beam 4", "sentences": len(pairs), "served": served, "trained": trained,
-            "delta": round(served - trained, 2), "ok": abs(served - trained) <= BLEU_TOLERANCE}
+    return {"metric": "sacreBLEU test_2016_flickr, beam 4", "sentences": len(pairs), "served": served,
+            "trained": trained, "delta": round(served - trained, 2), "ok": abs(served - trained) <= BLEU_TOLERANCE}
 
 
 def verify_vit(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
@@ -97,8 +97,9 @@ def verify_vit(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
         predicted = [i for batch in pool.map(classify, range(0, len(images), 64)) for i in batch]
     served = round(100.0 * sum(int(p == y) for p, y in zip(predicted, labels)) / len(labels), 2)
     trained = card["test_accuracy"]
-    return {"metric": "Fashion-MNIST test accuracy (%)", "images": len(labels), "served": served, "trained": trained,
-            "delta": round(served - trained, 2), "ok": abs(served - trained) <= ACCURACY_TOLERANCE}
+    return {"metric": "Fashion-MNIST test accuracy (%)", "images": len(labels), "served": served,
+            "trained": trained, "delta": round(served - trained, 2),
+            "ok": abs(served - trained) <= ACCURACY_TOLERANCE}
 
 
 def main(argv: list[str] | None = None) -> int:

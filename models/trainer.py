@@ -76,20 +76,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
 
 
+def _save_atomically(obj: Any, path: Path) -> None:
+    """torch.save into a sibling temporary file, then rename: a reader never sees a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
 def _save_checkpoint(path: Path, model, optimizer, state: TrainState) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state),
-         "rng": torch.get_rng_state()},
-        tmp,
-    )
-    tmp.replace(path)
-
-
-def _save_weights(path: Path, model) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(path)
+    _save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state),
+                      "rng": torch.get_rng_state()}, path)
 
 
 def train(
@@ -151,7 +147,7 @@ def train(
                 state.history["val_loss"].append([state.step, val])
                 bar.write(f"step {state.step}: train loss {smoothed:.4f}, validation loss {val:.4f}")
                 if cfg.keep_best and (state.best_val_loss is None or val < state.best_val_loss):
-                    _save_weights(out_dir / BEST_NAME, model)
+                    _save_atomically(model.state_dict(), out_dir / BEST_NAME)
                     state.best_val_loss, state.best_step = val, state.step
             if last and state.batch_in_epoch == per_epoch:  # the budget ended exactly with an epoch
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
