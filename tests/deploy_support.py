@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +48,18 @@ def start_service(repository: Path, port: int, cwd: Path, log: Path) -> subproce
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "service"], cwd=cwd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_process_group(process: subprocess.Popen, grace: float = 20) -> None:
+    """SIGTERM the process's session (it and its children), SIGKILL it after `grace` seconds; no-op once exited."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
 
 
 def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> Path:

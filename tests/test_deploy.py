@@ -10,9 +10,7 @@ A missing tool fails (never skips): CI must prove these checks; deploy/ci-packag
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from deploy_support import (
     render_nginx_conf,
     require_tool,
     start_service,
+    stop_process_group,
 )
 
 from service.settings import Settings
@@ -386,12 +385,7 @@ def test_dashboard_and_alerts_use_only_exported_metrics(tiny_repository, tmp_pat
         print(log.read_text(errors="replace"))
         raise
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
+        stop_process_group(process)
 
     exported = exported_names(metrics)
     assert "tserve_request_duration_seconds_bucket" in exported and "tserve_images_total" in exported

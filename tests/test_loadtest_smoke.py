@@ -10,8 +10,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_support import clean_env, free_port, start_service
+from deploy_support import clean_env, free_port, start_service, stop_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +100,7 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
                 print(f"----- {path.name} -----\n{path.read_text(errors='replace')[-20000:]}")
         raise
     finally:
-        if service.poll() is None:
-            os.killpg(service.pid, signal.SIGTERM)
-            try:
-                service.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(service.pid, signal.SIGKILL)
-                service.wait(10)
+        stop_process_group(service)
 
 
 def test_report_fails_over_the_failure_threshold(tmp_path):

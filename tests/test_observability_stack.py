@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_support import free_port, render_nginx_conf, require_tool
+from deploy_support import free_port, render_nginx_conf, require_tool, stop_process_group
 
 from models.data import load_fashion_mnist, load_multi30k
 
@@ -80,12 +80,7 @@ class Process:
         self.popen.wait(10)
 
     def stop(self) -> None:
-        if self.alive():
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process_group(self.popen)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
