@@ -140,7 +140,6 @@ def _pad_ids(sequences: list[list[int]], length: int) -> np.ndarray:
     return ids
 
 
-@torch.no_grad()
 def _vit_onnx_logits(engine: ViTEngine, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """uint8 images (N, H, W) preprocessed as the server does -> (pixel batch, ONNX logits), 250 images a call."""
     from PIL import Image
@@ -149,6 +148,7 @@ def _vit_onnx_logits(engine: ViTEngine, images: np.ndarray) -> tuple[np.ndarray,
     return batch, np.concatenate([engine.logits(batch[i : i + 250]) for i in range(0, len(batch), 250)])
 
 
+@torch.no_grad()
 def check_vit(model, engine: ViTEngine, images: np.ndarray) -> dict[str, Any]:
     """`images`: real test images, uint8 (N, H, W)."""
     batch, onnx_logits = _vit_onnx_logits(engine, images)
