@@ -12,13 +12,18 @@ from PIL import Image
 
 from service.repository import ModelRepository
 from service.settings import Settings
+
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 KINDS = ("translation", "gpt", "vit")
 
 
-def _card(kind: str) -> dict:
+def _version_dir(kind: str) -> Path:
     (version,) = ModelRepository(REPOSITORY).versions(kind)  # exactly one committed version
-    return json.loads((REPOSITORY / kind / str(version) / "metrics.json").read_text())
+    return REPOSITORY / kind / str(version)
+
+
+def _card(kind: str) -> dict:
+    return json.loads((_version_dir(kind) / "metrics.json").read_text())
 
 
 def test_release_targets_are_met_and_recorded():
@@ -67,23 +72,21 @@ def test_committed_models_are_what_the_release_preset_trains(kind):
     """The card says `--preset release`: the committed architecture and epoch count must be that preset's."""
     from models.config import get_preset
 
-    (version,) = ModelRepository(REPOSITORY).versions(kind)
-    architecture = json.loads((REPOSITORY / kind / str(version) / "config.json").read_text())["architecture"]
+    architecture = json.loads((_version_dir(kind) / "config.json").read_text())["architecture"]
     model_config, train_config = get_preset(kind, "release")
     shared = {name: value for name, value in architecture.items() if hasattr(model_config, name)}
     assert shared and shared == {name: getattr(model_config, name) for name in shared}
     card = _card(kind)
-    if kind != "gpt":  # the GPT's budget is steps, not epochs
-        assert card["epochs_completed"] == train_config.epochs
-    else:
+    if train_config.max_steps is not None:  # a step budget (the GPT) ends before the epoch count
         assert card["steps"] == train_config.max_steps
+    else:
+        assert card["epochs_completed"] == train_config.epochs
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_model_cards_state_how_the_model_was_made(kind):
-    (version,) = ModelRepository(REPOSITORY).versions(kind)
-    card = (REPOSITORY / kind / str(version) / "README.md").read_text()
+    card = (_version_dir(kind) / "README.md").read_text()
     for needed in (f"python -m models.train {kind} --preset release", "parameters", "train seconds",
                    "float16", "![training curves](curves.png)"):
         assert needed in card, needed
-    assert (REPOSITORY / kind / str(version) / "curves.png").stat().st_size > 10_000
+    assert (_version_dir(kind) / "curves.png").stat().st_size > 10_000
