@@ -8,6 +8,7 @@ import sys
 import uvicorn
 
 from service.app import create_app
+from service.http_limits import REJECT_REASONS, limited_http_protocol
 from service.logs import configure_logging
 from service.settings import get_settings
 
@@ -18,7 +19,13 @@ def main() -> None:
     # uvicorn re-raises a caught SIGTERM after its graceful shutdown, with the handler that was there before it:
     # make that a clean exit (status 0) rather than death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
+    app = create_app(settings)
+    # slow or oversized request heads are answered (408 / 431) and closed in the HTTP protocol, before the app
+    rejected = app.state.metrics.rejected_connections
+    for reason in REJECT_REASONS:
+        rejected.labels(reason=reason)  # the series exist at zero from the start
+    http = limited_http_protocol(settings, on_reject=lambda reason: rejected.labels(reason=reason).inc())
+    uvicorn.run(app, host=settings.host, port=settings.port, http=http, log_config=None, access_log=False,
                 timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
 
 

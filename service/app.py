@@ -15,10 +15,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.errors import install_error_handlers
+from service.imaging import ImageDecoder
 from service.metrics import Metrics
 from service.middleware import RequestMiddleware
 from service.registry import ModelRegistry
-from service.routes import admin, text
+from service.protocol import request_models
+from service.routes import admin, images, text
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -50,10 +52,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.image_decoder = ImageDecoder(settings)  # its own bounded pool of decoder threads
         registry.start_loading()
         _hook_sigterm(registry, settings.drain_delay_s)
         yield
         registry.stop(settings.drain_timeout_s)
+        app.state.image_decoder.close()
 
     app = FastAPI(
         title="transformer-serving",
@@ -63,14 +67,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings, app.state.metrics, app.state.registry = settings, metrics, registry
+    app.state.request_models = models = request_models(settings)
     install_error_handlers(app)
-    app.include_router(text.router)
-    try:
-        from service.routes import images
-    except ImportError as error:  # pragma: no cover - only while the images router is being written
-        log.warning("classify endpoint unavailable: %s", error)
-    else:
-        app.include_router(images.router)
+    app.include_router(text.build_router(models))
+    app.include_router(images.build_router(models, settings))
     app.include_router(admin.router)
-    app.add_middleware(RequestMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes,
+                       body_timeout_s=settings.body_timeout_s)
     return app

@@ -1,7 +1,9 @@
 """Errors as JSON `{"error": {"type", "message"}}` with the right status, and the handlers that produce them.
 
-Bad input is 400/413/415/422 and never a 500; 404 unknown model or version; 429 (with Retry-After) full queue;
-503 not ready or draining; 504 deadline expired. Each error carries the failure reason that the metrics count.
+Bad input is 400/413/415/422 and never a 500; 404 unknown model or version; 408 a body that did not arrive in time;
+429 (with Retry-After) full queue; 503 not ready or draining; 504 deadline expired; 499 (never read) the client went
+away. Each error carries the failure reason that the metrics count. Unexpected exceptions become a JSON 500 in the
+request middleware (`service.middleware`), which keeps the connection usable.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +65,45 @@ class Cancelled(ServiceError):
     status, type, reason = 499, "cancelled", "cancelled"  # the client went away; nobody reads this response
 
 
+class ClientBodyError(StarletteHTTPException):
+    """Raised inside the ASGI receive channel by the request middleware: a body over the size limit (413) or one
+    that did not arrive in time (408). An HTTPException, because FastAPI's body parsing re-raises those as they are
+    (anything else becomes a 400 "error parsing the body"); the connection is closed after the response, since the
+    rest of the body may still be on its way."""
+
+    def __init__(self, status: int, error_type: str, message: str):
+        super().__init__(status, message, headers={"Connection": "close"})
+        self.type = error_type
+
+
 def error_body(error_type: str, message: str) -> dict:
     return {"error": {"type": error_type, "message": message}}
 
 
+# pydantic names the member of a union in an error's location ("text.list[constrained-str].1"); a field name of this
+# API is a plain identifier, so location parts that are type names or contain these characters are union members.
+_UNION_MEMBER_CHARS = set("[]-'")
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _field_path(location) -> str:
+    parts = [str(p) for p in location if p != "body" and not (
+        isinstance(p, str) and (p in _TYPE_NAMES or _UNION_MEMBER_CHARS & set(p)))]
+    return ".".join(parts) or "body"
+
+
 def _describe_validation(error: RequestValidationError) -> str:
+    """One line naming every invalid field. For a union (a text or a list of texts) pydantic reports each member;
+    the "wrong type" of the member the value is not is dropped when the member it is has a real complaint."""
+    items = [(_field_path(item.get("loc", ())), item) for item in error.errors()]
+    real = {path for path, item in items if not str(item.get("type", "")).endswith("_type")}
     parts = []
-    for item in error.errors():
-        location = ".".join(str(p) for p in item.get("loc", ()) if p not in ("body",)) or "body"
-        parts.append(f"{location}: {item.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"
+    for path, item in items:
+        kind = str(item.get("type", ""))
+        if kind.endswith("_type") and any(other == path or other.startswith(path + ".") for other in real):
+            continue
+        parts.append(f"{path}: {item.get('msg', 'invalid')}")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -86,12 +118,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        if isinstance(error.__cause__, ClientDisconnect):  # FastAPI's body parsing wraps it in a 400
+            return await client_gone(request, error.__cause__)
+        kind = getattr(error, "type", None) or {404: "not_found", 405: "method_not_allowed"}.get(
+            error.status_code, "http_error")
         return JSONResponse(error_body(kind, str(error.detail)), status_code=error.status_code,
                             headers=getattr(error, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        request.state.failure_reason = "internal"
-        return JSONResponse(error_body("internal_error", "internal error; see the server log"), status_code=500)
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, error: ClientDisconnect) -> JSONResponse:
+        """The client went away while its body was being read: nobody reads this, and it is not a bad input."""
+        return JSONResponse(error_body(Cancelled.type, "client went away"), status_code=Cancelled.status)

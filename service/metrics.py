@@ -1,7 +1,8 @@
 """Every Prometheus metric of the service, declared in one place (vLLM's layout): namespaced `tserve_`,
 unit-suffixed, explicit buckets. Observed where the work happens (routes, schedulers, model loading).
 
-Labels: `model`, `version`, and `mode` = greedy | beam | sample (text) or classify (images).
+Labels: `model`, `version`, and `mode` = greedy | beam | sample (text) or classify (images). The queue, running and
+row gauges are bound to the schedulers' state (`service.scheduling.queueing.bind_gauges`), read at scrape time.
 Each app instance owns its own registry, so tests and several apps in one process do not collide.
 """
 
@@ -45,9 +46,16 @@ class Metrics:
             "tserve_queue_depth", "Requests waiting for admission.", ["model", "version"], registry=r)
         self.running_requests = Gauge(
             "tserve_running_requests", "Requests being decoded / classified now.", ["model", "version"], registry=r)
+        self.batch_rows = Gauge(
+            "tserve_batch_rows", "KV-cache rows held by the running text requests (each beam is a row).",
+            ["model", "version"], registry=r)
         self.failures = Counter(
             "tserve_request_failures", "Requests that ended in an error, by reason.",
             ["model", "version", "reason"], registry=r)
+        self.rejected_connections = Counter(
+            "tserve_rejected_connections",
+            "Connections closed before their request reached the app: slow or oversized request heads.",
+            ["reason"], registry=r)
         self.model_load_seconds = Gauge(
             "tserve_model_load_seconds", "Time it took to load a model's sessions.", ["model", "version"], registry=r)
         self.model_info = Info("tserve_model", "Loaded models: kind, version, provider.", ["model"], registry=r)
@@ -59,8 +67,6 @@ class Metrics:
         labels = {"model": model, "version": str(version)}
         for reason in FAILURE_REASONS:
             self.failures.labels(**labels, reason=reason)
-        self.queue_depth.labels(**labels).set(0)
-        self.running_requests.labels(**labels).set(0)
         if kind == "vit":
             self.images.labels(**labels)
             return

@@ -1,37 +1,48 @@
-"""ASGI middleware around every request: request id, body size limit, the request metrics and the access log.
+"""ASGI middleware around every request: request id, body size and body time limits, a JSON 500 for anything
+unexpected, the request metrics and the access log.
 
 A pure ASGI middleware (not `BaseHTTPMiddleware`), so streamed responses pass through untouched and the request
-duration runs to the last byte. Routes put `model`, `version` and `mode` into `request.state` for the labels.
+duration runs to the last byte. Routes put `model`, `version` and `mode` into `request.state` for the labels, and
+`failure_reason` when a request fails after its status was sent (a stream); each request counts as one failure at
+most, here, by that reason or by its status.
+
+The body limits hold for chunked bodies too (no Content-Length): the receive channel counts the bytes and the time,
+and raises `ClientBodyError` (413 or 408) into whatever reads the body. An unexpected exception before the response
+started becomes a JSON 500 here, so uvicorn never sees it and keeps the connection open for the client's next
+request; once a response has started, the connection has to be cut (re-raised), as its body cannot be completed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 import time
 import uuid
 
+from service.errors import ClientBodyError, error_body
 from service.logs import log_access
 from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ENDPOINTS = {"/v1/translate", "/v1/generate", "/v1/classify", "/v1/models", "/health/live", "/health/ready",
              "/metrics"}
-# Failures by final status; 499 (client gone) is counted where it is noticed, by the schedulers.
-FAILURE_REASONS = {400: "bad_input", 404: "bad_input", 405: "bad_input", 413: "bad_input", 415: "bad_input",
-                   422: "bad_input", 429: "queue_full", 500: "internal", 503: "unavailable", 504: "timeout"}
-
-
-class BodyTooLarge(Exception):
-    pass
+# Failures by final status (unless the route set `failure_reason`); 499 = the client went away.
+FAILURE_REASONS = {400: "bad_input", 404: "bad_input", 405: "bad_input", 408: "bad_input", 413: "bad_input",
+                   415: "bad_input", 422: "bad_input", 429: "queue_full", 499: "cancelled", 500: "internal",
+                   503: "unavailable", 504: "timeout"}
 
 
 class RequestMiddleware:
-    def __init__(self, app, metrics: Metrics, max_body_bytes: int):
+    def __init__(self, app, metrics: Metrics, max_body_bytes: int, body_timeout_s: float):
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -53,34 +64,52 @@ class RequestMiddleware:
                 message["headers"] = list(message.get("headers", [])) + [(REQUEST_ID_HEADER, request_id.encode())]
             await send(message)
 
-        received = 0
+        received, body_complete = 0, False
+        body_deadline = time.monotonic() + self.body_timeout_s
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            """The client's messages; the body must stay within the size limit and arrive before its deadline."""
+            nonlocal received, body_complete
+            if body_complete:  # after the body: waiting for a disconnect is not limited
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, body_deadline - time.monotonic()))
+            except TimeoutError:
+                raise ClientBodyError(408, "body_timeout", f"the request body did not arrive within "
+                                      f"{self.body_timeout_s:g} s (TSERVE_BODY_TIMEOUT_S)") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_complete = not message.get("more_body", False)
                 if received > self.max_body_bytes:
-                    raise BodyTooLarge
+                    raise self._too_large()
             return message
 
         declared = headers.get(b"content-length", b"0")
         try:
             if declared.isdigit() and int(declared) > self.max_body_bytes:
-                raise BodyTooLarge
-            await self.app(scope, limited_receive, send_with_id)
-        except BodyTooLarge:
+                error = self._too_large()
+                await self._send_error(send_with_id, error.status_code, error.type, error.detail, error.headers)
+            else:
+                await self.app(scope, limited_receive, send_with_id)
+        except Exception:
             if response_started:
-                raise
-            await self._too_large(send_with_id)
+                raise  # a response is under way: only cutting the connection tells the client it is incomplete
+            log.exception("unhandled error on %s", scope.get("path"))
+            await self._send_error(send_with_id, 500, "internal_error", "internal error; see the server log")
         finally:
             self._observe(scope, state, status, time.perf_counter() - started, request_id)
 
-    async def _too_large(self, send):
-        body = json.dumps({"error": {"type": "payload_too_large",
-                                     "message": f"request body exceeds {self.max_body_bytes} bytes"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    def _too_large(self) -> ClientBodyError:
+        return ClientBodyError(413, "payload_too_large",
+                               f"request body exceeds {self.max_body_bytes} bytes (TSERVE_MAX_BODY_BYTES)")
+
+    @staticmethod
+    async def _send_error(send, status: int, error_type: str, message: str, headers: dict | None = None) -> None:
+        body = json.dumps(error_body(error_type, message)).encode()
+        extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())] + extra})
         await send({"type": "http.response.body", "body": body})
 
     def _observe(self, scope, state, status: int, seconds: float, request_id: str) -> None:
@@ -90,7 +119,7 @@ class RequestMiddleware:
         if endpoint.startswith("/v1/"):
             self.metrics.request_duration.labels(endpoint=endpoint, model=model, version=version, mode=mode,
                                                  status=str(status)).observe(seconds)
-            reason = FAILURE_REASONS.get(status)
+            reason = state.get("failure_reason") or FAILURE_REASONS.get(status)
             if reason:
                 self.metrics.failures.labels(model=model or "none", version=version, reason=reason).inc()
         if endpoint not in ("/metrics", "/health/live", "/health/ready"):

@@ -1,58 +1,176 @@
 """Request and response schemas of the HTTP API (pydantic), with the examples the OpenAPI page shows.
 
-Static ranges are checked here (unknown fields and out-of-range values are 422); limits that are settings
-(text length, new tokens, image counts) are checked by the routes against the running configuration.
+The schema is the contract: every limit a request must keep is in it. The request models are built per app by
+`request_models(settings)`, so the limits that are settings (text length, number of texts, new tokens, beams,
+images, deadline) appear in `/openapi.json` as maxLength / maxItems / maximum and are enforced by the same
+validation; anything that does not conform is a 422 naming the field. Validation is strict (`"stream": 0` is not a
+boolean, `"4"` is not an integer) and every string must be valid Unicode (a lone surrogate is a 422, not a 500).
+What a schema cannot express is checked by the routes and answered 400 with the reason: a prompt whose tokens plus
+`max_new_tokens` exceed the model's context, `num_return_sequences` above `num_beams`, an image that does not
+decode.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from service.settings import Settings
+
+MAX_NAME_CHARS = 128  # model names
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 64
+MAX_NGRAM_SIZE = 10
+MAX_LENGTH_PENALTY = 5.0
+MAX_TEMPERATURE = 5.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_SEED = 2**63 - 1
+NON_BLANK = r"\S"  # a JSON-schema pattern (unanchored): at least one character that is not whitespace
+# A base64 image of n bytes is 4 * ceil(n / 3) characters; allow line breaks every 76 (as `base64` wraps) and a
+# `data:image/...;base64,` prefix on top.
+BASE64_LINE, DATA_URL_PREFIX_CHARS = 76, 64
+# A 28x28 PNG of a Fashion-MNIST ankle boot (test image 0): the example the OpenAPI page offers, and it works.
+EXAMPLE_PNG_BASE64 = (
+    "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAAAAABXZoBIAAABUElEQVR42t3Su0rDYBgG4Pf78ydpDk0roQcVPAylaJFOoljciu7i4uCiixfgfQkO"
+    "Tl6Bo5Pgoqhoiya2aWqb/AcHQdA70G98H953+oB/fQYBNhoA+xETw/y+JzUwxd5vhMJ25xgAqocJwH8OivWVXuMscu7D4PFXkwlvnwpFYtTKY/6N"
+    "BEYwFE56L06hJ1WaWYH3hQQNpQ2Jg/rLqPzWz7kJ5jW+UINxgsRR+yEsO8OiGueksQsOMGhSCpjbc259O8y0CzmVqeqAG1IBGpWl5mw2LAemrRbN"
+    "91yxDyNpcYnaouc5y24+YiVHuOOp9VxyY38mrYcc3TlRMaRI/DrZMfONdDSoArFybMF3jm+eE5YZlFiqSI4y67VViyF1J6M+v9pc60AkUTSwKGy6"
+    "gW5f33VtDfE0LBIAf6O5VQk80iq6ubyYAOcLr0kipqd/65k+AWKCff9NOm1OAAAAAElFTkSuQmCC")
+
+
+def base64_chars(max_bytes: int) -> int:
+    """The longest base64 text (line-wrapped, with a data-URL prefix) of a file of at most `max_bytes` bytes."""
+    chars = 4 * -(-max_bytes // 3)
+    return chars + chars // BASE64_LINE + DATA_URL_PREFIX_CHARS
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
-class _Routing(_Strict):
-    model: str | None = Field(None, description="Model name in the repository; default: the kind's default model.",
-                              examples=["translation"])
-    version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded version.",
-                                examples=[1])
-    timeout_ms: int | None = Field(None, ge=1, description="Deadline for queueing + decoding, in milliseconds; "
-                                   "default and maximum are server settings. Past it: 504.", examples=[10000])
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-class TranslateRequest(_Routing):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"text": "Ein Mann fährt Fahrrad.", "num_beams": 4}]})
+def _model_field(default: str):
+    return Field(None, description=f"Model name in the repository; default: {default}.", examples=[default])
 
-    text: str | list[str] = Field(..., description="German sentence, or a list of up to 32 sentences.",
-                                  examples=["Ein Mann fährt Fahrrad."])
-    num_beams: int = Field(4, ge=1, le=32, description="Beam width; 1 = greedy decoding.", examples=[4])
-    length_penalty: float = Field(1.0, ge=-5.0, le=5.0,
-                                  description="Beam score = sum of log-probs / generated_length ** length_penalty.",
-                                  examples=[1.0])
-    early_stopping: bool | Literal["never"] = Field(False, description="Beam stopping rule, as in transformers: "
-                                                    "true, false or \"never\".", examples=[False])
-    num_return_sequences: int = Field(1, ge=1, description="Size of the n-best list per sentence (<= num_beams).",
-                                      examples=[1])
-    max_new_tokens: int | None = Field(None, ge=1, description="Most tokens to generate per sentence; default: "
-                                       "twice the source length + 10.", examples=[40])
-    min_new_tokens: int = Field(0, ge=0, description="End of sentence is blocked before this many tokens.",
-                                examples=[0])
-    no_repeat_ngram_size: int = Field(0, ge=0, le=10, description="Forbid repeating any n-gram of this size; 0 = off.",
-                                      examples=[0])
-    stream: bool = Field(False, description="Server-sent events, one per token (greedy: num_beams=1, one text).",
-                         examples=[False])
 
-    @model_validator(mode="after")
-    def _consistent(self) -> TranslateRequest:
-        if self.num_return_sequences > self.num_beams:
-            raise ValueError("num_return_sequences must be <= num_beams")
-        if self.stream and (self.num_beams != 1 or isinstance(self.text, list)):
-            raise ValueError("stream=true needs num_beams=1 and a single text")
-        return self
+@dataclass(frozen=True)
+class RequestModels:
+    """One app's request models, with its settings' limits in them."""
+
+    translate: type[BaseModel]
+    generate: type[BaseModel]
+    classify: type[BaseModel]
+
+
+def request_models(settings: Settings) -> RequestModels:
+    """The request models of an app served with `settings` (limits as maxLength / maxItems / maximum)."""
+    s = settings
+    Text = Annotated[str, Field(min_length=1, max_length=s.max_text_chars, pattern=NON_BLANK)]
+
+    class _Routing(_Strict):
+        version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded version.",
+                                    examples=[1])
+        timeout_ms: int | None = Field(None, ge=1, le=s.max_timeout_ms,
+                                       description="Deadline for queueing + decoding, in milliseconds; default "
+                                       f"{s.default_timeout_ms} (TSERVE_DEFAULT_TIMEOUT_MS), at most "
+                                       f"{s.max_timeout_ms} (TSERVE_MAX_TIMEOUT_MS). Past it: 504.",
+                                       examples=[10000])
+
+    class TranslateRequest(_Routing):
+        model_config = ConfigDict(json_schema_extra={
+            "examples": [{"text": "Ein Mann fährt Fahrrad.", "num_beams": 4}],
+            # stream=true needs greedy decoding of a single text
+            "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+            "then": {"properties": {"num_beams": {"const": 1}, "text": {"type": "string"}},
+                     "required": ["num_beams"]}})
+
+        model: Name | None = _model_field("translation")
+        text: Text | Annotated[list[Text], Field(min_length=1, max_length=s.max_texts)] = Field(
+            ..., description=f"German sentence, or a list of up to {s.max_texts} sentences (TSERVE_MAX_TEXTS), each "
+            f"up to {s.max_text_chars} characters (TSERVE_MAX_TEXT_CHARS).", examples=["Ein Mann fährt Fahrrad."])
+        num_beams: int = Field(min(4, s.max_num_beams), ge=1, le=s.max_num_beams,
+                               description="Beam width; 1 = greedy decoding.", examples=[4])
+        length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY,
+                                      description="Beam score = sum of log-probs / generated_length ** "
+                                      "length_penalty.", examples=[1.0])
+        early_stopping: StrictBool | Literal["never"] = Field(False, description="Beam stopping rule, as in "
+                                                              "transformers: true, false or \"never\".",
+                                                              examples=[False])
+        num_return_sequences: int = Field(1, ge=1, le=s.max_num_beams,
+                                          description="Size of the n-best list per sentence (<= num_beams; more is "
+                                          "a 400).", examples=[1])
+        max_new_tokens: int | None = Field(None, ge=1, le=s.max_new_tokens, description="Most tokens to generate "
+                                           "per sentence; default: twice the source length + 10.", examples=[40])
+        min_new_tokens: int = Field(0, ge=0, le=s.max_new_tokens,
+                                    description="End of sentence is blocked before this many tokens.", examples=[0])
+        no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM_SIZE, description="Forbid repeating any n-gram of "
+                                          "this size (every decoding mode, as transformers); 0 = off.",
+                                          examples=[0])
+        stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1 and "
+                                   "one text).", examples=[False])
+
+    class GenerateRequest(_Routing):
+        model_config = ConfigDict(json_schema_extra={
+            "examples": [{"prompt": "ROMEO:\n", "max_new_tokens": 80, "temperature": 0.8, "top_k": 40, "seed": 7}],
+            "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},  # streaming is not for beams
+            "then": {"properties": {"num_beams": {"const": 1}}}})
+
+        model: Name | None = _model_field("gpt")
+        prompt: str = Field(..., min_length=1, max_length=s.max_text_chars, description="Text to continue (up to "
+                            f"{s.max_text_chars} characters, TSERVE_MAX_TEXT_CHARS; its tokens plus max_new_tokens "
+                            "must fit the model's context, else 400).", examples=["ROMEO:\n"])
+        max_new_tokens: int = Field(min(64, s.max_new_tokens), ge=1, le=s.max_new_tokens,
+                                    description="Most tokens (bytes) to generate.", examples=[80])
+        min_new_tokens: int = Field(0, ge=0, le=s.max_new_tokens, description="End of text is blocked before this "
+                                    "many tokens (as transformers: above max_new_tokens, it is never generated).",
+                                    examples=[0])
+        temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
+                                   description="Softmax temperature; 0 = greedy decoding.", examples=[0.8])
+        top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
+        top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1 = off.",
+                             examples=[0.95])
+        repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY,
+                                          description="> 1 discourages tokens already present (prompt included), as "
+                                          "in transformers.", examples=[1.1])
+        no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM_SIZE, description="Forbid repeating any n-gram of "
+                                          "this size, prompt included (every decoding mode, as transformers); "
+                                          "0 = off.", examples=[0])
+        seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same output.", examples=[7])
+        stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
+                                       description=f"Up to {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} "
+                                       "characters; the text is cut before the first one and finish_reason is "
+                                       "\"stop\".", examples=[["\n\n"]])
+        num_beams: int = Field(1, ge=1, le=s.max_num_beams, description="> 1: beam search instead of sampling.",
+                               examples=[1])
+        stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1).",
+                                   examples=[False])
+
+        @property
+        def mode(self) -> str:
+            return "beam" if self.num_beams > 1 else "greedy" if self.temperature == 0 else "sample"
+
+    class ClassifyJSONRequest(_Strict):
+        model_config = ConfigDict(json_schema_extra={"examples": [{"images": [EXAMPLE_PNG_BASE64], "top_k": 3}]})
+
+        images: list[Annotated[str, Field(min_length=1, max_length=base64_chars(s.max_image_bytes))]] = Field(
+            ..., min_length=1, max_length=s.max_images, description=f"Base64-encoded image files (PNG, JPEG, ...), "
+            f"up to {s.max_images} (TSERVE_MAX_IMAGES) of up to {s.max_image_bytes} bytes "
+            "(TSERVE_MAX_IMAGE_BYTES); a data URL prefix and line breaks are fine.",
+            examples=[[EXAMPLE_PNG_BASE64]])
+        top_k: int = Field(5, ge=1, description="Predictions per image, best first (every label if it has fewer).",
+                           examples=[3])
+        model: Name | None = _model_field("vit")
+        version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded.",
+                                    examples=[1])
+        timeout_ms: int | None = Field(None, ge=1, le=s.max_timeout_ms, description="Deadline in milliseconds "
+                                       f"(default {s.default_timeout_ms}, at most {s.max_timeout_ms}).",
+                                       examples=[5000])
+
+    return RequestModels(TranslateRequest, GenerateRequest, ClassifyJSONRequest)
 
 
 class Translation(BaseModel):
@@ -66,46 +184,6 @@ class TranslateResponse(BaseModel):
     translations: list[list[Translation]] = Field(..., description="One n-best list per input text.")
 
 
-class GenerateRequest(_Routing):
-    model_config = ConfigDict(json_schema_extra={"examples": [
-        {"prompt": "ROMEO:\n", "max_new_tokens": 80, "temperature": 0.8, "top_k": 40, "seed": 7}]})
-
-    prompt: str = Field(..., min_length=1, description="Text to continue.", examples=["ROMEO:\n"])
-    max_new_tokens: int = Field(64, ge=1, description="Most tokens (bytes) to generate.", examples=[80])
-    min_new_tokens: int = Field(0, ge=0, description="End of text is blocked before this many tokens.",
-                                examples=[0])
-    temperature: float = Field(1.0, ge=0.0, le=5.0, description="Softmax temperature; 0 = greedy decoding.",
-                               examples=[0.8])
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1 = off.", examples=[0.95])
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="> 1 discourages tokens already present "
-                                      "(prompt included), as in transformers.", examples=[1.1])
-    seed: int | None = Field(None, ge=0, description="Same seed, same output.", examples=[7])
-    stop: list[str] = Field(default_factory=list, max_length=8, description="Up to 8 stop strings; the text is cut "
-                            "before the first one and finish_reason is \"stop\".", examples=[["\n\n"]])
-    num_beams: int = Field(1, ge=1, le=32, description="> 1: beam search instead of sampling.", examples=[1])
-    stream: bool = Field(False, description="Server-sent events, one per token.", examples=[False])
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, stops: list[str]) -> list[str]:
-        if any(not s or len(s) > 64 for s in stops):
-            raise ValueError("each stop string must have 1 to 64 characters")
-        return stops
-
-    @model_validator(mode="after")
-    def _consistent(self) -> GenerateRequest:
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError("min_new_tokens must be <= max_new_tokens")
-        if self.stream and self.num_beams > 1:
-            raise ValueError("stream=true needs num_beams=1")
-        return self
-
-    @property
-    def mode(self) -> str:
-        return "beam" if self.num_beams > 1 else "greedy" if self.temperature == 0 else "sample"
-
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -117,19 +195,6 @@ class GenerateResponse(BaseModel):
     text: str = Field(..., examples=["What say you?"])
     finish_reason: Literal["eos", "length", "stop"]
     usage: Usage
-
-
-class ClassifyJSONRequest(_Strict):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"images": ["iVBORw0KGgoAAAANSUhEUgAA..."],
-                                                               "top_k": 3}]})
-
-    images: list[str] = Field(..., min_length=1, description="Base64-encoded image files (PNG, JPEG, ...), up to 64.",
-                              examples=[["iVBORw0KGgoAAAANSUhEUgAA..."]])
-    top_k: int = Field(5, ge=1, description="Predictions per image, best first.", examples=[3])
-    model: str | None = Field(None, description="Model name; default: vit.", examples=["vit"])
-    version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded.", examples=[1])
-    timeout_ms: int | None = Field(None, ge=1, description="Deadline in milliseconds (default: server setting).",
-                                   examples=[5000])
 
 
 class Prediction(BaseModel):
@@ -156,6 +221,15 @@ class ModelStatus(BaseModel):
 
 class ModelsResponse(BaseModel):
     models: list[ModelStatus]
+
+
+class Liveness(BaseModel):
+    status: Literal["live"]
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not ready"]
+    reasons: list[str] = Field([], description="Why the server is not ready (models loading or failed, draining).")
 
 
 class ErrorDetail(BaseModel):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import BadInput, NotFound, Unavailable
+from service.errors import NotFound, Unavailable
 from service.metrics import Metrics
 from service.repository import ModelRepository, RepositoryError
 from service.runtime import RuntimeOptions
@@ -123,7 +123,10 @@ class ModelRegistry:
             if any(spec.partition(":")[0] == name for spec in self.pending):
                 raise Unavailable(f"model {name!r} is still loading")
             if name in self.repository.model_names():
-                raise Unavailable(f"model {name!r} is not loaded: {self.errors.get(name, 'not configured')}")
+                failed = [f"{spec}: {message}" for spec, message in self.errors.items()
+                          if spec.partition(":")[0] == name]
+                raise Unavailable(f"model {name!r} is not loaded: "
+                                  f"{'; '.join(failed) if failed else 'not configured (TSERVE_MODELS)'}")
             known = sorted({n for n, _ in self.loaded})
             raise NotFound(f"model {name!r} not found (loaded models: {', '.join(known) or 'none'})")
         if version is None:
@@ -132,7 +135,7 @@ class ModelRegistry:
             raise NotFound(f"model {name!r} has no loaded version {version} (loaded: {versions})")
         loaded = self.loaded[(name, version)]
         if loaded.kind != kind:
-            raise BadInput(f"model {name!r} is a {loaded.kind} model; this endpoint serves {kind} models")
+            raise NotFound(f"model {name!r} is a {loaded.kind} model; this endpoint serves {kind} models")
         return loaded
 
     def readiness(self) -> tuple[bool, list[str]]:

@@ -52,11 +52,27 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(5_000_000, ge=1)
     max_image_pixels: int = Field(16_000_000, ge=1)
     max_body_bytes: int = Field(40_000_000, ge=1)
+    # image decoding: a bounded pool of decoder threads (0 = one per CPU core), a memory budget for the pixels
+    # being decoded at once by all requests together (a decode waits for room, up to its deadline), and a bound
+    # on the pixels of all the images of one request
+    image_decode_threads: int = Field(0, ge=0)
+    image_decode_budget_bytes: int = Field(256 * 2**20, ge=1)
+    max_request_pixels: int = Field(64_000_000, ge=1)
+
+    # slow and oversized clients (HTTP/1.1): the request line and headers must arrive within header_timeout_s of
+    # the request's first byte (or of the connection opening) and stay within max_header_bytes / max_header_count
+    # (408 / 431 and the connection is closed); the body must arrive within body_timeout_s of the headers (408)
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    max_header_bytes: int = Field(16_384, ge=256)
+    max_header_count: int = Field(100, ge=1)
 
     # logging and shutdown
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"
-    drain_delay_s: float = Field(0.0, ge=0)  # after SIGTERM: keep serving (ready = 503) this long before stopping
+    # after SIGTERM: keep serving (ready = 503) this long before stopping, so that load balancers polling
+    # readiness (Kubernetes: every 5 s, deploy/k8s) take the replica out before its listener closes
+    drain_delay_s: float = Field(5.0, ge=0)
     drain_timeout_s: float = Field(30.0, ge=0)  # then let in-flight requests finish for at most this long
 
 

@@ -1,4 +1,8 @@
-"""Session-wide fixtures: the data folder and the three `tiny` presets trained once through the real CLI."""
+"""Session-wide fixtures: the data folder and the three `tiny` presets trained once through the real CLI.
+
+`TSERVE_TEST_CACHE=DIR` keeps the tiny runs and their repository in DIR between test sessions (for quick
+iterations while developing; CI leaves it unset and trains afresh).
+"""
 
 from __future__ import annotations
 
@@ -28,12 +32,15 @@ def tiny_runs(tmp_path_factory, data_dir) -> dict[str, Path]:
     """Run folders of `python -m models.train <task> --preset tiny`, trained once per test session."""
     from models.train import main
 
-    root = tmp_path_factory.mktemp("runs")
+    cache = os.environ.get("TSERVE_TEST_CACHE")
+    root = Path(cache) / "runs" if cache else tmp_path_factory.mktemp("runs")
     runs = {}
     for task in ("translation", "gpt", "vit"):
         out = root / f"{task}-tiny"
-        assert main([task, "--preset", "tiny", "--data-dir", str(data_dir), "--out", str(out), "--quiet"]) == 0
         runs[task] = out
+        if cache and (out / "metrics.json").exists():
+            continue
+        assert main([task, "--preset", "tiny", "--data-dir", str(data_dir), "--out", str(out), "--quiet"]) == 0
     return runs
 
 
@@ -42,8 +49,11 @@ def tiny_repository(tmp_path_factory, tiny_runs, data_dir) -> Path:
     """A model repository with version 1 of each tiny model, exported (and parity-checked) by the real CLI."""
     from export.__main__ import main
 
-    repository = tmp_path_factory.mktemp("repository")
+    cache = os.environ.get("TSERVE_TEST_CACHE")
+    repository = Path(cache) / "repository" if cache else tmp_path_factory.mktemp("repository")
     for kind, run_dir in tiny_runs.items():
+        if cache and (repository / kind / "1").is_dir():
+            continue
         assert main([kind, "--checkpoint", str(run_dir), "--repository", str(repository),
                      "--data-dir", str(data_dir)]) == 0
     return repository

@@ -153,10 +153,11 @@ def test_unsupported_content_types_are_415(client):
         assert "multipart/form-data" in error["message"] and "application/json" in error["message"]
 
 
-def test_too_many_images_is_413(client, fashion):
+def test_too_many_images_is_a_422_as_the_schema_says(client, fashion):
     data = encode(fashion[0])
-    error_of(client.post("/v1/classify", json={"images": [b64(data)] * (MAX_IMAGES + 1)}), 413)
-    error_of(client.post("/v1/classify", **multipart(*[data] * (MAX_IMAGES + 1))), 413)
+    for request in ({"json": {"images": [b64(data)] * (MAX_IMAGES + 1)}}, multipart(*[data] * (MAX_IMAGES + 1)),
+                    multipart(*[data] * (MAX_IMAGES + 5))):
+        assert f"at most {MAX_IMAGES}" in error_of(client.post("/v1/classify", **request), 422)["message"]
     assert client.post("/v1/classify", json={"images": [b64(data)] * MAX_IMAGES}).status_code == 200
 
 
@@ -166,7 +167,7 @@ def test_too_large_images_are_413(client):
     assert len(big_file) > MAX_IMAGE_BYTES
     error = error_of(client.post("/v1/classify", **multipart(big_file, names=["noise.png"])), 413)
     assert "noise.png" in error["message"]
-    error_of(client.post("/v1/classify", json={"images": [b64(big_file)]}), 413)
+    assert "images.0" in error_of(client.post("/v1/classify", json={"images": [b64(big_file)]}), 422)["message"]
     many_pixels = encode(Image.new("L", (1200, 1000)))  # small file, 1.2 M pixels
     assert len(many_pixels) < MAX_IMAGE_BYTES
     assert "pixels" in error_of(client.post("/v1/classify", **multipart(many_pixels)), 413)["message"]
@@ -188,10 +189,16 @@ def test_undecodable_images_are_400_naming_the_image(client, fashion):
     assert "images[2]" in error["message"]
 
 
+def test_top_k_above_the_number_of_labels_gives_every_label(client, engine, fashion):
+    response = client.post("/v1/classify", json={"images": [b64(encode(fashion[0]))], "top_k": 1000})
+    assert response.status_code == 200, response.text
+    predictions = response.json()["predictions"][0]
+    assert sorted(p["index"] for p in predictions) == list(range(len(engine.labels)))
+
+
 @pytest.mark.parametrize("payload, fragment", [
     ({"images": []}, "images"),
     ({"images": ["x"], "top_k": 0}, "top_k"),
-    ({"images": ["x"], "top_k": 11}, "top_k"),
     ({"images": ["x"], "top_k": "three"}, "top_k"),
     ({"images": ["x"], "colour": True}, "colour"),
     ({"images": "x"}, "images"),
@@ -212,7 +219,7 @@ def test_malformed_json_is_422(client):
 
 
 @pytest.mark.parametrize("fields, fragment", [
-    ({"top_k": 0}, "top_k"), ({"top_k": 11}, "top_k"), ({"top_k": "three"}, "top_k"),
+    ({"top_k": 0}, "top_k"), ({"top_k": "three"}, "top_k"), ({"timeout_ms": "1e9"}, "timeout_ms"),
     ({"colour": "red"}, "colour"), ({"version": "one"}, "version"),
 ])
 def test_invalid_form_fields_are_422(client, fashion, fields, fragment):
@@ -238,7 +245,7 @@ def test_unknown_models_versions_and_bad_timeouts(client, fashion):
     error_of(client.post("/v1/classify", json={"images": [image], "model": "nope"}), 404)
     error_of(client.post("/v1/classify", json={"images": [image], "version": 7}), 404)
     assert "timeout_ms" in error_of(client.post("/v1/classify", json={"images": [image], "timeout_ms": 10**6}),
-                                    400)["message"]
+                                    422)["message"]
     error_of(client.post("/v1/classify", json={"images": [image], "timeout_ms": 1}), 504)
 
 

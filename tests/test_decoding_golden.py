@@ -212,6 +212,44 @@ def test_greedy_matches_hf(harnesses, kind, min_new_tokens):
     _assert_same(ours, hf)
 
 
+def _repeats_ngram(seq: list[int], n: int) -> bool:
+    grams = [tuple(seq[j : j + n]) for j in range(len(seq) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+def _with_eos(h: Harness, i: int, hyp: Hypothesis) -> list[int]:
+    """The full sequence HF's n-gram processor saw: prefix + generated (+ EOS, which is subject to the ban too)."""
+    return h.prefix(i) + hyp.tokens + ([h.eos] if hyp.finish_reason == "eos" else [])
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+@pytest.mark.parametrize("min_new_tokens", [0, 4])
+@pytest.mark.parametrize("no_repeat_ngram_size", [1, 2, 3])
+def test_greedy_no_repeat_ngram_matches_hf(harnesses, kind, min_new_tokens, no_repeat_ngram_size):
+    """Greedy (and temperature-0 sampling) with the n-gram ban == HF generate(do_sample=False, num_beams=1)."""
+    h, n = harnesses[kind], no_repeat_ngram_size
+    plain = [GreedySearch(MAX_NEW, h.eos, min_new_tokens=min_new_tokens) for _ in h.inputs]
+    h.run_ours(plain)
+    plain_seqs = [_with_eos(h, i, s.results()[0]) for i, s in enumerate(plain)]
+    # not vacuous: without the ban some output repeats an n-gram of this size
+    assert any(_repeats_ngram(seq, n) for seq in plain_seqs)
+
+    searches = [GreedySearch(MAX_NEW, h.eos, min_new_tokens=min_new_tokens, no_repeat_ngram_size=n,
+                             prefix=h.prefix(i)) for i in range(len(h.inputs))]
+    h.run_ours(searches)
+    ours = [s.results() for s in searches]
+    _assert_same(ours, h.run_hf(num_beams=1, min_new_tokens=min_new_tokens, no_repeat_ngram_size=n))
+    seqs = [_with_eos(h, i, hyps[0]) for i, hyps in enumerate(ours)]
+    assert seqs != plain_seqs  # the ban changed something
+    for i, seq in enumerate(seqs):
+        assert not _repeats_ngram(seq, n), f"input {i}"  # the prompts have no repeated n-grams themselves
+
+    sampled = [SamplingSearch(MAX_NEW, h.eos, temperature=0.0, min_new_tokens=min_new_tokens, prefix=h.prefix(i),
+                              no_repeat_ngram_size=n, seed=0) for i in range(len(h.inputs))]
+    h.run_ours(sampled)
+    assert [s.results() for s in sampled] == ours
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bart"])
 @pytest.mark.parametrize("num_return_sequences", [1, 3])
 @pytest.mark.parametrize("early_stopping", [True, False, "never"])
@@ -317,6 +355,23 @@ def test_temperature_matches_hf(temperature):
     _assert_same_filtered(apply_temperature(x, temperature), hf)
 
 
+def _hf_sampling_processors(temperature, top_k, top_p, penalty, ngram=0, min_new_tokens=0, prompt_len=0, eos=1):
+    """HF's processor list for generate(do_sample=True), in ``_get_logits_processor`` order."""
+    procs = transformers.LogitsProcessorList()
+    if penalty != 1.0:
+        procs.append(transformers.RepetitionPenaltyLogitsProcessor(penalty))
+    if ngram:
+        procs.append(transformers.NoRepeatNGramLogitsProcessor(ngram))
+    if min_new_tokens:
+        procs.append(transformers.MinNewTokensLengthLogitsProcessor(prompt_len, min_new_tokens, eos))
+    procs.append(transformers.TemperatureLogitsWarper(temperature))
+    if top_k:
+        procs.append(transformers.TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(transformers.TopPLogitsWarper(top_p))
+    return procs
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "penalty"), [(0.7, 10, 0.9, 1.2), (1.0, 0, 0.5, 1.0), (1.5, 5, 1.0, 0.8)]
 )
@@ -324,16 +379,47 @@ def test_sampling_pipeline_matches_hf_processor_list(temperature, top_k, top_p, 
     """SamplingSearch's processed logits == HF's processor list in generate()'s order on the same input_ids."""
     x = _random_logits(10, shape=(1, 50))
     prefix = [3, 4, 4, 17, 30]
-    procs = transformers.LogitsProcessorList()
-    if penalty != 1.0:
-        procs.append(transformers.RepetitionPenaltyLogitsProcessor(penalty))
-    procs.append(transformers.TemperatureLogitsWarper(temperature))
-    if top_k:
-        procs.append(transformers.TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        procs.append(transformers.TopPLogitsWarper(top_p))
-    hf = procs(torch.tensor([prefix]), torch.from_numpy(x))
+    hf = _hf_sampling_processors(temperature, top_k, top_p, penalty)(torch.tensor([prefix]), torch.from_numpy(x))
     search = SamplingSearch(5, eos_token_id=1, temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=penalty, prefix=prefix, seed=0)
     ours = search.process_logits(x[0].astype(np.float64))[None, :].astype(np.float32)
     _assert_same_filtered(ours, hf)
+
+
+@pytest.mark.parametrize("no_repeat_ngram_size", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "penalty", "min_new_tokens"),
+    [(0.7, 10, 0.9, 1.2, 0), (1.0, 0, 0.5, 1.0, 3), (1.5, 5, 1.0, 0.8, 2), (1.0, 0, 1.0, 1.3, 0)],
+)
+def test_sampling_pipeline_with_no_repeat_ngram_matches_hf(temperature, top_k, top_p, penalty, min_new_tokens,
+                                                           no_repeat_ngram_size):
+    """Step by step, with the n-gram ban over prefix + generated tokens: processed logits == HF's processor list
+    on the same input_ids. The logits favour a few tokens so the generated tokens keep completing n-grams."""
+    v, eos, favoured = 50, 1, [4, 17, 30]
+    prefix = [3, 4, 17, 30, 4, 4, 17, 4, 17]  # repeated n-grams of every size 1..3 in the prefix already
+    procs = _hf_sampling_processors(temperature, top_k, top_p, penalty, ngram=no_repeat_ngram_size,
+                                    min_new_tokens=min_new_tokens, prompt_len=len(prefix), eos=eos)
+    search = SamplingSearch(8, eos_token_id=eos, temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=penalty, min_new_tokens=min_new_tokens, prefix=prefix, seed=0,
+                            no_repeat_ngram_size=no_repeat_ngram_size)
+    ban_only = transformers.NoRepeatNGramLogitsProcessor(no_repeat_ngram_size)
+    ids, banned_favoured, step = list(prefix), 0, 0
+    while not search.done:
+        x = _random_logits(100 + step, shape=(1, v))
+        x[0, favoured] += 8.0
+        hf = procs(torch.tensor([ids]), torch.from_numpy(x))
+        ours = search.process_logits(x[0].astype(np.float64))
+        _assert_same_filtered(ours[None, :].astype(np.float32), hf)
+        banned = np.isneginf(ban_only(torch.tensor([ids]), torch.zeros(1, v)).numpy()[0])
+        banned_favoured += int(banned[favoured].sum())
+        # drive the search: the best surviving token, forced by one-hot logits
+        tok = int(np.argmax(ours))
+        forced = np.zeros((1, v), dtype=np.float32)
+        forced[0, tok] = 60.0
+        res = search.step(forced)
+        if not res.done:
+            assert res.tokens.tolist() == [tok]
+        ids.append(tok)
+        step += 1
+    # not vacuous: the sequence ran several steps and the ban hit a favoured (otherwise top) token every other step
+    assert step >= 4 and banned_favoured >= step // 2

@@ -14,6 +14,7 @@ from service.decoding import (
     run_search,
     truncate_at_stop,
 )
+from service.decoding.base import NGramBlocker
 
 V = 16
 EOS = 1
@@ -84,6 +85,205 @@ def test_log_softmax_stable_and_exact():
 )
 def test_truncate_at_stop(text, stops, expected):
     assert truncate_at_stop(text, stops) == expected
+
+
+# --- no_repeat_ngram_size: the shared NGramBlocker -----------------------------------------------------------
+
+
+def _banned_reference(seq: list[int], n: int) -> set[int]:
+    """HF NoRepeatNGramLogitsProcessor by its definition: rescan every n-gram of the whole sequence."""
+    if len(seq) + 1 < n:
+        return set()
+    suffix = tuple(seq[len(seq) - n + 1 :]) if n > 1 else ()
+    return {seq[j + n - 1] for j in range(len(seq) - n + 1) if tuple(seq[j : j + n - 1]) == suffix}
+
+
+@pytest.mark.parametrize(
+    ("n", "seq", "banned"),
+    [
+        (1, [], set()),  # nothing seen yet
+        (1, [5], {5}),  # n=1 bans every token seen so far
+        (1, [5, 3, 5, 9], {3, 5, 9}),
+        (2, [], set()),
+        (2, [4], set()),  # one token: no complete bigram yet
+        (2, [4, 4], {4}),
+        (2, [1, 2, 3], set()),  # last token 3 was never followed by anything
+        (2, [1, 2, 3, 1], {2}),
+        (2, [1, 2, 1, 3, 1], {2, 3}),  # every follower of the suffix
+        (3, [1, 2], set()),
+        (3, [1, 2, 1, 2], {1}),
+        (3, [1, 2, 3, 1, 2], {3}),
+        (3, [7, 7, 7], {7}),
+        (4, [1, 2, 3], set()),  # n larger than the sequence: nothing
+        (5, [7, 7, 7, 7], set()),  # n larger than the sequence, even when everything repeats
+        (5, [7, 7, 7, 7, 7], {7}),
+        (2, [6, 6, 6, 6], {6}),
+    ],
+)
+def test_ngram_blocker_table(n, seq, banned):
+    assert _banned_reference(seq, n) == banned  # the table itself agrees with the definition
+    blocker = NGramBlocker(n, seq)
+    assert set(blocker.banned()) == banned
+    assert sorted(blocker.banned_ids(V).tolist()) == sorted(banned)
+    row = np.arange(V, dtype=np.float64)
+    out = blocker.apply(row)
+    assert set(np.flatnonzero(np.isneginf(out)).tolist()) == banned
+    assert not np.isneginf(row).any()  # the input row is never modified
+    if not banned:
+        assert out is row
+
+
+def test_ngram_blocker_counts_the_prefix():
+    # (4, 4) is in the prefix: 4 may not follow 4; the same tokens without the prefix ban nothing
+    assert set(NGramBlocker(2, [4, 4]).banned()) == {4}
+    b = NGramBlocker(2, [9, 4])
+    assert set(b.banned()) == set()
+    b.append(4)  # (4, 4) generated once: banned from now on after a 4
+    assert set(b.banned()) == {4}
+    # greedy and sampling see the prefix too: a model that always wants 4 can't take it after [4, 4]
+    table = np.full(V, -2.0, dtype=np.float32)
+    table[4], table[6] = 5.0, 3.0
+    for search in (GreedySearch(1, EOS, no_repeat_ngram_size=2, prefix=[4, 4]),
+                   SamplingSearch(1, EOS, temperature=0.0, no_repeat_ngram_size=2, prefix=[4, 4])):
+        search.step(table[None, :])
+        assert search.results()[0].tokens == [6]
+    plain = GreedySearch(1, EOS, no_repeat_ngram_size=2)  # no prefix: nothing to repeat
+    plain.step(table[None, :])
+    assert plain.results()[0].tokens == [4]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ngram_blocker_updates_incrementally(n):
+    """Appending token by token gives, after every token, the ban of a full rescan of the sequence so far."""
+    rng = np.random.default_rng(n)
+    seq = rng.integers(0, 3, size=40).tolist()  # a tiny alphabet: lots of repeats
+    blocker = NGramBlocker(n, seq[:3])
+    hits = 0
+    for i in range(3, len(seq)):
+        assert set(blocker.banned()) == _banned_reference(seq[:i], n), i
+        hits += bool(blocker.banned())
+        blocker.append(seq[i])
+    assert hits > 10
+
+
+def test_ngram_blocker_scripted_steps():
+    b = NGramBlocker(2)
+    expected = [set(), set(), set(), {2}, set(), {1}, {2, 3}]
+    for tok, ban in zip([1, 2, 1, 3, 2, 1, 9], expected):
+        assert set(b.banned()) == ban
+        b.append(tok)
+
+
+def test_ngram_blocker_copy_is_independent_and_ids_stay_in_vocab():
+    b = NGramBlocker(2, [3, 20, 3])  # 20 lies outside a vocabulary of V=16
+    assert set(b.banned()) == {20} and b.banned_ids(V).size == 0
+    assert b.apply(np.zeros(V)).min() == 0.0  # HF ignores ids past the logits
+    c = b.copy()
+    c.append(5)
+    c.append(3)
+    assert set(c.banned()) == {20, 5} and set(b.banned()) == {20}
+    b.append(7)
+    assert set(b.banned()) == set() and set(c.banned()) == {20, 5}
+    with pytest.raises(ValueError):
+        NGramBlocker(0)
+
+
+def test_ngram_blocker_state_is_local():
+    """The per-token work does not depend on the length: only the last n-1 tokens are kept besides the dict."""
+    b = NGramBlocker(3, list(range(100)))
+    assert b._tail == (98, 99)
+    b.append(5)
+    assert b._tail == (99, 5) and len(b._next) == 99  # one entry per distinct bigram that was completed
+
+
+def _repeats_after(seq: list[int], start: int, n: int) -> list[int]:
+    """Positions j >= start at which the n-gram ending at j already ended somewhere before j."""
+    out = []
+    for j in range(max(start, n - 1), len(seq)):
+        gram = tuple(seq[j - n + 1 : j + 1])
+        if any(tuple(seq[k - n + 1 : k + 1]) == gram for k in range(n - 1, j)):
+            out.append(j)
+    return out
+
+
+class BigramModel:
+    """Logits depend only on the last token and are peaked: unconstrained decoding falls into short cycles."""
+
+    def __init__(self, prompts: list[list[int]], seed: int):
+        rng = np.random.default_rng(seed)
+        self.table = (rng.standard_normal((V, V)) * 3.0).astype(np.float32)
+        self.table[:, EOS] -= 4.0  # EOS rare, so sequences run long enough to repeat
+        self.rows = [list(p) for p in prompts]
+
+    def first_logits(self) -> list[np.ndarray]:
+        return [self.table[r[-1]] for r in self.rows]
+
+    def step_fn(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        self.rows = [self.rows[p] + [int(t)] for t, p in zip(tokens, parents)]
+        return np.stack([self.table[r[-1]] for r in self.rows])
+
+
+def _property_searches(rng, prompts: list[list[int]], ngram: int, seed: int, max_new: int) -> list:
+    """A greedy, a sampling and a beam search with random settings, one per prompt."""
+    return [
+        GreedySearch(max_new, EOS, min_new_tokens=int(rng.integers(0, 3)), no_repeat_ngram_size=ngram,
+                     prefix=prompts[0]),
+        SamplingSearch(max_new, EOS, temperature=float(rng.uniform(0.5, 2.0)), top_k=int(rng.integers(0, 8)),
+                       top_p=float(rng.uniform(0.5, 1.0)), repetition_penalty=float(rng.uniform(0.8, 1.5)),
+                       seed=seed, prefix=prompts[1], no_repeat_ngram_size=ngram),
+        BeamSearch(3, max_new, EOS, num_return_sequences=3, no_repeat_ngram_size=ngram, prefix=prompts[2]),
+    ]
+
+
+def _property_outputs(searches, prompts: list[list[int]], seed: int) -> list[tuple[list[int], int]]:
+    """(prompt + generated (+ EOS), prompt length) of every hypothesis, driven together on a `BigramModel`."""
+    model = BigramModel(prompts, seed)
+    run_search(searches, model.first_logits(), model.step_fn)
+    return [
+        (p + h.tokens + ([EOS] if h.finish_reason == "eos" else []), len(p))
+        for s, p in zip(searches, prompts)
+        for h in s.results()
+    ]
+
+
+def test_property_no_repeated_ngram_in_generated_output():
+    """Random prompts, sizes and models: no n-gram ending at a generated token (EOS included) repeats an earlier
+    n-gram of prompt + generated tokens, for greedy, sampling and beam search alike, batched together."""
+    plain_repeats = checked = 0
+    max_new = 8  # prompt (<= 5) + 8 new < V = 16: a token is always left even for n = 1
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(1, 4))
+        prompts = [rng.integers(2, 6, size=int(rng.integers(1, 6))).tolist() for _ in range(3)]
+        for seq, start in _property_outputs(_property_searches(rng, prompts, n, seed, max_new), prompts, seed):
+            assert _repeats_after(seq, start, n) == [], (seed, n, seq, start)
+            checked += 1
+        plain = _property_outputs(_property_searches(rng, prompts, 0, seed, max_new), prompts, seed)
+        plain_repeats += sum(bool(_repeats_after(seq, start, n)) for seq, start in plain)
+    assert checked == 60 * 5
+    assert plain_repeats > 100  # not vacuous: without the ban most of these outputs do repeat n-grams
+
+
+@pytest.mark.parametrize("cls", [GreedySearch, SamplingSearch, BeamSearch])
+def test_no_repeat_ngram_size_must_not_be_negative(cls):
+    args = (2, 5, EOS) if cls is BeamSearch else (5, EOS)
+    with pytest.raises(ValueError):
+        cls(*args, no_repeat_ngram_size=-1)
+    cls(*args, no_repeat_ngram_size=0)  # 0 = off
+
+
+def test_greedy_no_repeat_ngram_score_stays_raw_log_prob_sum():
+    """The ban changes which token is chosen, not how it is scored: sum of log-softmax of the raw logits."""
+    table = np.full(V, -1.0, dtype=np.float32)
+    table[3], table[7], table[EOS] = 4.0, 2.0, -5.0
+    for search in (GreedySearch(4, EOS, no_repeat_ngram_size=1),
+                   SamplingSearch(4, EOS, temperature=0.0, repetition_penalty=1.5, no_repeat_ngram_size=1)):
+        while not search.done:
+            search.step(table[None, :])
+        (h,) = search.results()
+        assert h.tokens[:2] == [3, 7] and len(set(h.tokens)) == 4  # n=1: no token twice
+        lp = log_softmax(table)
+        assert h.score == pytest.approx(float(sum(lp[t] for t in h.tokens)))
 
 
 # --- greedy --------------------------------------------------------------------------------------------------

@@ -245,8 +245,9 @@ def test_a_cancelled_job_is_not_run(make):
         gone.future.result(timeout=5)
     results([ok, blocker])
     assert engine.calls == [1, 2]
+    # counted once per HTTP request by the request middleware (499), not per job here
     assert batcher.metrics.registry.get_sample_value("tserve_request_failures_total",
-                                                     {**LABELS, "reason": "cancelled"}) == 1
+                                                     {**LABELS, "reason": "cancelled"}) is None
 
 
 def test_an_engine_error_fails_only_its_batch(make, metrics):

@@ -31,6 +31,12 @@ def error_of(response, status):
     return body["error"]
 
 
+def post_json(client, path, payload):
+    """POST `payload` as JSON with non-ASCII escaped, so that strings no UTF-8 can hold (lone surrogates) go out
+    as the escapes a hostile client would send."""
+    return client.post(path, content=json.dumps(payload), headers={"content-type": "application/json"})
+
+
 # --- operations ---------------------------------------------------------------------------------------------
 
 def test_health_and_models(client):
@@ -100,25 +106,34 @@ def test_translate_batch_and_n_best(client, engines):
 
 
 @pytest.mark.parametrize("payload, status, fragment", [
-    ({"text": ""}, 400, "empty"),
-    ({"text": ["ok", "   "]}, 400, "text[1] is empty"),
-    ({"text": ["Hallo."] * 33}, 413, "at most 32"),
-    ({"text": "x" * 301}, 413, "301 characters"),
+    # the schema's limits (from the settings): 422 naming the field
+    ({"text": ""}, 422, "text"),
+    ({"text": ["ok", "   "]}, 422, "text.1: String should match pattern"),
+    ({"text": ["Hallo."] * 33}, 422, "at most 32"),
+    ({"text": "x" * 301}, 422, "at most 300 characters"),
+    ({"text": "Ein \ud800 Mann", "num_beams": 1}, 422, "unicode"),
+    ({"text": ["Ein Mann", "Ein \udfff"]}, 422, "unicode"),
     ({"text": "Hallo.", "colour": "blue"}, 422, "colour"),
     ({"text": "Hallo.", "num_beams": 0}, 422, "num_beams"),
-    ({"text": "Hallo.", "num_beams": 2, "num_return_sequences": 3}, 422, "num_return_sequences"),
-    ({"text": "Hallo.", "num_beams": 4, "stream": True}, 422, "stream"),
+    ({"text": "Hallo.", "num_beams": 9}, 422, "num_beams: Input should be less than or equal to 8"),
+    ({"text": "Hallo.", "num_beams": "4"}, 422, "num_beams"),
+    ({"text": "Hallo.", "stream": 0}, 422, "stream"),
     ({"text": "Hallo.", "early_stopping": "sometimes"}, 422, "early_stopping"),
-    ({"text": "Hallo.", "max_new_tokens": 61}, 400, "max_new_tokens"),
-    ({"text": "Hallo.", "num_beams": 9}, 400, "num_beams=9 exceeds"),
-    ({"text": "Hallo.", "timeout_ms": 120_000}, 400, "timeout_ms"),
+    ({"text": "Hallo.", "max_new_tokens": 61}, 422, "max_new_tokens"),
+    ({"text": "Hallo.", "timeout_ms": 120_000}, 422, "timeout_ms"),
+    ({"text": "Hallo.", "model": ""}, 422, "model"),
+    ({}, 422, "text"),
+    # what the schema cannot say: 400 with the reason
+    ({"text": "Hallo.", "num_beams": 2, "num_return_sequences": 3}, 400, "num_return_sequences"),
+    ({"text": "Hallo.", "num_beams": 4, "stream": True}, 400, "stream"),
+    ({"text": ["Hallo."], "num_beams": 1, "stream": True}, 400, "stream"),
+    # routing
     ({"text": "Hallo.", "model": "nope"}, 404, "not found"),
     ({"text": "Hallo.", "version": 9}, 404, "no loaded version 9"),
-    ({"text": "Hallo.", "model": "gpt"}, 400, "gpt model"),
-    ({}, 422, "text"),
+    ({"text": "Hallo.", "model": "gpt"}, 404, "gpt model"),
 ])
 def test_translate_bad_input(client, payload, status, fragment):
-    assert fragment in error_of(client.post("/v1/translate", json=payload), status)["message"]
+    assert fragment in error_of(post_json(client, "/v1/translate", payload), status)["message"]
 
 
 def test_malformed_json_is_a_422(client):
@@ -172,20 +187,32 @@ def test_streamed_text_equals_the_plain_text(client):
 
 @pytest.mark.parametrize("payload, status, fragment", [
     ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": "x" * 301}, 422, "prompt"),
+    ({"prompt": "O \ud800"}, 422, "unicode"),
     ({"prompt": "x" * 60, "max_new_tokens": 10}, 400, "context"),
-    ({"prompt": "x", "max_new_tokens": 61}, 400, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": 61}, 422, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": 0}, 422, "max_new_tokens"),
     ({"prompt": "x", "temperature": -0.5}, 422, "temperature"),
     ({"prompt": "x", "top_p": 0}, 422, "top_p"),
     ({"prompt": "x", "top_k": -1}, 422, "top_k"),
-    ({"prompt": "x", "max_new_tokens": 5, "min_new_tokens": 6}, 422, "min_new_tokens"),
     ({"prompt": "x", "stop": [""]}, 422, "stop"),
-    ({"prompt": "x", "num_beams": 2, "stream": True}, 422, "stream"),
+    ({"prompt": "x", "stop": ["\ud800"]}, 422, "stop"),
+    ({"prompt": "x", "no_repeat_ngram_size": 11}, 422, "no_repeat_ngram_size"),
+    ({"prompt": "x", "num_beams": 2, "stream": True}, 400, "stream"),
     ({"prompt": "x", "seed": "abc"}, 422, "seed"),
-    ({"prompt": "x", "model": "vit"}, 400, "vit model"),
+    ({"prompt": "x", "stream": "yes"}, 422, "stream"),
+    ({"prompt": "x", "model": "vit"}, 404, "vit model"),
+    ({"prompt": "x", "model": "\ud800"}, 422, "model"),
 ])
 def test_generate_bad_input(client, payload, status, fragment):
-    assert fragment in error_of(client.post("/v1/generate", json=payload), status)["message"]
+    assert fragment in error_of(post_json(client, "/v1/generate", payload), status)["message"]
+
+
+def test_min_new_tokens_above_max_new_tokens_means_no_end_of_text(client):
+    """As in transformers: not an error; the text simply runs to max_new_tokens."""
+    response = client.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 5, "min_new_tokens": 6,
+                                                  "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
 
 
 def test_unknown_route_and_method_are_json_errors(client):

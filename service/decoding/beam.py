@@ -4,9 +4,9 @@ Follows ``GenerationMixin._beam_search`` and its helpers (``_get_top_k_continuat
 ``_get_running_beams_for_next_iteration``, ``_update_finished_beams``, ``_check_early_stop_heuristic``,
 ``_beam_search_has_unfinished_sequences``) for one batch item:
 
-* log-probs = log_softmax(logits); then ``min_new_tokens`` (EOS -> -inf while fewer tokens were generated) and
-  ``no_repeat_ngram_size`` (``NoRepeatNGramLogitsProcessor`` over prefix + generated tokens) mask to -inf; the
-  masked log-probs are not renormalised.
+* log-probs = log_softmax(logits); then ``no_repeat_ngram_size`` (``NoRepeatNGramLogitsProcessor`` over prefix +
+  generated tokens, one incremental `NGramBlocker` per beam) and ``min_new_tokens`` (EOS -> -inf while fewer
+  tokens were generated) mask to -inf; the masked log-probs are not renormalised.
 * The top ``K = max(2, 1 + n_eos) * num_beams`` continuations over all beams (by accumulated log-prob) are
   candidates. A candidate "stops" if its token is an EOS or the sequence reaches ``max_new_tokens``. Of the best
   ``num_beams`` candidates, the stopped ones enter the finished set with score
@@ -30,9 +30,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
-from .base import Hypothesis, Search, StepResult, eos_ids, finished_step, log_softmax
+from .base import (
+    Hypothesis,
+    NGramBlocker,
+    Search,
+    StepResult,
+    eos_ids,
+    finished_step,
+    log_softmax,
+)
 
 __all__ = ["BeamSearch"]
 
@@ -67,6 +74,8 @@ class BeamSearch(Search):
             raise ValueError("num_return_sequences must be in [1, num_beams]")
         if early_stopping not in (True, False, "never"):
             raise ValueError('early_stopping must be True, False or "never"')
+        if no_repeat_ngram_size < 0:
+            raise ValueError("no_repeat_ngram_size must be >= 0")
         self.num_beams = int(num_beams)
         self.max_new_tokens = int(max_new_tokens)
         self.eos = eos_ids(eos_token_id)  # (n_eos,)
@@ -81,6 +90,8 @@ class BeamSearch(Search):
         # (num_beams, P + max_new_tokens): prefix + generated tokens of each running beam, row = beam
         self._hist = np.zeros((self.num_beams, self._p + self.max_new_tokens), dtype=np.int64)
         self._hist[:, : self._p] = prefix_arr
+        # one incremental n-gram ban per running beam (row order), None when no_repeat_ngram_size is off
+        self._ngrams = [NGramBlocker(self.no_repeat_ngram_size, prefix_arr)] if self.no_repeat_ngram_size else None
         self._scores = np.zeros(1, dtype=np.float64)  # (rows,) accumulated log-probs of the running beams
         self._rows = 1
         self._t = 0  # tokens generated so far by the running beams
@@ -98,16 +109,22 @@ class BeamSearch(Search):
 
     def _block_ngrams(self, lp: np.ndarray) -> None:
         """NoRepeatNGram: in place, -inf for every token that would repeat an n-gram of its row. lp: (R, V)."""
-        n = self.no_repeat_ngram_size
-        length = self._p + self._t  # HF cur_len = input_ids.shape[-1]
-        if length < n:
-            return
-        seqs = self._hist[: lp.shape[0], :length]  # (R, L)
-        windows = sliding_window_view(seqs, n, axis=1)  # (R, L - n + 1, n)
-        suffix = seqs[:, length - n + 1 :]  # (R, n - 1): the n-gram the next token would complete
-        match = np.all(windows[..., :-1] == suffix[:, None, :], axis=-1)  # (R, L - n + 1)
-        rows, pos = np.nonzero(match)
-        lp[rows, windows[rows, pos, -1]] = -np.inf
+        vocab = lp.shape[1]
+        for r, blocker in enumerate(self._ngrams[: lp.shape[0]]):
+            if blocker.banned():
+                lp[r, blocker.banned_ids(vocab)] = -np.inf
+
+    def _advance_ngrams(self, parents: np.ndarray, tokens: np.ndarray) -> None:
+        """New beam i = row parents[i] + tokens[i]: the first child of a row takes over its blocker, later children
+        get copies (taken before any blocker is extended)."""
+        taken: set[int] = set()
+        new = []
+        for p in parents.tolist():
+            new.append(self._ngrams[p].copy() if p in taken else self._ngrams[p])
+            taken.add(p)
+        for blocker, tok in zip(new, tokens.tolist()):
+            blocker.append(tok)
+        self._ngrams = new
 
     def step(self, logits: np.ndarray) -> StepResult:
         if self._done:
@@ -120,10 +137,10 @@ class BeamSearch(Search):
 
         # b. log-probs + processors, accumulated onto the running beam scores
         lp = log_softmax(logits)  # (R, V) float64
+        if self._ngrams is not None:  # HF order: NoRepeatNGram, then MinNewTokensLength (both only mask)
+            self._block_ngrams(lp)
         if t < self.min_new_tokens and self.eos.size:
             lp[:, self.eos] = -np.inf
-        if self.no_repeat_ngram_size > 0:
-            self._block_ngrams(lp)
         cand = (self._scores[:, None] + lp).ravel()  # (R * V,)
 
         # c. top-K continuations, best first
@@ -159,6 +176,8 @@ class BeamSearch(Search):
             parents = beams[keep]
             self._hist[: keep.size, p : p + t] = self._hist[parents, p : p + t]  # fancy index copies first
             self._hist[: keep.size, p + t] = toks[keep]
+            if self._ngrams is not None:
+                self._advance_ngrams(parents, toks[keep])
             self._scores = top_scores[keep]
             self._rows = keep.size
 

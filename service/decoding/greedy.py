@@ -1,9 +1,12 @@
 """Greedy decoding: one row, argmax at every step (HF ``generate(do_sample=False, num_beams=1)``).
 
-The score of a hypothesis is the sum of the model's log-probabilities (log-softmax of the raw logits) of the
-chosen tokens, EOS included when the sequence ends with it. ``min_new_tokens`` masks the EOS tokens for the
-first steps like HF ``MinNewTokensLengthLogitsProcessor``. `GreedySearch` is also the single-row base of
-`SamplingSearch`, which only swaps the token choice.
+The raw logits go through HF's processors for greedy decoding, in ``_get_logits_processor`` order:
+``no_repeat_ngram_size`` (``NoRepeatNGramLogitsProcessor``: -inf for every token that would repeat an n-gram of
+prefix + generated tokens, see `NGramBlocker`), then ``min_new_tokens`` (EOS -> -inf for the first steps, like
+``MinNewTokensLengthLogitsProcessor``); the token is the argmax of the result. The score of a hypothesis is the sum
+of the model's log-probabilities (log-softmax of the raw logits, before any processing) of the chosen tokens, EOS
+included when the sequence ends with it. `GreedySearch` is also the single-row base of `SamplingSearch`, which
+adds its own processors and swaps the token choice.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .base import Hypothesis, Search, StepResult, eos_ids, finished_step
+from .base import Hypothesis, NGramBlocker, Search, StepResult, eos_ids, finished_step
 
 __all__ = ["GreedySearch"]
 
@@ -24,6 +27,9 @@ class GreedySearch(Search):
 
     ``stop_checker(generated_tokens) -> bool`` (e.g. `StopStrings`) is called with the int64 array of generated
     tokens after every non-EOS token; True ends the sequence with finish_reason "stop".
+    ``no_repeat_ngram_size`` (0 = off) bans repeated n-grams over ``prefix`` + generated tokens; ``prefix`` is
+    what HF's processors see in ``input_ids`` before the first new token: the prompt for a decoder-only model,
+    the decoder start token for an encoder-decoder one.
     """
 
     def __init__(
@@ -32,13 +38,21 @@ class GreedySearch(Search):
         eos_token_id: int | Sequence[int] | None,
         min_new_tokens: int = 0,
         stop_checker: Callable[[np.ndarray], bool] | None = None,
+        no_repeat_ngram_size: int = 0,
+        prefix: Sequence[int] = (),
     ):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if no_repeat_ngram_size < 0:
+            raise ValueError("no_repeat_ngram_size must be >= 0")
         self.max_new_tokens = int(max_new_tokens)
         self.eos = eos_ids(eos_token_id)  # (n_eos,)
         self.min_new_tokens = int(min_new_tokens)
         self.stop_checker = stop_checker
+        self.no_repeat_ngram_size = int(no_repeat_ngram_size)
+        self._prefix = np.asarray(list(prefix), dtype=np.int64)  # (P,)
+        # incremental n-gram ban over prefix + generated tokens; None when off
+        self._ngrams = NGramBlocker(self.no_repeat_ngram_size, self._prefix) if self.no_repeat_ngram_size else None
         self._tokens = np.zeros(self.max_new_tokens, dtype=np.int64)  # generated tokens, EOS excluded
         self._n = 0  # tokens generated so far, EOS included
         self._score = 0.0
@@ -64,9 +78,13 @@ class GreedySearch(Search):
             row[self.eos] = -np.inf
         return row
 
+    def _block_ngrams(self, row: np.ndarray) -> np.ndarray:
+        """Apply ``no_repeat_ngram_size``: -inf for tokens that would repeat an n-gram (a copy if any)."""
+        return row if self._ngrams is None else self._ngrams.apply(row)
+
     def _choose(self, row: np.ndarray) -> int:
-        """Pick the next token from raw logits (V,) float64."""
-        return int(np.argmax(self._mask_eos(row)))
+        """Pick the next token from raw logits (V,) float64: argmax after the n-gram ban and EOS masking."""
+        return int(np.argmax(self._mask_eos(self._block_ngrams(row))))
 
     def step(self, logits: np.ndarray) -> StepResult:
         if self._reason is not None:
@@ -83,6 +101,8 @@ class GreedySearch(Search):
             self._reason = "eos"
         else:
             self._tokens[self._n - 1] = tok
+            if self._ngrams is not None:
+                self._ngrams.append(tok)
             if self.stop_checker is not None and self.stop_checker(self._tokens[: self._n]):
                 self._reason = "stop"
             elif self._n >= self.max_new_tokens:

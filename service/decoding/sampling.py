@@ -1,11 +1,14 @@
 """Multinomial sampling with HF ``generate(do_sample=True)`` logits processing, plus the filters it uses.
 
-Per step, on the raw logits of the single row, in HF's order: repetition penalty (prompt/prefix + generated
-tokens, ``RepetitionPenaltyLogitsProcessor``), ``min_new_tokens`` EOS masking, then the warpers temperature
-(``TemperatureLogitsWarper``), top-k (``TopKLogitsWarper``) and top-p (``TopPLogitsWarper``), then a draw from
-the softmax with ``np.random.default_rng(seed)`` (same seed, same output; HF's torch RNG is not reproduced).
-``temperature == 0`` means greedy: argmax after the repetition penalty. The hypothesis score is the sum of the
-model's log-probabilities of the chosen tokens (raw logits, before any processing), as in `GreedySearch`.
+Per step, on the raw logits of the single row, in the order of HF ``GenerationMixin._get_logits_processor``:
+repetition penalty (prompt/prefix + generated tokens, ``RepetitionPenaltyLogitsProcessor``),
+``no_repeat_ngram_size`` (-inf for tokens that would repeat an n-gram of prefix + generated tokens,
+``NoRepeatNGramLogitsProcessor``, see `NGramBlocker`), ``min_new_tokens`` EOS masking, then the warpers
+temperature (``TemperatureLogitsWarper``), top-k (``TopKLogitsWarper``) and top-p (``TopPLogitsWarper``), then a
+draw from the softmax with ``np.random.default_rng(seed)`` (same seed, same output; HF's torch RNG is not
+reproduced). ``temperature == 0`` means greedy: argmax after the repetition penalty, the n-gram ban and the EOS
+masking. The hypothesis score is the sum of the model's log-probabilities of the chosen tokens (raw logits,
+before any processing), as in `GreedySearch`.
 
 The filter functions are public so they can be tested against HF's processors; they work on the last axis of
 arrays of any leading shape and mark removed tokens with -inf.
@@ -71,8 +74,9 @@ def top_p_filter(logits: np.ndarray, top_p: float, min_tokens_to_keep: int = 1) 
 class SamplingSearch(GreedySearch):
     """Sample one sequence (see the module docstring for the processing order).
 
-    ``prefix``: tokens already in the sequence that the repetition penalty also covers (HF penalises the whole
-    ``input_ids``: the prompt for a decoder-only model, the decoder start token for an encoder-decoder one).
+    ``prefix``: tokens already in the sequence that the repetition penalty and the n-gram ban also cover (HF's
+    processors see the whole ``input_ids``: the prompt for a decoder-only model, the decoder start token for an
+    encoder-decoder one). ``no_repeat_ngram_size``: 0 = off, see `GreedySearch`.
     ``stop_checker``: see `GreedySearch` / `StopStrings`.
     """
 
@@ -88,8 +92,10 @@ class SamplingSearch(GreedySearch):
         seed: int | None = None,
         prefix: Sequence[int] = (),
         stop_checker: Callable[[np.ndarray], bool] | None = None,
+        no_repeat_ngram_size: int = 0,
     ):
-        super().__init__(max_new_tokens, eos_token_id, min_new_tokens=min_new_tokens, stop_checker=stop_checker)
+        super().__init__(max_new_tokens, eos_token_id, min_new_tokens=min_new_tokens, stop_checker=stop_checker,
+                         no_repeat_ngram_size=no_repeat_ngram_size, prefix=prefix)
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         if top_k < 0:
@@ -103,7 +109,6 @@ class SamplingSearch(GreedySearch):
         self.top_p = float(top_p)
         self.repetition_penalty = float(repetition_penalty)
         self._rng = np.random.default_rng(seed)
-        self._prefix = np.asarray(list(prefix), dtype=np.int64)
         self._seen: np.ndarray | None = None  # (V,) bool: tokens in prefix + generated, built on the first step
 
     def process_logits(self, row: np.ndarray) -> np.ndarray:
@@ -115,6 +120,7 @@ class SamplingSearch(GreedySearch):
                 self._seen = np.zeros(v, dtype=bool)
                 self._seen[self._prefix[(self._prefix >= 0) & (self._prefix < v)]] = True
             x = apply_repetition_penalty(x, self._seen, self.repetition_penalty)
+        x = self._block_ngrams(x)
         x = self._mask_eos(x)
         if self.temperature == 0.0:
             return x
@@ -128,7 +134,9 @@ class SamplingSearch(GreedySearch):
 
     def _choose(self, row: np.ndarray) -> int:
         x = self.process_logits(row)  # (V,)
-        if self.temperature == 0.0:
+        # temperature 0 = greedy; if the processors removed every token (n-gram ban of a tiny vocabulary), where HF's
+        # multinomial would fail, take the argmax like greedy decoding does
+        if self.temperature == 0.0 or x.max() == -np.inf:
             tok = int(np.argmax(x))
         else:
             p = np.exp(x - np.max(x))  # (V,) unnormalised probabilities; removed tokens are 0

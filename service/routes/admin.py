@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.protocol import ModelsResponse, ModelStatus
+from service.protocol import Liveness, ModelsResponse, ModelStatus, Readiness
 
 router = APIRouter(tags=["operations"])
 
@@ -16,13 +16,13 @@ async def list_models(request: Request) -> ModelsResponse:
     return ModelsResponse(models=[ModelStatus(**status) for status in request.app.state.registry.status()])
 
 
-@router.get("/health/live", summary="Liveness: the process answers")
+@router.get("/health/live", summary="Liveness: the process answers", response_model=Liveness)
 async def live() -> dict:
     return {"status": "live"}
 
 
 @router.get("/health/ready", summary="Readiness: every configured model is loaded and the server is not draining",
-            responses={503: {"description": "Not ready, with reasons"}})
+            response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready, with reasons"}})
 async def ready(request: Request) -> JSONResponse:
     is_ready, reasons = request.app.state.registry.readiness()
     if is_ready:
@@ -30,7 +30,9 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": "not ready", "reasons": reasons}, status_code=503)
 
 
-@router.get("/metrics", summary="Prometheus metrics (text exposition format)")
+@router.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition format"}})
 async def metrics(request: Request) -> Response:
     request.app.state.registry.readiness()  # refresh the tserve_ready gauge
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -16,18 +16,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from service.decoding import BeamSearch, GreedySearch, Hypothesis, SamplingSearch, StopStrings, truncate_at_stop
-from service.errors import BadInput, Cancelled, DeadlineExceeded, PayloadTooLarge, ServiceError
+from service.errors import BadInput, ServiceError
 from service.handoff import mailbox_for
-from service.protocol import (ErrorResponse, GenerateRequest, GenerateResponse, TranslateRequest, TranslateResponse,
-                              Translation, Usage)
+from service.protocol import ErrorResponse, GenerateResponse, RequestModels, TranslateResponse, Translation, Usage
 from service.registry import LoadedModel
+from service.routes import with_body
+from service.routes.awaiting import await_results
 from service.scheduling.continuous import TextJob
 
-router = APIRouter(tags=["text"])
-
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in {
-    400: "Bad input (e.g. prompt too long for the model's context)", 404: "Unknown model or version",
-    413: "Text too long or too many texts", 422: "Invalid or out-of-range field, or unknown field",
+    400: "A request the schema allows but this model cannot serve, with the reason: the prompt's tokens plus "
+         "max_new_tokens exceed the model's context, num_return_sequences above num_beams, stream with beams or "
+         "several texts",
+    404: "Unknown model or version, or a model of another kind",
+    408: "The body did not arrive within TSERVE_BODY_TIMEOUT_S", 413: "Body over TSERVE_MAX_BODY_BYTES",
+    422: "The request does not conform to the schema: a field missing, unknown, of the wrong type or out of its "
+         "range (the limits are in the schema); the message names the field",
     429: "Queue full; retry after the Retry-After header's seconds", 503: "Not ready or draining",
     504: "The request's deadline expired"}.items()}
 STREAM_DOC = {200: {"content": {"text/event-stream": {"example": 'data: {"token": " A", "index": 0}\n\n'
@@ -38,23 +42,24 @@ STREAM_DOC = {200: {"content": {"text/event-stream": {"example": 'data: {"token"
                                    "fields gives the full text."}}
 
 
+def build_router(models: RequestModels) -> APIRouter:
+    """The text routes, validating bodies with this app's request models."""
+    router = APIRouter(tags=["text"])
+    router.add_api_route("/v1/translate", with_body(translate, models.translate), methods=["POST"],
+                         response_model=TranslateResponse, responses={**ERRORS, **STREAM_DOC},
+                         summary="Translate German to English (beam search, greedy, or streamed greedy)")
+    router.add_api_route("/v1/generate", with_body(generate, models.generate), methods=["POST"],
+                         response_model=GenerateResponse, responses={**ERRORS, **STREAM_DOC},
+                         summary="Continue a prompt (sampling, greedy with temperature 0, or beam search)")
+    return router
+
+
 def _deadline(request: Request, timeout_ms: int | None) -> float:
-    settings = request.app.state.settings
-    if timeout_ms is not None and timeout_ms > settings.max_timeout_ms:
-        raise BadInput(f"timeout_ms={timeout_ms} exceeds the maximum of {settings.max_timeout_ms}")
-    return time.monotonic() + (timeout_ms or settings.default_timeout_ms) / 1000.0
+    return time.monotonic() + (timeout_ms or request.app.state.settings.default_timeout_ms) / 1000.0
 
 
 def _label(request: Request, loaded: LoadedModel, mode: str) -> None:
     request.state.model, request.state.version, request.state.mode = loaded.name, loaded.version, mode
-
-
-def _check_limits(request: Request, max_new_tokens: int | None, num_beams: int) -> None:
-    settings = request.app.state.settings
-    if max_new_tokens is not None and max_new_tokens > settings.max_new_tokens:
-        raise BadInput(f"max_new_tokens={max_new_tokens} exceeds the server limit of {settings.max_new_tokens}")
-    if num_beams > settings.max_num_beams:
-        raise BadInput(f"num_beams={num_beams} exceeds the server limit of {settings.max_num_beams}")
 
 
 def _submit(loaded: LoadedModel, jobs: list[TextJob]) -> None:
@@ -68,23 +73,9 @@ def _submit(loaded: LoadedModel, jobs: list[TextJob]) -> None:
 
 
 async def _wait(request: Request, jobs: list[TextJob], deadline: float) -> list[list[Hypothesis]]:
-    """Await every job; cancel them all if the client disconnects, the deadline passes or one fails."""
-    gathered = asyncio.gather(*(asyncio.wrap_future(job.future) for job in jobs))
-    try:
-        while True:
-            done, _ = await asyncio.wait({gathered}, timeout=0.2)
-            if done:
-                return gathered.result()
-            if await request.is_disconnected():
-                raise Cancelled("client went away")
-            if time.monotonic() > deadline + 1.0:  # the scheduler enforces the deadline; this is the backstop
-                raise DeadlineExceeded("the request's deadline expired")
-    except BaseException:
-        for job in jobs:
-            job.cancel()
-        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no asyncio error log
-        gathered.cancel()
-        raise
+    """Every job's hypotheses; all jobs are cancelled if the client disconnects, the deadline passes or one fails."""
+    return await await_results(request, [job.future for job in jobs], deadline,
+                               abandon=lambda: [job.cancel() for job in jobs])
 
 
 class _IncrementalText:
@@ -127,9 +118,8 @@ def _stream(request: Request, loaded: LoadedModel, job: TextJob, decode: Callabl
 
     async def events() -> AsyncIterator[bytes]:
         text = _IncrementalText(decode, stops)
-        index = 0
+        index, finished, delivered = 0, False, False
         try:
-            finished = False
             while not finished:
                 # whatever arrived since the last write goes out as one chunk (several events) in one send
                 arrived = [await updates.get()]
@@ -147,39 +137,33 @@ def _stream(request: Request, loaded: LoadedModel, job: TextJob, decode: Callabl
                     yield b"".join(events_now)
             try:
                 hypothesis = job.future.result()[0]
-            except ServiceError as error:  # the status (200) is already sent: count the failure here
-                request.app.state.metrics.failures.labels(model=loaded.name, version=str(loaded.version),
-                                                          reason=error.reason).inc()
+            except ServiceError as error:  # the status (200) is already sent: the middleware counts this reason
+                request.state.failure_reason = error.reason
                 yield _sse({"error": {"type": error.type, "message": error.message}})
             else:
                 final_text, extra = finish(hypothesis)
                 yield _sse({"token": text.finish(final_text), "index": index, **extra})
             yield _sse("[DONE]")
+            delivered = True
         finally:
+            if not delivered and not getattr(request.state, "failure_reason", None):  # the client went away
+                request.state.failure_reason = "cancelled"
             job.cancel()  # no-op when finished; frees the rows when the client went away mid-stream
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-@router.post("/v1/translate", response_model=TranslateResponse, responses={**ERRORS, **STREAM_DOC},
-             summary="Translate German to English (beam search, greedy, or streamed greedy)")
-async def translate(body: TranslateRequest, request: Request):
-    settings = request.app.state.settings
+async def translate(body, request: Request):
+    """German -> English for one text or a list of texts; beam search, greedy, or streamed greedy."""
     loaded = request.app.state.registry.resolve("translation", body.model, body.version)
     mode = "beam" if body.num_beams > 1 else "greedy"
     _label(request, loaded, mode)
     texts = [body.text] if isinstance(body.text, str) else body.text
-    if not texts:
-        raise BadInput("text: give at least one sentence")
-    if len(texts) > settings.max_texts:
-        raise PayloadTooLarge(f"text: {len(texts)} sentences; at most {settings.max_texts} per request")
-    for i, text in enumerate(texts):
-        if not text.strip():
-            raise BadInput(f"text[{i}] is empty")
-        if len(text) > settings.max_text_chars:
-            raise PayloadTooLarge(f"text[{i}] has {len(text)} characters; the limit is {settings.max_text_chars}")
-    _check_limits(request, body.max_new_tokens, body.num_beams)
+    if body.num_return_sequences > body.num_beams:
+        raise BadInput(f"num_return_sequences ({body.num_return_sequences}) must be <= num_beams ({body.num_beams})")
+    if body.stream and (body.num_beams != 1 or not isinstance(body.text, str)):
+        raise BadInput("stream=true needs num_beams=1 and a single text")
     deadline = _deadline(request, body.timeout_ms)
     engine = loaded.engine
     sources = [engine.source_ids(" ".join(text.split())) for text in texts]  # tabs/newlines -> spaces
@@ -187,7 +171,8 @@ async def translate(body: TranslateRequest, request: Request):
     def search_for(source: list[int]):
         max_new = min(body.max_new_tokens or engine.default_max_new_tokens(len(source)), engine.max_target_length - 1)
         if body.num_beams == 1:
-            return GreedySearch(max_new, engine.eos_id, min_new_tokens=body.min_new_tokens)
+            return GreedySearch(max_new, engine.eos_id, min_new_tokens=body.min_new_tokens,
+                                no_repeat_ngram_size=body.no_repeat_ngram_size, prefix=[engine.bos_id])
         return BeamSearch(body.num_beams, max_new, engine.eos_id, length_penalty=body.length_penalty,
                           early_stopping=body.early_stopping, num_return_sequences=body.num_return_sequences,
                           no_repeat_ngram_size=body.no_repeat_ngram_size, min_new_tokens=body.min_new_tokens,
@@ -205,15 +190,12 @@ async def translate(body: TranslateRequest, request: Request):
         for hypotheses in results])
 
 
-@router.post("/v1/generate", response_model=GenerateResponse, responses={**ERRORS, **STREAM_DOC},
-             summary="Continue a prompt (sampling, greedy with temperature 0, or beam search)")
-async def generate(body: GenerateRequest, request: Request):
-    settings = request.app.state.settings
+async def generate(body, request: Request):
+    """Continue a prompt: sampling, greedy (temperature 0) or beam search; optionally streamed."""
     loaded = request.app.state.registry.resolve("gpt", body.model, body.version)
     _label(request, loaded, body.mode)
-    if len(body.prompt) > settings.max_text_chars:
-        raise PayloadTooLarge(f"prompt has {len(body.prompt)} characters; the limit is {settings.max_text_chars}")
-    _check_limits(request, body.max_new_tokens, body.num_beams)
+    if body.stream and body.num_beams > 1:
+        raise BadInput("stream=true needs num_beams=1")
     deadline = _deadline(request, body.timeout_ms)
     engine = loaded.engine
     prompt = engine.tokenizer.encode(body.prompt).ids
@@ -224,11 +206,12 @@ async def generate(body: GenerateRequest, request: Request):
     stop_checker = StopStrings(body.stop, decode) if body.stop else None
     if body.num_beams > 1:
         search = BeamSearch(body.num_beams, body.max_new_tokens, engine.eos_id, prefix=prompt,
-                            min_new_tokens=body.min_new_tokens)
+                            min_new_tokens=body.min_new_tokens, no_repeat_ngram_size=body.no_repeat_ngram_size)
     else:  # temperature 0 = greedy (after the repetition penalty), else sampling
         search = SamplingSearch(body.max_new_tokens, engine.eos_id, temperature=body.temperature, top_k=body.top_k,
                                 top_p=body.top_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-                                min_new_tokens=body.min_new_tokens, prefix=prompt, stop_checker=stop_checker)
+                                min_new_tokens=body.min_new_tokens, prefix=prompt, stop_checker=stop_checker,
+                                no_repeat_ngram_size=body.no_repeat_ngram_size)
     job = TextJob(prompt, search, body.mode, deadline)
 
     def finish(hypothesis: Hypothesis) -> tuple[str, dict]:

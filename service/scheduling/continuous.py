@@ -12,7 +12,12 @@ One worker thread per model owns the decoding batch; ONNX Runtime never runs on 
 
 A request's output does not depend on its batch: the searches see only their own rows' logits, and the engines
 mask padding slots. The queue in front is bounded (429 with Retry-After); every accepted request ends in a result
-or an explicit error.
+or an explicit error, and a failure fails exactly the requests it concerns: a prefill that raises fails its
+newcomers (the running batch goes on), a search that raises fails its own request, and only a decoding step that
+raises fails the whole batch (its cache is then unusable). The batch never holds more than `max_rows` rows (a
+request counts with its widest row count, its beam width), except that an empty batch takes one request wider
+than that rather than none. Waiting requests that were cancelled or passed their deadline leave the queue at the
+next step boundary, wherever they are in it.
 """
 
 from __future__ import annotations
@@ -31,8 +36,13 @@ import numpy as np
 from service.decoding import Hypothesis, Search, StepResult
 from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
 from service.metrics import Metrics
+from service.scheduling.queueing import RetryAfter, bind_gauges, fail, settle
 
 log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.1  # an idle worker wakes at least this often (a submit wakes it at once)
+DRAIN_POLL_S = 0.02  # how often stop() checks whether the accepted requests have finished
+STOP_JOIN_S = 5.0  # how long stop() waits for the worker to leave a step that is still running
 
 
 class DecodingBackend(Protocol):
@@ -82,14 +92,16 @@ class ContinuousBatcher:
         self.max_rows = max_rows
         self.max_prefill = max_prefill
         self.max_queue = max_queue
+        self._lock = threading.Lock()  # guards _waiting, _admitting, _active and _accepting
         self._waiting: deque[TextJob] = deque()
-        self._lock = threading.Lock()
+        self._admitting: list[TextJob] = []  # left the queue, prefill running, not active yet
+        self._active: list[TextJob] = []  # replaced (never mutated) under the lock by the worker
         self._wakeup = threading.Event()
         self._accepting = True
-        self._stop = False
-        self._active: list[TextJob] = []
-        self._seconds_per_job = 1.0  # moving averages for Retry-After
-        self._jobs_per_batch = 1.0
+        self._stop = threading.Event()
+        self._retry = RetryAfter()
+        bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active),
+                    rows=lambda: sum(job.state_rows for job in self._active))
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model}", daemon=True)
 
     # --- the caller's side (event loop) -------------------------------------------------------------------
@@ -102,16 +114,15 @@ class ContinuousBatcher:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
-                                self.retry_after())
+                retry = self._retry.seconds(len(self._waiting), self.max_queue, job.deadline - time.monotonic())
+                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)", retry)
             self._waiting.append(job)
-            self.metrics.queue_depth.labels(**self.labels).set(len(self._waiting))
         self._wakeup.set()
         return job
 
-    def retry_after(self) -> float:
-        """Seconds until the queue has room, estimated from recent request durations and batch occupancy."""
-        return len(self._waiting) * self._seconds_per_job / max(self._jobs_per_batch, 1.0)
+    def retry_after(self, may_wait_s: float = float("inf")) -> int:
+        """Seconds until the queue has room for one more request (see `RetryAfter`)."""
+        return self._retry.seconds(len(self._waiting), self.max_queue, may_wait_s)
 
     @property
     def queue_depth(self) -> int:
@@ -126,53 +137,84 @@ class ContinuousBatcher:
         with self._lock:
             self._accepting = False
         deadline = time.monotonic() + timeout
-        while (self._waiting or self._active) and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.02)
-        self._stop = True
+        while (self._waiting or self._admitting or self._active) and time.monotonic() < deadline \
+                and self._thread.is_alive():
+            time.sleep(DRAIN_POLL_S)
+        self._stop.set()
         self._wakeup.set()
-        self._thread.join(timeout=5)
-        for job in list(self._waiting) + self._active:
-            self._fail(job, Unavailable("the server shut down before this request finished"))
-        self._waiting.clear()
+        if self._thread.is_alive():
+            self._thread.join(timeout=STOP_JOIN_S)
+        # If the join timed out the worker is inside a step: whatever it resolves later loses to these failures
+        # (first outcome wins), and it publishes nothing once stopped.
+        with self._lock:
+            leftovers = list(self._waiting) + self._admitting + self._active
+            self._waiting, self._admitting, self._active = deque(), [], []
+        for job in leftovers:
+            fail(job.future, Unavailable("the server shut down before this request finished"))
 
     # --- the worker thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
         state = None
-        while not self._stop:
+        while not self._stop.is_set():
             if not self._active and not self._waiting:
-                self._wakeup.wait(timeout=0.1)
+                self._wakeup.wait(timeout=IDLE_WAIT_S)
                 self._wakeup.clear()
                 continue
             try:
                 state = self._iterate(state)
-            except Exception as error:  # an engine failure: fail the batch, keep serving
+            except Exception as error:  # the decoding step failed: every running request is concerned
                 log.exception("decoding step failed for %s", self.labels["model"])
                 for job in self._active:
-                    self._fail(job, ServiceError(f"decoding failed: {error}"))
-                self._active, state = [], None
-            self.metrics.running_requests.labels(**self.labels).set(len(self._active))
+                    fail(job.future, ServiceError(f"decoding failed: {error}"))
+                self._publish([])
+                state = None
 
-    def _admit(self) -> list[TextJob]:
-        rows = sum(len(job.pending.tokens) for job in self._active)  # live rows of the next step
-        admitted = []
+    def _publish(self, active: list[TextJob], admitting: list[TextJob] | None = None) -> None:
+        """Replace the running set (and the set being admitted) under the lock; nothing once stopped."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._active = active
+            if admitting is not None:
+                self._admitting = admitting
+
+    def _leave_queue(self) -> None:
+        """Fail the waiting requests that were cancelled or passed their deadline, wherever they are in the queue."""
         now = time.monotonic()
         with self._lock:
+            if all(not job.cancelled.is_set() and now <= job.deadline for job in self._waiting):
+                return
+            kept: deque[TextJob] = deque()
+            for job in self._waiting:
+                if job.cancelled.is_set():
+                    fail(job.future, Cancelled("client went away"))
+                elif now > job.deadline:
+                    fail(job.future, DeadlineExceeded("the request's deadline expired while it waited in the queue"))
+                else:
+                    kept.append(job)
+            self._retry.departed(len(self._waiting) - len(kept), now)
+            self._waiting = kept
+
+    def _admit(self) -> list[TextJob]:
+        """Take waiting requests, oldest first, while the batch stays within `max_rows` at every request's widest."""
+        rows = sum(self._widest(job) for job in self._active)
+        admitted: list[TextJob] = []
+        with self._lock:
             while self._waiting and len(admitted) < self.max_prefill:
-                job = self._waiting[0]
-                if job.cancelled.is_set() or now > job.deadline:
-                    self._waiting.popleft()
-                    self._fail(job, Cancelled("client went away") if job.cancelled.is_set()
-                               else DeadlineExceeded("the request's deadline expired while it waited in the queue"))
-                    continue
-                widest = getattr(job.search, "num_beams", 1)  # the rows it will need after its first step
-                if self._active and rows + widest > self.max_rows:
+                widest = self._widest(self._waiting[0])
+                if rows + widest > self.max_rows and (self._active or admitted):
                     break
-                self._waiting.popleft()
-                admitted.append(job)
+                admitted.append(self._waiting.popleft())
                 rows += widest
-            self.metrics.queue_depth.labels(**self.labels).set(len(self._waiting))
+            self._admitting = admitted
+        self._retry.departed(len(admitted))
         return admitted
+
+    @staticmethod
+    def _widest(job: TextJob) -> int:
+        """The most rows the request can hold at once: its beam width (1 for greedy and sampling)."""
+        return getattr(job.search, "num_beams", 1)
 
     def _retire(self) -> None:
         """Drop finished, cancelled and expired requests from the running set. Their rows stay in the batch as
@@ -182,12 +224,13 @@ class ContinuousBatcher:
             if job.pending.done:
                 self._complete(job)
             elif job.cancelled.is_set():
-                self._fail(job, Cancelled("client went away"))
+                fail(job.future, Cancelled("client went away"))
             elif now > job.deadline:
-                self._fail(job, DeadlineExceeded("the request's deadline expired during decoding"))
+                fail(job.future, DeadlineExceeded("the request's deadline expired during decoding"))
             else:
                 live.append(job)
-        self._active = live
+        if len(live) != len(self._active):
+            self._publish(live)
 
     def _live_rows(self) -> np.ndarray:
         """The batch rows of the running requests, in order (everything else is dead)."""
@@ -195,30 +238,43 @@ class ContinuousBatcher:
             return np.zeros(0, np.int64)
         return np.concatenate([np.arange(job.row_offset, job.row_offset + job.state_rows) for job in self._active])
 
-    def _iterate(self, state):
-        self._retire()
-        admitted = self._admit()
-        if admitted:
-            started = time.monotonic()
+    def _join(self, state, admitted: list[TextJob]):
+        """Prefill the newcomers and append their rows to the batch; returns the new batch state. A prefill that
+        raises fails the newcomers only; a newcomer whose first search step raises fails alone (its row is dead)."""
+        started = time.monotonic()
+        try:
             logits, new_state = self.backend.prefill([job.input_ids for job in admitted])
             keep = self._live_rows()
             # compaction (dropping dead rows) and the newcomers' join in one copy of the cache
-            state = new_state if state is None or not len(keep) else \
+            joined = new_state if state is None or not len(keep) else \
                 self.backend.concatenate([state, new_state], rows=[keep, None])
-            offset = 0
-            for job in self._active:
-                job.row_offset, offset = offset, offset + job.state_rows
-            for job, row in zip(admitted, logits):
-                mode = {"model": self.labels["model"], "version": self.labels["version"], "mode": job.mode}
-                self.metrics.queue_wait.labels(**mode).observe(started - job.arrived)
-                self.metrics.prompt_tokens.labels(**self.labels).inc(len(job.input_ids))
-                job.row_offset, job.state_rows = offset, 1  # its prefill row
-                offset += 1
-                job.pending = job.search.step(row[None])
-                self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc()  # its first token
-                self._after_step(job, time.monotonic())
-            self._active.extend(admitted)
-            self._jobs_per_batch = 0.9 * self._jobs_per_batch + 0.1 * len(self._active)
+        except Exception as error:
+            log.exception("prefill failed for %d request(s) of %s", len(admitted), self.labels["model"])
+            for job in admitted:
+                fail(job.future, ServiceError(f"prefill failed: {error}"))
+            self._publish(self._active, admitting=[])
+            return state
+        offset = 0
+        for job in self._active:
+            job.row_offset, offset = offset, offset + job.state_rows
+        now, joined_jobs = time.monotonic(), []
+        for job, row in zip(admitted, logits):
+            mode = {"model": self.labels["model"], "version": self.labels["version"], "mode": job.mode}
+            self.metrics.queue_wait.labels(**mode).observe(started - job.arrived)
+            self.metrics.prompt_tokens.labels(**self.labels).inc(len(job.input_ids))
+            job.row_offset, job.state_rows = offset, 1  # its prefill row
+            offset += 1
+            if self._advance(job, row[None], now):
+                joined_jobs.append(job)
+        self._publish(self._active + joined_jobs, admitting=[])
+        return joined
+
+    def _iterate(self, state):
+        self._retire()
+        self._leave_queue()
+        admitted = self._admit()
+        if admitted:
+            state = self._join(state, admitted)
             self._retire()  # a newcomer may be done on its first token
         if not self._active:
             return None
@@ -246,12 +302,24 @@ class ContinuousBatcher:
         logits = self.backend.step(state, tokens)  # (rows, V)
         self.metrics.batch_size.labels(**self.labels).observe(R - dead if in_place else len(tokens))
         now = time.monotonic()
-        for job in self._active:
-            n = job.state_rows
-            job.pending = job.search.step(logits[job.row_offset : job.row_offset + n])
-            self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc(n)  # one choice per row
-            self._after_step(job, now)
+        survivors = [job for job in self._active
+                     if self._advance(job, logits[job.row_offset : job.row_offset + job.state_rows], now)]
+        if len(survivors) != len(self._active):
+            self._publish(survivors)
         return state
+
+    def _advance(self, job: TextJob, logits: np.ndarray, now: float) -> bool:
+        """Give the request's search the logits of its rows; False (and the request failed) if the search or the
+        stream callback raised: that fails this request only."""
+        try:
+            job.pending = job.search.step(logits)
+            self.metrics.generated_tokens.labels(**self.labels, mode=job.mode).inc(len(logits))  # a choice a row
+            self._after_step(job, now)
+        except Exception as error:
+            log.exception("decoding failed for one request of %s", self.labels["model"])
+            fail(job.future, ServiceError(f"decoding failed: {error}"))
+            return False
+        return True
 
     def _after_step(self, job: TextJob, now: float) -> None:
         mode = {"model": self.labels["model"], "version": self.labels["version"], "mode": job.mode}
@@ -268,13 +336,10 @@ class ContinuousBatcher:
                 job.streamed = len(generated)
 
     def _complete(self, job: TextJob) -> None:
-        hypotheses: list[Hypothesis] = job.search.results()
-        self._seconds_per_job = 0.9 * self._seconds_per_job + 0.1 * (time.monotonic() - job.arrived)
-        if not job.future.done():
-            job.future.set_result(hypotheses)
-
-    def _fail(self, job: TextJob, error: ServiceError) -> None:
-        if isinstance(error, Cancelled):  # nobody reads a cancelled request's response: count it here
-            self.metrics.failures.labels(**self.labels, reason=error.reason).inc()
-        if not job.future.done():
-            job.future.set_exception(error)
+        try:
+            hypotheses: list[Hypothesis] = job.search.results()
+        except Exception as error:
+            log.exception("collecting the results failed for one request of %s", self.labels["model"])
+            fail(job.future, ServiceError(f"decoding failed: {error}"))
+            return
+        settle(job.future, hypotheses)

@@ -16,11 +16,10 @@ what was accepted before failing leftovers with 503.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,8 +27,13 @@ import numpy as np
 
 from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
 from service.metrics import Metrics
+from service.scheduling.queueing import RetryAfter, bind_gauges, fail, settle
 
 log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.1  # an idle worker re-checks for expired jobs at least this often
+DRAIN_POLL_S = 0.01  # how often stop() checks whether the accepted jobs have run
+STOP_JOIN_S = 5.0  # how long stop() waits for the worker to finish a batch that is still running
 
 
 class ImageBackend(Protocol):
@@ -75,7 +79,8 @@ class DynamicBatcher:
         self._accepting = True
         self._stop = False
         self._active: list[ImageJob] = []  # the batch being run
-        self._seconds_per_batch = 0.05  # moving average, for Retry-After
+        self._retry = RetryAfter()
+        bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active))
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model}-{version}", daemon=True)
 
     # --- the caller's side (event loop) -------------------------------------------------------------------
@@ -89,21 +94,21 @@ class DynamicBatcher:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
-                                self.retry_after())
+                retry = self._retry.seconds(len(self._waiting), self.max_queue, job.deadline - time.monotonic())
+                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)", retry)
             self._waiting.append(job)
-            self.metrics.queue_depth.labels(**self.labels).set(len(self._waiting))
             self._changed.notify_all()
         return job
 
-    def retry_after(self) -> float:
-        """Seconds until the waiting jobs have run, estimated from recent batch durations."""
-        waiting = list(self._waiting)
-        if self.batching:
-            batches = math.ceil(sum(job.size for job in waiting) / self.max_batch_size)
-        else:
-            batches = sum(math.ceil(job.size / self.max_batch_size) for job in waiting)
-        return batches * self._seconds_per_batch
+    def retry_after(self, may_wait_s: float = float("inf")) -> int:
+        """Seconds until the queue has room for one more job (see `RetryAfter`)."""
+        return self._retry.seconds(len(self._waiting), self.max_queue, may_wait_s)
+
+    def cancel(self, job: ImageJob) -> None:
+        """Drop a job that nobody waits for any more: out of the queue at once if it has not run."""
+        job.cancel()
+        with self._changed:
+            self._changed.notify_all()
 
     @property
     def queue_depth(self) -> int:
@@ -120,17 +125,16 @@ class DynamicBatcher:
             self._changed.notify_all()  # a batch being collected goes now: nothing more will arrive
         deadline = time.monotonic() + timeout
         while (self._waiting or self._active) and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.01)
+            time.sleep(DRAIN_POLL_S)
         with self._changed:
             self._stop = True
             self._changed.notify_all()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        with self._changed:
-            leftovers, self._waiting = list(self._waiting) + self._active, deque()
-            self.metrics.queue_depth.labels(**self.labels).set(0)
+            self._thread.join(timeout=STOP_JOIN_S)
+        with self._changed:  # a batch still running loses to these failures (first outcome wins)
+            leftovers, self._waiting, self._active = list(self._waiting) + self._active, deque(), []
         for job in leftovers:
-            self._fail(job, Unavailable("the server shut down before this request finished"))
+            fail(job.future, Unavailable("the server shut down before this request finished"))
 
     # --- the worker thread --------------------------------------------------------------------------------
 
@@ -139,7 +143,6 @@ class DynamicBatcher:
             batch = self._collect()
             if batch is None:
                 return
-            self.metrics.running_requests.labels(**self.labels).set(len(batch))
             try:
                 if len(batch) == 1 and batch[0].size > self.max_batch_size:
                     self._run_chunked(batch[0])
@@ -148,9 +151,9 @@ class DynamicBatcher:
             except Exception as error:  # an engine failure: fail this batch, keep serving
                 log.exception("image batch failed for %s", self.labels["model"])
                 for job in batch:
-                    self._fail(job, ServiceError(f"inference failed: {error}"))
-            self._active = []
-            self.metrics.running_requests.labels(**self.labels).set(0)
+                    fail(job.future, ServiceError(f"inference failed: {error}"))
+            with self._changed:
+                self._active = []
 
     def _collect(self) -> list[ImageJob] | None:
         """Block until a batch is ready (see the module docstring); None when the batcher stops."""
@@ -159,9 +162,10 @@ class DynamicBatcher:
             while first is None:
                 if self._stop:
                     return None
+                self._purge()
                 first = self._pop_live()
                 if first is None:
-                    self._changed.wait(timeout=0.1)
+                    self._changed.wait(timeout=self._idle_wait())
             batch, images = [first], first.size
             if self.batching:
                 flush_at = first.arrived + self.max_queue_delay
@@ -175,9 +179,21 @@ class DynamicBatcher:
                     if self._waiting or remaining <= 0 or not self._accepting:
                         break  # the next job does not fit, the delay is over, or nothing more will come
                     self._changed.wait(timeout=remaining)
-            self.metrics.queue_depth.labels(**self.labels).set(len(self._waiting))
             self._active = batch  # set under the lock, so stop() never sees a batch in neither place
+            self._retry.departed(len(batch))
             return batch
+
+    def _idle_wait(self) -> float:
+        """How long the worker may sleep: until the earliest waiting deadline, at most IDLE_WAIT_S."""
+        if not self._waiting:
+            return IDLE_WAIT_S
+        return max(0.0, min(IDLE_WAIT_S, min(job.deadline for job in self._waiting) - time.monotonic()))
+
+    def _purge(self) -> None:
+        """Fail every cancelled or expired job in the queue, wherever it is (not only when it reaches the head)."""
+        live = deque(job for job in self._waiting if not self._dead(job))
+        self._retry.departed(len(self._waiting) - len(live))
+        self._waiting = live
 
     def _pop_live(self, fits: int | None = None) -> ImageJob | None:
         """The oldest waiting job that can still run (holding at most `fits` images), failing dead ones on the way."""
@@ -185,6 +201,7 @@ class DynamicBatcher:
             job = self._waiting[0]
             if self._dead(job):
                 self._waiting.popleft()
+                self._retry.departed()
                 continue
             if fits is not None and job.size > fits:
                 return None
@@ -194,9 +211,9 @@ class DynamicBatcher:
     def _dead(self, job: ImageJob) -> bool:
         """Fail a job that expired or was cancelled; True if it was."""
         if time.monotonic() > job.deadline:
-            self._fail(job, DeadlineExceeded("the request's deadline expired before its images were classified"))
+            fail(job.future, DeadlineExceeded("the request's deadline expired before its images were classified"))
         elif job.cancelled.is_set() or job.future.cancelled():
-            self._fail(job, Cancelled("client went away"))
+            fail(job.future, Cancelled("client went away"))
         else:
             return False
         return True
@@ -209,7 +226,6 @@ class DynamicBatcher:
         self._observe_start(batch, started)
         pixels = np.concatenate([job.pixels for job in batch]) if len(batch) > 1 else batch[0].pixels
         logits = self._infer(pixels)  # (B, classes)
-        self._seconds_per_batch = 0.9 * self._seconds_per_batch + 0.1 * (time.monotonic() - started)
         offset = 0
         for job in batch:
             self._complete(job, logits[offset : offset + job.size])
@@ -223,9 +239,7 @@ class DynamicBatcher:
         for start in range(0, job.size, self.max_batch_size):
             if start and self._dead(job):
                 return
-            chunk_started = time.monotonic()
             parts.append(self._infer(job.pixels[start : start + self.max_batch_size]))
-            self._seconds_per_batch = 0.9 * self._seconds_per_batch + 0.1 * (time.monotonic() - chunk_started)
         self._complete(job, np.concatenate(parts))
 
     def _infer(self, pixels: np.ndarray) -> np.ndarray:
@@ -241,17 +255,4 @@ class DynamicBatcher:
 
     def _complete(self, job: ImageJob, logits: np.ndarray) -> None:
         self.metrics.images.labels(**self.labels).inc(job.size)
-        try:
-            job.future.set_result(logits.copy())
-        except InvalidStateError:  # the caller gave up (deadline or disconnect) while the batch ran
-            pass
-
-    def _fail(self, job: ImageJob, error: ServiceError) -> None:
-        if job.future.done() and not job.future.cancelled():
-            return  # it already has its result
-        if isinstance(error, Cancelled):  # other failures are counted by the request middleware, by status
-            self.metrics.failures.labels(**self.labels, reason=error.reason).inc()
-        try:
-            job.future.set_exception(error)
-        except InvalidStateError:
-            pass
+        settle(job.future, logits.copy())  # a no-op if the caller gave up (deadline or disconnect) meanwhile

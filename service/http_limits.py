@@ -1,0 +1,186 @@
+"""Limits on HTTP/1.1 request heads (request line + headers), enforced in uvicorn's protocol before the app runs.
+
+uvicorn has no request-head timeout (its keep-alive timer only runs between requests) and, with httptools, no
+bound on the size or number of headers: a client trickling its head, or sending nothing, held a connection open
+indefinitely, and a 1 MB header or 5,000 headers were buffered and handed to the app. `limited_http_protocol`
+returns a subclass of uvicorn's `HttpToolsProtocol` that enforces, per request:
+
+- the head must be complete within `header_timeout_s` of the connection opening (first request) or of the first
+  byte of the next request on a keep-alive connection (408); an idle keep-alive connection is left to uvicorn's
+  `timeout_keep_alive`;
+- the head may be at most `max_header_bytes` long, counted as the bytes arrive, so that one huge header is
+  stopped while it streams in rather than after it was buffered (431);
+- at most `max_header_count` headers (431).
+
+A rejected connection gets a complete JSON error response (`{"error": {"type", "message"}}`, `connection:
+close`), is half-closed, and what the client still sends is read and discarded for at most `LINGER_S` before
+the socket is closed: closing a socket with unread data sends a TCP reset, which can destroy the response
+before the client reads it. If a response is in progress on the connection (pipelining), no second response is
+written into it: the connection is closed once that response completes. `on_reject(reason)` is called once per
+rejected connection (the metrics), and a warning is logged on `tserve.http` with the peer and the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from service.settings import Settings
+
+log = logging.getLogger("tserve.http")
+
+LINGER_S = 2.0  # after a rejection: how long the rest of what the client sends is read and discarded
+HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS = "header_timeout", "headers_too_large", "too_many_headers"
+REJECT_REASONS = (HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS)
+# bytes of a head that httptools' callbacks do not report: "<method> <url> HTTP/1.1\r\n" spaces and version,
+# the final empty line, and per header ": " and "\r\n"
+REQUEST_LINE_OVERHEAD = len(b"  HTTP/1.1\r\n") + len(b"\r\n")
+HEADER_OVERHEAD = len(b": \r\n")
+
+
+class _Rejected(Exception):
+    """Raised from a parser callback once the head was rejected (and answered), to stop parsing the chunk."""
+
+
+def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol bound to the settings' head limits; pass it as `uvicorn.run(..., http=...)`."""
+    timeout_s, max_bytes, max_count = settings.header_timeout_s, settings.max_header_bytes, settings.max_header_count
+
+    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._timer: asyncio.TimerHandle | None = None  # the head timeout, then the linger after a rejection
+            self._in_head = False  # a request head has begun (or the connection opened) and is not complete yet
+            self._rejected = False
+            self._head_bytes = 0  # bytes received for the head in progress
+            self._head_size = 0  # the head's size as the parser callbacks report it (url, headers)
+            self._header_count = 0
+            self._chunk_other = 0  # bytes of the chunk being parsed that belong to other messages (bodies, heads)
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._start_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            # uvicorn's data_received, plus: rejections raised from the callbacks end parsing quietly, and the
+            # bytes of an incomplete head are counted as they arrive
+            if self._rejected:
+                return  # answered already: discard until the connection closes
+            self._unset_keepalive_if_required()
+            idle = self.cycle is None or (self.cycle.response_complete and not self.cycle.more_body)
+            if idle and not self._in_head:
+                self._start_head()  # the first byte of the next request on a keep-alive connection
+            self._chunk_other = 0
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserCallbackError as error:
+                if not isinstance(error.__context__, _Rejected):
+                    self._bad_request()
+                return
+            except httptools.HttpParserError:
+                self._bad_request()
+                return
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return
+            if self._in_head:
+                self._head_bytes += len(data) - self._chunk_other
+                if self._head_bytes > max_bytes:
+                    self._reject_too_large()
+
+        def _bad_request(self) -> None:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+
+        # parser callbacks
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = self._head_size = self._header_count = 0
+            if not self._in_head:
+                self._start_head()  # pipelined after a request still in progress
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            self._head_size += len(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            self._head_size += len(name) + len(value) + HEADER_OVERHEAD
+            if self._header_count > max_count:
+                self._reject(431, TOO_MANY_HEADERS, f"more than {max_count} request headers "
+                                                    f"(TSERVE_MAX_HEADER_COUNT={max_count})")
+                raise _Rejected
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._head_size += len(self.parser.get_method()) + REQUEST_LINE_OVERHEAD
+            if self._head_size > max_bytes:  # a head that arrived in one chunk with the data after it
+                self._reject_too_large()
+                raise _Rejected
+            self._in_head = False
+            self._cancel_timer()
+            self._chunk_other += self._head_size
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._chunk_other += len(body)
+            super().on_body(body)
+
+        # the limits
+        def _start_head(self) -> None:
+            self._in_head, self._head_bytes = True, 0
+            self._cancel_timer()
+            self._timer = self.loop.call_later(timeout_s, self._head_timed_out)
+
+        def _cancel_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _head_timed_out(self) -> None:
+            self._timer = None
+            self._reject(408, HEADER_TIMEOUT, f"request line and headers not received within {timeout_s:g} s "
+                                              f"(TSERVE_HEADER_TIMEOUT_S={timeout_s:g})")
+
+        def _reject_too_large(self) -> None:
+            self._reject(431, HEADERS_TOO_LARGE, f"request line and headers over {max_bytes} bytes "
+                                                 f"(TSERVE_MAX_HEADER_BYTES={max_bytes})")
+
+        def _reject(self, status: int, reason: str, message: str) -> None:
+            if self._rejected:
+                return
+            self._rejected, self._in_head = True, False
+            self._cancel_timer()
+            peer = f"{self.client[0]}:{self.client[1]}" if self.client else "unknown"
+            log.warning("connection rejected: %s", reason, extra={"fields": {"peer": peer, "reason": reason}})
+            on_reject(reason)
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.keep_alive = False  # a response is being written: close after it, write nothing
+                return
+            body = json.dumps({"error": {"type": reason, "message": message}}).encode()
+            headers = [*self.server_state.default_headers, (b"content-type", b"application/json"),
+                       (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            self.transport.write(b"".join([STATUS_LINE[status], *(k + b": " + v + b"\r\n" for k, v in headers),
+                                           b"\r\n", body]))
+            if self.transport.can_write_eof():
+                self.transport.write_eof()  # then discard what the client still sends, for at most LINGER_S
+                self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
+    return LimitedHttpToolsProtocol

@@ -1,0 +1,84 @@
+"""What both schedulers need around their bounded queues: settling a request's future exactly once from any
+thread, the Retry-After estimate of a full queue, and gauges that read the scheduler's own state.
+
+- `settle` / `fail`: a future may be resolved by the worker thread, by `stop()` on another thread, or cancelled
+  by its caller; the first outcome wins and the others are ignored, never raised.
+- `RetryAfter`: a full queue answers 429 with the time until it has room for one more request, estimated from
+  the measured rate at which requests leave it (admitted, expired or cancelled), and never longer than the
+  refused request itself may wait: a client told to come back later than its deadline could never be served.
+- `bind_gauges`: queue depth and running requests are read from the scheduler when Prometheus scrapes, so they
+  equal the truth after any mix of success, timeout, cancellation, rejection and error (a gauge that is `set()`
+  on some paths goes stale on the others).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+
+from service.errors import ServiceError
+from service.metrics import Metrics
+
+# Weight of the newest sample in the moving average of the time between departures from the queue: about the
+# last 10 departures count, so the estimate follows a change of load within a few batches.
+DEPARTURE_SMOOTHING = 0.1
+# Before anything has left the queue there is no rate: assume this many seconds between departures.
+INITIAL_DEPARTURE_INTERVAL_S = 0.1
+
+
+def settle(future: Future, result) -> bool:
+    """Resolve `future` with `result` unless it already has an outcome; True if this call set it."""
+    try:
+        future.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def fail(future: Future, error: ServiceError) -> bool:
+    """Fail `future` with `error` unless it already has an outcome; True if this call set it."""
+    try:
+        future.set_exception(error)
+    except InvalidStateError:
+        return False
+    return True
+
+
+class RetryAfter:
+    """Seconds until a full queue has room for one more request, from the measured departure rate."""
+
+    def __init__(self):
+        self._interval = INITIAL_DEPARTURE_INTERVAL_S  # moving average of seconds between departures
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def departed(self, count: int = 1, now: float | None = None) -> None:
+        """`count` requests left the queue at `now` (one batch admission counts each of its requests)."""
+        if count <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._last is not None:
+                sample = (now - self._last) / count
+                self._interval += DEPARTURE_SMOOTHING * (sample - self._interval)
+            self._last = now
+
+    def seconds(self, waiting: int, capacity: int, may_wait_s: float) -> int:
+        """Whole seconds (>= 1, as the header needs) until `waiting` requests in a queue of `capacity` have
+        drained by one, at the measured rate; capped at `may_wait_s`, the longest the request may wait."""
+        excess = max(1, waiting - capacity + 1)
+        estimate = excess * self._interval
+        cap = math.floor(may_wait_s) if math.isfinite(may_wait_s) else math.ceil(estimate)
+        return max(1, min(math.ceil(estimate), cap))
+
+
+def bind_gauges(metrics: Metrics, labels: dict[str, str], waiting: Callable[[], int], running: Callable[[], int],
+                rows: Callable[[], int] | None = None) -> None:
+    """Make the model's queue-depth / running-requests (/ batch-rows) gauges read the scheduler at scrape time."""
+    metrics.queue_depth.labels(**labels).set_function(waiting)
+    metrics.running_requests.labels(**labels).set_function(running)
+    if rows is not None:
+        metrics.batch_rows.labels(**labels).set_function(rows)
