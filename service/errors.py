@@ -120,6 +120,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         if isinstance(error.__cause__, ClientDisconnect):  # FastAPI's body parsing wraps it in a 400
             return await client_gone(request, error.__cause__)
+        if isinstance(error.__cause__, (UnicodeDecodeError, RecursionError)):  # the same wrapping: not JSON at all
+            request.state.failure_reason = "bad_input"
+            reason = "is not UTF-8" if isinstance(error.__cause__, UnicodeDecodeError) else "is nested too deeply"
+            return JSONResponse(error_body("invalid_request", f"body: not valid JSON (it {reason})"), status_code=422)
         kind = getattr(error, "type", None) or {404: "not_found", 405: "method_not_allowed"}.get(
             error.status_code, "http_error")
         return JSONResponse(error_body(kind, str(error.detail)), status_code=error.status_code,

@@ -3,7 +3,7 @@ on a bounded pool of decoder threads, under one memory budget shared by every re
 deadline.
 
 Why it is its own concern: a file's size says nothing about its pixels. A 4000x4000 RGBA PNG of one colour is
-70 KB on the wire and 272 MB in memory while it is decoded and preprocessed, so a few small uploads could make
+70 KB on the wire and 64 MB in memory once decoded (plus its preprocessing copies), so a few small uploads could make
 the server hold gigabytes and keep its cores busy long after their clients gave up. Everything that can be known
 without decoding is checked first, from the headers; pixels are then decoded only within a budget of bytes,
 only before the deadline, and only while someone waits for them:
@@ -40,6 +40,7 @@ from typing import Protocol
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from service.engines.vit import COMPOSITE_STRIP_ROWS, has_transparency
 from service.errors import BadInput, DeadlineExceeded, PayloadTooLarge, Unavailable
 from service.settings import Settings
 
@@ -48,13 +49,12 @@ from service.settings import Settings
 ONE_BYTE_MODES = frozenset({"1", "L", "P"})
 TWO_BYTE_MODE_PREFIX = "I;16"
 WIDE_PIXEL_BYTES = 4
-# What `ViTEngine.preprocess` holds besides the decoded image (all alive at once, measured with VmHWM): an image
-# with transparency is composited on white through three more 4-byte-per-pixel images (`convert("RGBA")`, a copy
-# even of an RGBA image; the white background; the composite); then one conversion to the model's mode ("L": 1
-# byte per pixel, "RGB": 4; a copy even when the mode is already right). The resized, model-sized results are a
-# few hundred KB at most and are not counted. A 4000x4000 RGBA image: 16M x (4 + 3 x 4 + 1) = 272 MB, 17 times
-# its PNG's pixels in "L"; an RGB photo for an "L" model: 5 bytes per pixel.
-TRANSPARENT_MODES = ("RGBA", "LA", "PA")
+# What `ViTEngine.preprocess` holds besides the decoded image, all alive at once: the image in the model's mode
+# ("L": 1 byte per pixel, "RGB": 4; a copy even when the mode is already right) and, for an image with
+# transparency, the RGBA copies of one strip of rows that is being composited on white (`engine.on_white`: the
+# strip converted to RGBA, the white background, the composite). The model-sized results (resized, float32) are a
+# few hundred KB at most and not counted. So a 4000x4000 RGBA image for an "L" model holds 16M x (4 + 1) bytes +
+# 3 x 4 x 4000 x 256 = 92 MB at its peak, an RGB photo 5 bytes per pixel, a grey one 2.
 COMPOSITE_COPIES = 3
 
 
@@ -90,14 +90,8 @@ def storage_bytes_per_pixel(mode: str) -> int:
 def decode_cost(mode: str, width: int, height: int, transparent: bool, model_channels: int) -> int:
     """Bytes held at once while an image of this header is decoded and preprocessed (see the constants above)."""
     per_pixel = storage_bytes_per_pixel(mode) + (1 if model_channels == 1 else WIDE_PIXEL_BYTES)
-    if transparent:
-        per_pixel += COMPOSITE_COPIES * WIDE_PIXEL_BYTES
-    return width * height * per_pixel
-
-
-def has_transparency(image: Image.Image) -> bool:
-    """Whether `engine.preprocess` composites the image on white (the same test as the engine's)."""
-    return image.mode in TRANSPARENT_MODES or (image.mode == "P" and "transparency" in image.info)
+    strips = COMPOSITE_COPIES * WIDE_PIXEL_BYTES * width * min(height, COMPOSITE_STRIP_ROWS) if transparent else 0
+    return width * height * per_pixel + strips
 
 
 # --- the budget ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from service.settings import Settings
 
@@ -25,7 +25,7 @@ MAX_NGRAM_SIZE = 10
 MAX_LENGTH_PENALTY = 5.0
 MAX_TEMPERATURE = 5.0
 MAX_REPETITION_PENALTY = 10.0
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**53 - 1  # the largest integer every JSON parser reads exactly
 NON_BLANK = r"\S"  # a JSON-schema pattern (unanchored): at least one character that is not whitespace
 # A base64 image of n bytes is 4 * ceil(n / 3) characters; allow line breaks every 76 (as `base64` wraps) and a
 # `data:image/...;base64,` prefix on top.
@@ -49,6 +49,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
+def _integral(value):
+    """JSON Schema counts 7.0 as an integer; strict pydantic does not. Accept integral floats (only)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field type with its bounds (ge, le): 7.0 is accepted as 7; "7", 7.5 and true are not integers."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
@@ -70,84 +78,82 @@ def request_models(settings: Settings) -> RequestModels:
     """The request models of an app served with `settings` (limits as maxLength / maxItems / maximum)."""
     s = settings
     Text = Annotated[str, Field(min_length=1, max_length=s.max_text_chars, pattern=NON_BLANK)]
+    NewTokens, Beams = integer(ge=1, le=s.max_new_tokens), integer(ge=1, le=s.max_num_beams)
+    MinNewTokens, NGramSize = integer(ge=0, le=s.max_new_tokens), integer(ge=0, le=MAX_NGRAM_SIZE)
+    Version, Timeout = integer(ge=1), integer(ge=1, le=s.max_timeout_ms)
+    timeout_doc = (f"Deadline for queueing + decoding, in milliseconds; default {s.default_timeout_ms} "
+                   f"(TSERVE_DEFAULT_TIMEOUT_MS), at most {s.max_timeout_ms} (TSERVE_MAX_TIMEOUT_MS). Past it: 504.")
+    version_doc = "Model version; default: the highest loaded version."
+    some_new_tokens = min(40, s.max_new_tokens)  # the examples must be valid requests
 
-    class _Routing(_Strict):
-        version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded version.",
-                                    examples=[1])
-        timeout_ms: int | None = Field(None, ge=1, le=s.max_timeout_ms,
-                                       description="Deadline for queueing + decoding, in milliseconds; default "
-                                       f"{s.default_timeout_ms} (TSERVE_DEFAULT_TIMEOUT_MS), at most "
-                                       f"{s.max_timeout_ms} (TSERVE_MAX_TIMEOUT_MS). Past it: 504.",
-                                       examples=[10000])
-
-    class TranslateRequest(_Routing):
+    class TranslateRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={
-            "examples": [{"text": "Ein Mann fährt Fahrrad.", "num_beams": 4}],
+            "examples": [{"text": "Ein Mann fährt Fahrrad.", "num_beams": min(4, s.max_num_beams)}],
             # stream=true needs greedy decoding of a single text
             "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
             "then": {"properties": {"num_beams": {"const": 1}, "text": {"type": "string"}},
                      "required": ["num_beams"]}})
 
-        model: Name | None = _model_field("translation")
         text: Text | Annotated[list[Text], Field(min_length=1, max_length=s.max_texts)] = Field(
             ..., description=f"German sentence, or a list of up to {s.max_texts} sentences (TSERVE_MAX_TEXTS), each "
             f"up to {s.max_text_chars} characters (TSERVE_MAX_TEXT_CHARS).", examples=["Ein Mann fährt Fahrrad."])
-        num_beams: int = Field(min(4, s.max_num_beams), ge=1, le=s.max_num_beams,
-                               description="Beam width; 1 = greedy decoding.", examples=[4])
-        length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY,
-                                      description="Beam score = sum of log-probs / generated_length ** "
-                                      "length_penalty.", examples=[1.0])
-        early_stopping: StrictBool | Literal["never"] = Field(False, description="Beam stopping rule, as in "
-                                                              "transformers: true, false or \"never\".",
-                                                              examples=[False])
-        num_return_sequences: int = Field(1, ge=1, le=s.max_num_beams,
-                                          description="Size of the n-best list per sentence (<= num_beams; more is "
-                                          "a 400).", examples=[1])
-        max_new_tokens: int | None = Field(None, ge=1, le=s.max_new_tokens, description="Most tokens to generate "
-                                           "per sentence; default: twice the source length + 10.", examples=[40])
-        min_new_tokens: int = Field(0, ge=0, le=s.max_new_tokens,
-                                    description="End of sentence is blocked before this many tokens.", examples=[0])
-        no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM_SIZE, description="Forbid repeating any n-gram of "
-                                          "this size (every decoding mode, as transformers); 0 = off.",
-                                          examples=[0])
-        stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1 and "
-                                   "one text).", examples=[False])
+        num_beams: Beams = Field(min(4, s.max_num_beams), description="Beam width; 1 = greedy decoding.",
+                                 examples=[min(4, s.max_num_beams)])
+        length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, examples=[1.0],
+                                      description="Beam score = sum of log-probs / generated_length ** length_penalty.")
+        early_stopping: StrictBool | Literal["never"] = Field(
+            False, description='Beam stopping rule, as in transformers: true, false or "never".', examples=[False])
+        num_return_sequences: Beams = Field(1, description="Size of the n-best list per sentence (<= num_beams; more "
+                                            "is a 400).", examples=[1])
+        max_new_tokens: NewTokens | None = Field(None, description="Most tokens to generate per sentence; default: "
+                                                 "twice the source length + 10.", examples=[some_new_tokens])
+        min_new_tokens: MinNewTokens = Field(0, description="End of sentence is blocked before this many tokens.",
+                                             examples=[0])
+        no_repeat_ngram_size: NGramSize = Field(0, description="Forbid repeating any n-gram of this size (every "
+                                                "decoding mode, as transformers); 0 = off.", examples=[0])
+        stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1 and one "
+                                   "text).", examples=[False])
+        model: Name | None = _model_field("translation")
+        version: Version | None = Field(None, description=version_doc, examples=[1])
+        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[min(10_000, s.max_timeout_ms)])
 
-    class GenerateRequest(_Routing):
+    class GenerateRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={
-            "examples": [{"prompt": "ROMEO:\n", "max_new_tokens": 80, "temperature": 0.8, "top_k": 40, "seed": 7}],
+            "examples": [{"prompt": "ROMEO:\n", "max_new_tokens": some_new_tokens, "temperature": 0.8, "top_k": 40,
+                          "seed": 7}],
             "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},  # streaming is not for beams
             "then": {"properties": {"num_beams": {"const": 1}}}})
 
-        model: Name | None = _model_field("gpt")
         prompt: str = Field(..., min_length=1, max_length=s.max_text_chars, description="Text to continue (up to "
                             f"{s.max_text_chars} characters, TSERVE_MAX_TEXT_CHARS; its tokens plus max_new_tokens "
                             "must fit the model's context, else 400).", examples=["ROMEO:\n"])
-        max_new_tokens: int = Field(min(64, s.max_new_tokens), ge=1, le=s.max_new_tokens,
-                                    description="Most tokens (bytes) to generate.", examples=[80])
-        min_new_tokens: int = Field(0, ge=0, le=s.max_new_tokens, description="End of text is blocked before this "
-                                    "many tokens (as transformers: above max_new_tokens, it is never generated).",
-                                    examples=[0])
+        max_new_tokens: NewTokens = Field(min(64, s.max_new_tokens), description="Most tokens (bytes) to generate.",
+                                          examples=[some_new_tokens])
+        min_new_tokens: MinNewTokens = Field(0, description="End of text is blocked before this many tokens (as "
+                                             "transformers: above max_new_tokens, it is never generated).",
+                                             examples=[0])
         temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
                                    description="Softmax temperature; 0 = greedy decoding.", examples=[0.8])
-        top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
+        top_k: integer(ge=0) = Field(0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
         top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1 = off.",
                              examples=[0.95])
-        repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY,
+        repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, examples=[1.1],
                                           description="> 1 discourages tokens already present (prompt included), as "
-                                          "in transformers.", examples=[1.1])
-        no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM_SIZE, description="Forbid repeating any n-gram of "
-                                          "this size, prompt included (every decoding mode, as transformers); "
-                                          "0 = off.", examples=[0])
-        seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same output.", examples=[7])
+                                          "in transformers.")
+        no_repeat_ngram_size: NGramSize = Field(0, description="Forbid repeating any n-gram of this size, prompt "
+                                                "included (every decoding mode, as transformers); 0 = off.",
+                                                examples=[0])
+        seed: integer(ge=0, le=MAX_SEED) | None = Field(None, description="Same seed, same output.", examples=[7])
         stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
                                        description=f"Up to {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} "
                                        "characters; the text is cut before the first one and finish_reason is "
-                                       "\"stop\".", examples=[["\n\n"]])
-        num_beams: int = Field(1, ge=1, le=s.max_num_beams, description="> 1: beam search instead of sampling.",
-                               examples=[1])
+                                       '"stop".', examples=[["\n\n"]])
+        num_beams: Beams = Field(1, description="> 1: beam search instead of sampling.", examples=[1])
         stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1).",
                                    examples=[False])
+        model: Name | None = _model_field("gpt")
+        version: Version | None = Field(None, description=version_doc, examples=[1])
+        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[min(10_000, s.max_timeout_ms)])
 
         @property
         def mode(self) -> str:
@@ -161,14 +167,11 @@ def request_models(settings: Settings) -> RequestModels:
             f"up to {s.max_images} (TSERVE_MAX_IMAGES) of up to {s.max_image_bytes} bytes "
             "(TSERVE_MAX_IMAGE_BYTES); a data URL prefix and line breaks are fine.",
             examples=[[EXAMPLE_PNG_BASE64]])
-        top_k: int = Field(5, ge=1, description="Predictions per image, best first (every label if it has fewer).",
-                           examples=[3])
+        top_k: integer(ge=1) = Field(5, description="Predictions per image, best first (every label if it has "
+                                     "fewer).", examples=[3])
         model: Name | None = _model_field("vit")
-        version: int | None = Field(None, ge=1, description="Model version; default: the highest loaded.",
-                                    examples=[1])
-        timeout_ms: int | None = Field(None, ge=1, le=s.max_timeout_ms, description="Deadline in milliseconds "
-                                       f"(default {s.default_timeout_ms}, at most {s.max_timeout_ms}).",
-                                       examples=[5000])
+        version: Version | None = Field(None, description=version_doc, examples=[1])
+        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[min(5_000, s.max_timeout_ms)])
 
     return RequestModels(TranslateRequest, GenerateRequest, ClassifyJSONRequest)
 

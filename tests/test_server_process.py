@@ -62,6 +62,7 @@ class ServerProcess:
         self.name = name
         self.repository = repository
         self.workdir = workdir
+        knobs.setdefault("drain_delay_s", 0)  # a test stops its servers at once unless it tests the drain
         self.knobs = {f"TSERVE_{k.upper()}": str(v) for k, v in knobs.items()}
         self.stdout: list[str] = []
         self.stderr: list[str] = []

@@ -1,5 +1,5 @@
-"""Awaiting a request's scheduler work from a route: the result, or an error at the request's deadline or when
-its client goes away, and the scheduler told to drop the work in both cases.
+"""Awaiting a request's work from a route (image decoding, the scheduler's futures): the result, or an error at
+the request's deadline or when its client goes away, and the work dropped in both cases.
 
 Starlette does not cancel a handler when its client disconnects (only streaming responses listen), so the wait
 polls for a disconnect; the deadline is awaited to the moment, not at the next poll.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 
 from fastapi import Request
@@ -19,23 +19,30 @@ from service.errors import Cancelled, DeadlineExceeded
 DISCONNECT_POLL_S = 0.2  # how often a waiting route checks whether its client is still there
 
 
-async def await_results(request: Request, futures: Sequence[Future], deadline: float,
-                        abandon: Callable[[], None]) -> list:
-    """The futures' results, in order. Raises DeadlineExceeded at `deadline` (time.monotonic() seconds),
-    Cancelled when the client disconnects, or the first future's error; in each case `abandon()` runs first."""
-    gathered = asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+async def watched(request: Request, work: Awaitable, deadline: float, abandon: Callable[[], None] | None = None):
+    """The result of `work`. Raises DeadlineExceeded at `deadline` (time.monotonic() seconds), Cancelled when the
+    client disconnects, or the work's own error; on any of these `work` is cancelled and `abandon()` runs first."""
+    task = asyncio.ensure_future(work)
     try:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceeded("the request's deadline expired")
-            done, _ = await asyncio.wait({gathered}, timeout=min(DISCONNECT_POLL_S, remaining))
+            done, _ = await asyncio.wait({task}, timeout=min(DISCONNECT_POLL_S, remaining))
             if done:
-                return gathered.result()
+                return task.result()
             if await request.is_disconnected():
                 raise Cancelled("client went away")
     except BaseException:
-        abandon()
-        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no asyncio error log
-        gathered.cancel()
+        if abandon is not None:
+            abandon()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no asyncio error log
+        task.cancel()
         raise
+
+
+async def await_results(request: Request, futures: Sequence[Future], deadline: float,
+                        abandon: Callable[[], None]) -> list:
+    """The scheduler futures' results, in order, watched as `watched` says (`abandon` tells the scheduler)."""
+    return await watched(request, asyncio.gather(*(asyncio.wrap_future(future) for future in futures)), deadline,
+                         abandon)

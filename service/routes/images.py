@@ -14,6 +14,7 @@ not be decoded.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from service.errors import BadInput, ClientBodyError, PayloadTooLarge, UnsupportedMediaType
 from service.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
-from service.routes.awaiting import await_results
+from service.routes.awaiting import await_results, watched
 from service.scheduling.dynamic import ImageJob
 from service.settings import Settings
 
@@ -65,7 +66,16 @@ def _multipart_schema(json_schema: dict, settings: Settings) -> dict:
                   f"{settings.max_image_bytes} bytes (TSERVE_MAX_IMAGE_BYTES): PNG, JPEG, WebP, BMP, GIF, TIFF, ...; "
                   "any size or mode: images are converted, resized and normalised as the model's config says.",
                   "items": {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"}},
-        **{name: json_schema["properties"][name] for name in FORM_FIELDS}}}
+        **{name: _form_field(json_schema["properties"][name]) for name in FORM_FIELDS}}}
+
+
+def _form_field(schema: dict) -> dict:
+    """A JSON body field as a form field: an optional field is left out rather than sent as null."""
+    members = [m for m in schema.get("anyOf", []) if m.get("type") != "null"]
+    if len(members) != 1:
+        return schema
+    rest = {k: v for k, v in schema.items() if k not in ("anyOf", "default")}
+    return {**members[0], **rest}
 
 
 def _error(description: str, **extra) -> dict:
@@ -130,7 +140,7 @@ async def classify(request: Request) -> ClassifyResponse:
 
     loaded = request.app.state.registry.resolve("vit", options.model, options.version)
     request.state.model, request.state.version = loaded.name, loaded.version
-    pixels = await request.app.state.image_decoder.decode(encoded, loaded.engine, deadline)
+    pixels = await watched(request, request.app.state.image_decoder.decode(encoded, loaded.engine, deadline), deadline)
     job = loaded.scheduler.submit(ImageJob(pixels=pixels, deadline=deadline))
     logits = (await await_results(request, [job.future], deadline,
                                   abandon=lambda: loaded.scheduler.cancel(job)))[0]  # (n, classes)
@@ -174,8 +184,12 @@ async def _parse_json(request: Request, settings: Settings) -> tuple[BaseModel, 
     body = await request.body()
     if len(body) > settings.max_body_bytes:
         raise PayloadTooLarge(f"the body has {len(body)} bytes; the limit is {settings.max_body_bytes}")
+    try:  # Python's JSON parser, as FastAPI's for the text routes: a lone surrogate is then the field's error
+        data = json.loads(body)
+    except (ValueError, RecursionError) as error:
+        _invalid("body", f"not valid JSON ({type(error).__name__})")
     try:
-        options = request.app.state.request_models.classify.model_validate_json(body)
+        options = request.app.state.request_models.classify.model_validate(data)
     except ValidationError as error:
         _invalid_model(error)
     return options, [_EncodedImage(f"images[{i}]", text) for i, text in enumerate(options.images)]
@@ -192,8 +206,7 @@ async def _parse_multipart(request: Request, settings: Settings) -> tuple[BaseMo
                 elif key in FORM_FIELDS and not isinstance(value, UploadFile):
                     if key in fields:
                         _invalid(key, "given more than once")
-                    if value != "":  # an empty field (as HTML forms send) means the default
-                        fields[key] = value
+                    fields[key] = value  # as the schema says: an empty field is not a value
                 else:
                     _invalid(key, f"unknown or misplaced form field; send images as 'files' parts and "
                                   f"{', '.join(FORM_FIELDS)} as plain fields")
