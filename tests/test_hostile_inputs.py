@@ -410,3 +410,33 @@ def test_an_internal_error_is_a_json_500_and_the_connection_lives_on(tiny_reposi
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+# --- a client that goes away while its images are decoded --------------------------------------------------------
+
+def test_a_classify_client_that_goes_away_is_cancelled_and_its_decoding_stops(tiny_repository, tmp_path):
+    process = ServerProcess("classify disconnect server", tiny_repository, tmp_path, models='["vit"]').start()
+    try:
+        big = png(Image.new("RGBA", (4000, 4000), (10, 200, 30, 100)))  # ~0.3 s each to decode
+        body, headers = multipart(*[("files", f"{i}.png", big) for i in range(4)], ("timeout_ms", None, b"60000"))
+        with socket.create_connection(("127.0.0.1", process.port), timeout=10) as sock:
+            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            sock.sendall(f"POST /v1/classify HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {len(body)}\r\n\r\n"
+                         .encode() + body)
+            time.sleep(0.3)  # decoding has begun
+        conn = Connection(process.port)
+
+        def cancelled() -> float:
+            lines = conn.request("GET", "/metrics")[2].decode().splitlines()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                       if line.startswith("tserve_request_failures_total") and 'reason="cancelled"' in line)
+
+        deadline = time.monotonic() + 5
+        while cancelled() < 1:
+            assert time.monotonic() < deadline, "the disconnect was not noticed"
+            time.sleep(0.05)
+        assert cancelled() == 1
+        records = [r for r in process.access_records() if r.get("path") == "/v1/classify"]
+        assert [r["status"] for r in records] == [499], records
+    finally:
+        process.stop()

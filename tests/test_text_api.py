@@ -77,6 +77,27 @@ def test_openapi_documents_every_endpoint_with_examples(client):
     assert "429" in spec["paths"]["/v1/generate"]["post"]["responses"]
 
 
+def test_the_schemas_own_examples_succeed_and_state_the_settings_limits(client):
+    """Every request example of the schema is answered 200, every field example is valid, and the limits that
+    are settings are in the schema (this app: TSERVE_MAX_TEXT_CHARS=300, TSERVE_MAX_NEW_TOKENS=60)."""
+    spec = client.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path in ("/v1/translate", "/v1/generate"):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        schema = schemas[ref.rsplit("/", 1)[1]]
+        for example in schema["examples"]:
+            assert client.post(path, json=example).status_code == 200, (path, example)
+        for name, field in schema["properties"].items():
+            if name not in ("model", "version", "stream"):  # each valid alone; model names differ per endpoint
+                example = {**schema["examples"][0], name: field["examples"][0]}
+                assert client.post(path, json=example).status_code == 200, (path, name, example)
+    generate = schemas[spec["paths"]["/v1/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+                       ["$ref"].rsplit("/", 1)[1]]
+    assert generate["properties"]["max_new_tokens"]["maximum"] == 60
+    assert generate["properties"]["prompt"]["maxLength"] == 300
+    assert spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"].keys() == {"text/plain"}
+
+
 # --- translate ----------------------------------------------------------------------------------------------
 
 def test_translate_matches_the_engine(client, engines):
