@@ -133,7 +133,8 @@ def request_models(settings: Settings) -> RequestModels:
                                              "transformers: above max_new_tokens, it is never generated).",
                                              examples=[0])
         temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
-                                   description="Softmax temperature; 0 = greedy decoding.", examples=[0.8])
+                                   description="Softmax temperature; 0 (or below 1e-5) = greedy decoding.",
+                                   examples=[0.8])
         top_k: integer(ge=0) = Field(0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
         top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1 = off.",
                              examples=[0.95])

@@ -515,3 +515,15 @@ def test_step_checks_row_count():
         s.step(np.zeros((2, V), dtype=np.float32))  # the first step takes the single prefill row
     with pytest.raises(RuntimeError):
         s.results()
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """logits / 1e-300 overflow to inf and the probabilities to NaN: below 1e-5 sampling is greedy (as vLLM)."""
+    import warnings
+
+    logits = np.random.default_rng(0).standard_normal((1, 50)) * 10
+    for temperature in (1e-300, 1e-9, 9e-6):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            search = SamplingSearch(3, None, temperature=temperature, top_k=5, top_p=0.5, seed=1)
+            assert search.step(logits).tokens.tolist() == [int(np.argmax(logits))]

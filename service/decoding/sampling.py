@@ -23,6 +23,8 @@ import numpy as np
 from .base import StopStrings, truncate_at_stop
 from .greedy import GreedySearch
 
+GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy decoding
+
 __all__ = [
     "SamplingSearch",
     "apply_repetition_penalty",
@@ -104,7 +106,8 @@ class SamplingSearch(GreedySearch):
             raise ValueError("top_p must be in (0, 1]")
         if repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
-        self.temperature = float(temperature)
+        # below GREEDY_TEMPERATURE, sampling is greedy (as vLLM): logits / 1e-300 overflow to inf and NaN
+        self.temperature = 0.0 if temperature < GREEDY_TEMPERATURE else float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.repetition_penalty = float(repetition_penalty)

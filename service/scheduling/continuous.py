@@ -34,9 +34,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.decoding import Hypothesis, Search, StepResult
-from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.errors import QueueFull, ServiceError, Unavailable
 from service.metrics import Metrics
-from service.scheduling.queueing import RetryAfter, bind_gauges, fail, settle
+from service.scheduling.queueing import RetryAfter, bind_gauges, fail, fail_if_gone, settle
 
 log = logging.getLogger(__name__)
 
@@ -185,14 +185,8 @@ class ContinuousBatcher:
         with self._lock:
             if all(not job.cancelled.is_set() and now <= job.deadline for job in self._waiting):
                 return
-            kept: deque[TextJob] = deque()
-            for job in self._waiting:
-                if job.cancelled.is_set():
-                    fail(job.future, Cancelled("client went away"))
-                elif now > job.deadline:
-                    fail(job.future, DeadlineExceeded("the request's deadline expired while it waited in the queue"))
-                else:
-                    kept.append(job)
+            kept = deque(job for job in self._waiting if not fail_if_gone(
+                job.future, job.cancelled.is_set(), job.deadline, now, "while it waited in the queue"))
             self._retry.departed(len(self._waiting) - len(kept), now)
             self._waiting = kept
 
@@ -223,11 +217,7 @@ class ContinuousBatcher:
         for job in self._active:
             if job.pending.done:
                 self._complete(job)
-            elif job.cancelled.is_set():
-                fail(job.future, Cancelled("client went away"))
-            elif now > job.deadline:
-                fail(job.future, DeadlineExceeded("the request's deadline expired during decoding"))
-            else:
+            elif not fail_if_gone(job.future, job.cancelled.is_set(), job.deadline, now, "during decoding"):
                 live.append(job)
         if len(live) != len(self._active):
             self._publish(live)

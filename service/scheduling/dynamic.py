@@ -25,9 +25,9 @@ from typing import Protocol
 
 import numpy as np
 
-from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.errors import QueueFull, ServiceError, Unavailable
 from service.metrics import Metrics
-from service.scheduling.queueing import RetryAfter, bind_gauges, fail, settle
+from service.scheduling.queueing import RetryAfter, bind_gauges, fail, fail_if_gone, settle
 
 log = logging.getLogger(__name__)
 
@@ -209,14 +209,9 @@ class DynamicBatcher:
         return None
 
     def _dead(self, job: ImageJob) -> bool:
-        """Fail a job that expired or was cancelled; True if it was."""
-        if time.monotonic() > job.deadline:
-            fail(job.future, DeadlineExceeded("the request's deadline expired before its images were classified"))
-        elif job.cancelled.is_set() or job.future.cancelled():
-            fail(job.future, Cancelled("client went away"))
-        else:
-            return False
-        return True
+        """Fail a job that was cancelled or expired; True if it was."""
+        return fail_if_gone(job.future, job.cancelled.is_set() or job.future.cancelled(), job.deadline,
+                            time.monotonic(), "before its images were classified")
 
     def _run_batch(self, batch: list[ImageJob]) -> None:
         batch = [job for job in batch if not self._dead(job)]  # may have expired during the queue delay

@@ -2,7 +2,8 @@
 thread, the Retry-After estimate of a full queue, and gauges that read the scheduler's own state.
 
 - `settle` / `fail`: a future may be resolved by the worker thread, by `stop()` on another thread, or cancelled
-  by its caller; the first outcome wins and the others are ignored, never raised.
+  by its caller; the first outcome wins and the others are ignored, never raised. `fail_if_gone` ends a request
+  whose client went away or whose deadline passed.
 - `RetryAfter`: a full queue answers 429 with the time until it has room for one more request, estimated from
   the measured rate at which requests leave it (admitted, expired or cancelled), and never longer than the
   refused request itself may wait: a client told to come back later than its deadline could never be served.
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from service.errors import ServiceError
+from service.errors import Cancelled, DeadlineExceeded, ServiceError
 from service.metrics import Metrics
 
 # Weight of the newest sample in the moving average of the time between departures from the queue: about the
@@ -43,6 +44,18 @@ def fail(future: Future, error: ServiceError) -> bool:
     try:
         future.set_exception(error)
     except InvalidStateError:
+        return False
+    return True
+
+
+def fail_if_gone(future: Future, cancelled: bool, deadline: float, now: float, where: str) -> bool:
+    """Fail a request whose client went away (Cancelled) or whose deadline passed (DeadlineExceeded, saying
+    `where` it was: "while it waited in the queue", ...); True if it was either."""
+    if cancelled:
+        fail(future, Cancelled("client went away"))
+    elif now > deadline:
+        fail(future, DeadlineExceeded(f"the request's deadline expired {where}"))
+    else:
         return False
     return True
 
