@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from service.auth import ApiKeyMiddleware, load_api_keys
 from service.errors import install_error_handlers
 from service.imaging import ImageDecoder
 from service.metrics import Metrics
@@ -72,6 +73,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(text.build_router(models))
     app.include_router(images.build_router(models, settings))
     app.include_router(admin.router)
+    # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
+    # middleware, which still logs and counts (by status) the requests they reject
+    app.add_middleware(ApiKeyMiddleware, keys=load_api_keys(settings))  # a bad key setting raises here
     app.add_middleware(RequestMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     return app

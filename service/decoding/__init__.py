@@ -9,6 +9,7 @@ from .base import (
     Search,
     StepResult,
     StopStrings,
+    TokenLogprob,
     eos_ids,
     log_softmax,
     run_search,
@@ -18,6 +19,7 @@ from .beam import BeamSearch
 from .greedy import GreedySearch
 from .sampling import (
     SamplingSearch,
+    apply_openai_penalties,
     apply_repetition_penalty,
     apply_temperature,
     top_k_filter,
@@ -32,6 +34,8 @@ __all__ = [
     "Search",
     "StepResult",
     "StopStrings",
+    "TokenLogprob",
+    "apply_openai_penalties",
     "apply_repetition_penalty",
     "apply_temperature",
     "eos_ids",

@@ -30,9 +30,11 @@ import numpy as np
 
 __all__ = [
     "Hypothesis",
+    "TokenLogprob",
     "StepResult",
     "Search",
     "log_softmax",
+    "top_logprobs",
     "run_search",
     "eos_ids",
     "StopStrings",
@@ -43,19 +45,38 @@ __all__ = [
 FINISH_REASONS = ("eos", "length", "stop")
 
 
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probabilities recorded for one generated token (OpenAI ``logprobs`` / ``top_logprobs``).
+
+    All values come from the model's RAW distribution at that position: log-softmax of the unprocessed logits
+    the search received (before penalties, n-gram ban, EOS masking, temperature, top-k/top-p), the same quantity
+    the hypothesis score sums. ``logprob`` is that of the chosen ``token_id``; ``top`` holds the N most likely
+    tokens as (token id, log-prob), best first, ties by lower id first (empty for N = 0). A log-prob may be
+    ``-inf`` where the raw logits hold -inf (JSON has no -inf: the serving layer must map it).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class Hypothesis:
     """One finished output sequence.
 
     ``tokens`` are the generated tokens only (no prompt, no decoder start token, EOS excluded); ``score`` is the
     strategy's score (sum of log-probs, length-normalised for beam search); ``finish_reason`` is one of
-    "eos" | "length" | "stop"; ``text`` is left for callers that detokenise.
+    "eos" | "length" | "stop"; ``text`` is left for callers that detokenise. ``logprobs``: one `TokenLogprob`
+    per entry of ``tokens`` when the search recorded them (``GreedySearch``/``SamplingSearch`` with
+    ``logprobs=N``), else None (always None for beam search).
     """
 
     tokens: list[int]
     score: float
     finish_reason: str
     text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -96,6 +117,31 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = x - m
     with np.errstate(divide="ignore"):
         return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def top_logprobs(row: np.ndarray, n: int, m: float, log_z: float) -> list[tuple[int, float]]:
+    """The ``n`` most likely tokens of raw logits ``row`` (V,) float64 as (id, log-prob), best first, ties by lower
+    id first. ``m`` (the row max) and ``log_z`` (log-sum-exp of ``row - m``) are what the caller already computed:
+    log-prob = ``(row - m) - log_z``, bit-identical to `log_softmax`. Cost: one argpartition and one comparison
+    over V, a sort of ``n`` items only (no full sort).
+    """
+    v = row.shape[0]
+    n = min(int(n), v)
+    if n <= 0:
+        return []
+    if n < v:
+        idx = np.argpartition(-row, n - 1)[:n]  # the n largest, in no order, ties at the boundary arbitrary
+        kth = row[idx].min()
+        tied_in = row[idx] == kth
+        tied_all = np.flatnonzero(row == kth)
+        if tied_all.size > np.count_nonzero(tied_in):  # boundary tie: keep the lowest ids among the tied
+            idx = np.concatenate([idx[~tied_in], tied_all[: np.count_nonzero(tied_in)]])
+    else:
+        idx = np.arange(v)
+    vals = row[idx]
+    order = np.lexsort((idx, -vals))  # by value descending, then id ascending
+    idx, vals = idx[order], (vals[order] - m) - log_z
+    return list(zip(idx.tolist(), vals.tolist()))
 
 
 def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:

@@ -5,7 +5,9 @@ The raw logits go through HF's processors for greedy decoding, in ``_get_logits_
 prefix + generated tokens, see `NGramBlocker`), then ``min_new_tokens`` (EOS -> -inf for the first steps, like
 ``MinNewTokensLengthLogitsProcessor``); the token is the argmax of the result. The score of a hypothesis is the sum
 of the model's log-probabilities (log-softmax of the raw logits, before any processing) of the chosen tokens, EOS
-included when the sequence ends with it. `GreedySearch` is also the single-row base of `SamplingSearch`, which
+included when the sequence ends with it. With ``logprobs=N`` the search also records, per generated token (EOS
+excluded), that raw log-probability and the N most likely tokens of the same raw distribution (OpenAI
+``logprobs`` / ``top_logprobs``, see `TokenLogprob`). `GreedySearch` is also the single-row base of `SamplingSearch`, which
 adds its own processors and swaps the token choice.
 """
 
@@ -15,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .base import Hypothesis, NGramBlocker, Search, StepResult, eos_ids, finished_step
+from .base import Hypothesis, NGramBlocker, Search, StepResult, TokenLogprob, eos_ids, finished_step, top_logprobs
 
 __all__ = ["GreedySearch"]
 
@@ -30,6 +32,8 @@ class GreedySearch(Search):
     ``no_repeat_ngram_size`` (0 = off) bans repeated n-grams over ``prefix`` + generated tokens; ``prefix`` is
     what HF's processors see in ``input_ids`` before the first new token: the prompt for a decoder-only model,
     the decoder start token for an encoder-decoder one.
+    ``logprobs``: None records nothing (no cost); N >= 0 records one `TokenLogprob` per generated token (the
+    chosen token's raw log-prob and the top N of the raw distribution), see `token_logprobs`.
     """
 
     def __init__(
@@ -40,11 +44,14 @@ class GreedySearch(Search):
         stop_checker: Callable[[np.ndarray], bool] | None = None,
         no_repeat_ngram_size: int = 0,
         prefix: Sequence[int] = (),
+        logprobs: int | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if no_repeat_ngram_size < 0:
             raise ValueError("no_repeat_ngram_size must be >= 0")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError("logprobs must be None or >= 0")
         self.max_new_tokens = int(max_new_tokens)
         self.eos = eos_ids(eos_token_id)  # (n_eos,)
         self.min_new_tokens = int(min_new_tokens)
@@ -57,6 +64,9 @@ class GreedySearch(Search):
         self._n = 0  # tokens generated so far, EOS included
         self._score = 0.0
         self._reason: str | None = None
+        self.logprobs = None if logprobs is None else int(logprobs)
+        # one entry per generated token (EOS excluded), aligned with `generated`; None when not recording
+        self._logprobs: list[TokenLogprob] | None = None if logprobs is None else []
 
     @property
     def num_rows(self) -> int:
@@ -70,6 +80,12 @@ class GreedySearch(Search):
     def generated(self) -> np.ndarray:
         """Tokens generated so far, EOS excluded (a view, shape (n,))."""
         return self._tokens[: self._n - (self._reason == "eos")]
+
+    @property
+    def token_logprobs(self) -> list[TokenLogprob]:
+        """Recorded log-probs, ``token_logprobs[i]`` for ``generated[i]`` (same length at every step; empty when
+        ``logprobs`` is None). The live list, not a copy: read it, do not mutate it."""
+        return self._logprobs if self._logprobs is not None else []
 
     def _mask_eos(self, row: np.ndarray) -> np.ndarray:
         """Apply ``min_new_tokens``: EOS logits -> -inf while fewer tokens than that have been generated."""
@@ -95,12 +111,17 @@ class GreedySearch(Search):
         row = logits[0].astype(np.float64)  # (V,)
         tok = self._choose(row)
         m = row.max()
-        self._score += float(row[tok] - m - np.log(np.sum(np.exp(row - m))))
+        log_z = np.log(np.sum(np.exp(row - m)))
+        lp = float((row[tok] - m) - log_z)  # raw log-softmax at tok, as `log_softmax` computes it
+        self._score += lp
         self._n += 1
         if tok in self.eos:
             self._reason = "eos"
         else:
             self._tokens[self._n - 1] = tok
+            if self._logprobs is not None:  # before the stop check: aligned with `generated` at every step
+                top = top_logprobs(row, self.logprobs, m, log_z) if self.logprobs else []
+                self._logprobs.append(TokenLogprob(tok, lp, top))
             if self._ngrams is not None:
                 self._ngrams.append(tok)
             if self.stop_checker is not None and self.stop_checker(self._tokens[: self._n]):
@@ -114,4 +135,6 @@ class GreedySearch(Search):
     def results(self) -> list[Hypothesis]:
         if self._reason is None:
             raise RuntimeError("results() before the search is done")
-        return [Hypothesis(tokens=self.generated.tolist(), score=self._score, finish_reason=self._reason)]
+        logprobs = None if self._logprobs is None else list(self._logprobs)
+        return [Hypothesis(tokens=self.generated.tolist(), score=self._score, finish_reason=self._reason,
+                           logprobs=logprobs)]

@@ -26,10 +26,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
-from service.errors import BadInput, ClientBodyError, PayloadTooLarge, UnsupportedMediaType
+from service.errors import (
+    BadInput,
+    ClientBodyError,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from service.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
-from service.routes.awaiting import await_results, watched
-from service.scheduling.dynamic import ImageJob
+from service.serving import classify as classification
+from service.serving.context import label
 from service.settings import Settings
 
 ACCEPTED_TYPES = ("multipart/form-data", "application/json")
@@ -137,22 +142,15 @@ async def classify(request: Request) -> ClassifyResponse:
     settings: Settings = request.app.state.settings
     options, encoded = await _parse(request, settings)
     deadline = received + (options.timeout_ms or settings.default_timeout_ms) / 1000
-
     loaded = request.app.state.registry.resolve("vit", options.model, options.version)
-    request.state.model, request.state.version = loaded.name, loaded.version
-    pixels = await watched(request, request.app.state.image_decoder.decode(encoded, loaded.engine, deadline), deadline)
-    job = loaded.scheduler.submit(ImageJob(pixels=pixels, deadline=deadline))
-    logits = (await await_results(request, [job.future], deadline,
-                                  abandon=lambda: loaded.scheduler.cancel(job)))[0]  # (n, classes)
-    labels = loaded.engine.labels
+    label(request, loaded, "classify")
+    probabilities = await classification.classify(request, loaded, encoded, deadline)  # (n, classes)
     return ClassifyResponse(model=loaded.name, version=loaded.version,
-                            predictions=_top_k(logits, labels, min(options.top_k, len(labels))))
+                            predictions=_top_k(probabilities, loaded.engine.labels, options.top_k))
 
 
-def _top_k(logits: np.ndarray, labels: list[str], k: int) -> list[list[Prediction]]:
-    """Softmax over each row of logits (n, classes); the k most likely labels per row, best first."""
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probabilities = shifted / shifted.sum(axis=1, keepdims=True)
+def _top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[list[Prediction]]:
+    """The k most likely labels per row of probabilities (n, classes), best first (every label if fewer)."""
     top = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
     return [[Prediction(label=labels[i], index=int(i), score=float(p[i])) for i in row]
             for p, row in zip(probabilities, top)]

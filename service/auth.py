@@ -1,0 +1,157 @@
+"""Optional API keys: `Authorization: Bearer <key>` on every request under /v1/ and /v2/.
+
+The keys are the union of `api_keys` (`TSERVE_API_KEYS`, a JSON list) and the lines of `api_keys_file`
+(`TSERVE_API_KEYS_FILE`: one key per line, stripped; blank lines and lines starting with # ignored). No key at all =
+no authentication (the default). A bad configuration fails at app creation (`ApiKeyConfigError`, naming the
+setting, never showing a key): a file that is set but cannot be read or holds no key, a key shorter than
+`MIN_KEY_CHARS`, or a key with characters other than visible ASCII (it could not travel in a header as it is).
+
+When keys are configured, every HTTP request whose path is /v1 or /v2 or starts with /v1/ or /v2/ (the inference
+and model-listing routes, today's and later ones: OpenAI-compatible and Open Inference Protocol routes live there)
+needs `Authorization: Bearer <key>`; everything else (/health/*, /metrics, /docs, /openapi.json, /redoc) stays open.
+Only the Bearer scheme is accepted: no `X-API-Key` header, no query parameter. The scheme name is
+case-insensitive (RFC 7235 section 2.1: `bearer <key>` is accepted), the key itself is case-sensitive; more than one
+Authorization header is rejected. CORS preflights (OPTIONS) are not special-cased. A WebSocket under those paths
+without a valid key is closed before it is accepted (1008, policy violation).
+
+A rejected request gets 401 with `WWW-Authenticate: Bearer` and the error shape the OpenAI SDK reads (a superset of
+this service's `{"error": {"type", "message"}}`): `{"error": {"message", "type": "authentication_error",
+"param": null, "code": "invalid_api_key"}}`. The message says what was missing or wrong, never the key given.
+
+The comparison takes the same time whichever key matches, or none: the SHA-256 of the key given is compared with
+`hmac.compare_digest` against the SHA-256 of every configured key, all of them, with no early return (comparing
+digests of equal length also hides the keys' lengths). The keys themselves are not kept, and are never logged,
+counted or echoed.
+
+A pure ASGI middleware (not `BaseHTTPMiddleware`), installed inside the request middleware (`service.middleware`),
+so that a rejected request still gets its request id and is logged and counted there like any other, by its status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+MIN_KEY_CHARS = 16
+PROTECTED_PREFIXES = ("/v1", "/v2")
+WWW_AUTHENTICATE = b"Bearer"
+
+
+class ApiKeyConfigError(ValueError):
+    """The API key settings are unusable: raised at app creation."""
+
+
+def _check_key(key: str, where: str) -> None:
+    if len(key) < MIN_KEY_CHARS:
+        raise ApiKeyConfigError(f"{where}: a key is {len(key)} characters long; API keys must have at least "
+                                f"{MIN_KEY_CHARS} characters")
+    if not all("!" <= c <= "~" for c in key):
+        raise ApiKeyConfigError(f"{where}: a key contains whitespace, control or non-ASCII characters; API keys "
+                                f"must be visible ASCII")
+
+
+def _keys_from_file(path: Path) -> list[str]:
+    where = f"TSERVE_API_KEYS_FILE ({path})"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        # not str(error): a UnicodeDecodeError quotes the bytes it failed on, which may be part of a key
+        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or type(error).__name__
+        raise ApiKeyConfigError(f"{where}: cannot read the API key file: {reason}") from None
+    keys = []
+    for number, line in enumerate(lines, 1):
+        key = line.strip()
+        if key and not key.startswith("#"):
+            _check_key(key, f"{where}, line {number}")
+            keys.append(key)
+    if not keys:  # set but empty: most likely a mistake, and running without authentication would hide it
+        raise ApiKeyConfigError(f"{where}: the file holds no API key (only blank lines or comments); unset "
+                                f"TSERVE_API_KEYS_FILE to run without authentication")
+    return keys
+
+
+def load_api_keys(settings: Settings) -> frozenset[str]:
+    """The configured keys (the union of the setting and the file); empty = no authentication."""
+    keys = []
+    for index, key in enumerate(settings.api_keys):
+        key = key.strip()
+        _check_key(key, f"TSERVE_API_KEYS (item {index})")
+        keys.append(key)
+    if settings.api_keys_file is not None:
+        keys += _keys_from_file(Path(settings.api_keys_file))
+    return frozenset(keys)
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def _route_path(scope) -> str:
+    """The path the router matches: without the root path (a proxy prefix) when the server put it in front."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path
+
+
+def is_protected(path: str) -> bool:
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in PROTECTED_PREFIXES)
+
+
+class ApiKeyMiddleware:
+    """With no keys, a pass-through; else requests under /v1/ and /v2/ need `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, keys: Iterable[str]):
+        self.app = app
+        self._digests = tuple(_digest(key.encode("ascii")) for key in sorted(keys))
+        if self._digests:
+            log.info("API key authentication on for /v1/ and /v2/ (%d key(s))", len(self._digests))
+
+    def _matches(self, token: bytes) -> bool:
+        given = _digest(token)
+        matched = False
+        for digest in self._digests:  # every key, always: the time does not tell which one matched
+            matched |= hmac.compare_digest(given, digest)
+        return matched
+
+    def check(self, scope) -> str | None:
+        """None when the request may pass, else what is missing or wrong (never the key given)."""
+        values = [value for name, value in scope.get("headers") or () if name.lower() == b"authorization"]
+        if not values:
+            return "missing API key: send the header 'Authorization: Bearer <key>'"
+        if len(values) > 1:
+            return "more than one Authorization header"
+        scheme, _, token = values[0].strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return "unsupported Authorization scheme: use 'Authorization: Bearer <key>'"
+        token = token.strip(b" \t")
+        if not token:
+            return "missing API key after 'Bearer'"
+        if not self._matches(token):
+            return "invalid API key"
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if not self._digests or scope["type"] not in ("http", "websocket") or not is_protected(_route_path(scope)):
+            return await self.app(scope, receive, send)
+        problem = self.check(scope)
+        if problem is None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            if (await receive())["type"] == "websocket.connect":  # close the handshake: the server answers 403
+                await send({"type": "websocket.close", "code": 1008, "reason": "authentication required"})
+            return
+        body = json.dumps({"error": {"message": problem, "type": "authentication_error", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", WWW_AUTHENTICATE)]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,27 @@
+"""Image classification with the ViT, for every API: encoded images -> decoding and preprocessing within the
+request's deadline and the server's memory budget (`service.imaging`) -> the model's dynamic batcher ->
+probabilities per image. Each API applies its own top-k or output selection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from fastapi import Request
+
+from service.imaging import EncodedImage
+from service.registry import LoadedModel
+from service.scheduling.dynamic import ImageJob
+from service.serving.awaiting import await_results, watched
+
+
+async def classify(request: Request, loaded: LoadedModel, images: Sequence[EncodedImage],
+                   deadline: float) -> np.ndarray:
+    """Softmax probabilities (n, classes) float32, one row per image, in order."""
+    decoder = request.app.state.image_decoder
+    pixels = await watched(request, decoder.decode(images, loaded.engine, deadline), deadline)  # (n, C, H, W)
+    job = loaded.scheduler.submit(ImageJob(pixels=pixels, deadline=deadline))
+    logits = (await await_results(request, [job.future], deadline,
+                                  abandon=lambda: loaded.scheduler.cancel(job)))[0]  # (n, classes)
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)

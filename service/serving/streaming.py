@@ -1,0 +1,136 @@
+"""Token streams from the scheduler to a response, for any API: the scheduler thread hands each request's new
+tokens to the event loop (one loop wake-up per decoding step for all streams: `service.handoff`), and each
+choice's text grows in O(1) per token with `tokenizers`' own incremental decoding (`DecodeStream`, which holds a
+token back while it ends in half a UTF-8 character), as TGI's `decode_token` does.
+
+A piece of text is released only once it can no longer change: text that could still turn into a stop string is
+held back until it cannot, so concatenating the pieces gives exactly the final (stop-truncated) text. The events
+are API-neutral (`Piece`, `Finished`); each API formats them as its own server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from service.decoding import truncate_at_stop
+from service.errors import ServiceError
+from service.handoff import mailbox_for
+from service.scheduling.continuous import TextJob
+from service.serving.outputs import Completion
+
+
+@dataclass
+class Piece:
+    """New output of one choice: the tokens that arrived (with their log-probabilities when asked for) and the
+    text that became final (possibly empty, possibly text of earlier tokens)."""
+
+    choice: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None = None  # TokenLogprob per token, when the search records them
+
+
+@dataclass
+class Finished:
+    """The end of one choice: its completion, or the error that ended it (the status was already sent)."""
+
+    choice: int
+    completion: Completion | None = None
+    error: ServiceError | None = None
+    rest: str = ""  # the final text not released by a Piece yet
+
+
+class IncrementalText:
+    """Token ids -> text pieces whose concatenation is the final text, decoding each token once."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.decoder = DecodeStream(skip_special_tokens=True)
+        self.stops = [s for s in stops if s]
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""  # decoded, not released (may still be the start of a stop string)
+        self.released = 0  # characters released so far
+        self.stopped = False
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Decode the new tokens; the text that is now final."""
+        for token in ids:
+            piece = self.decoder.step(self.tokenizer, token)
+            if piece:
+                self.pending += piece
+        if self.stopped:
+            return ""
+        # a stop string cannot start in released text (the last holdback characters are never released)
+        cut, hit = truncate_at_stop(self.pending, self.stops)
+        stable = len(cut) if hit else max(0, len(self.pending) - self.holdback)
+        piece, self.pending = self.pending[:stable], self.pending[stable:]
+        self.stopped = hit
+        self.released += len(piece)
+        return piece
+
+    def finish(self, final_text: str) -> str:
+        """What is left to release of the final text."""
+        return final_text[self.released :]
+
+
+def stream_jobs(loaded, jobs: Sequence[TextJob], texts: Sequence[IncrementalText],
+                complete) -> AsyncIterator[list[Piece | Finished]]:
+    """Submit `jobs` (choice i = jobs[i]) and yield, at every wake-up, the events that arrived since the last one.
+    `complete(choice, hypothesis) -> Completion` builds a finished choice. The jobs are submitted when this is
+    called, not when iteration starts, so that a full queue is still a 429 before any response; leaving the
+    iteration early (the client went away) cancels every job."""
+    mailbox = mailbox_for(asyncio.get_running_loop())
+    updates: asyncio.Queue = asyncio.Queue()
+    for choice, job in enumerate(jobs):
+        job.on_tokens = lambda ids, choice=choice: mailbox.put(updates, (choice, ids))
+        job.future.add_done_callback(lambda _, choice=choice: mailbox.put(updates, (choice, None)))
+    submit(loaded, jobs)
+    return _events(jobs, texts, complete, updates)
+
+
+async def _events(jobs, texts, complete, updates: asyncio.Queue) -> AsyncIterator[list[Piece | Finished]]:
+    open_choices = set(range(len(jobs)))
+    logprobs_sent = [0] * len(jobs)  # per choice: how many token log-probabilities went out
+    try:
+        while open_choices:
+            arrived = [await updates.get()]
+            while not updates.empty():
+                arrived.append(updates.get_nowait())
+            events: list[Piece | Finished] = []
+            for choice, ids in arrived:
+                job = jobs[choice]
+                if ids is not None:
+                    logprobs = getattr(job.search, "token_logprobs", None)
+                    if logprobs is not None:
+                        start = logprobs_sent[choice]
+                        logprobs, logprobs_sent[choice] = logprobs[start : start + len(ids)], start + len(ids)
+                    events.append(Piece(choice, texts[choice].add(ids), list(ids), logprobs))
+                    continue
+                open_choices.discard(choice)
+                try:
+                    hypothesis = job.future.result()[0]
+                except ServiceError as error:
+                    events.append(Finished(choice, error=error))
+                else:
+                    completion = complete(choice, hypothesis)
+                    events.append(Finished(choice, completion, rest=texts[choice].finish(completion.text)))
+            yield events
+    finally:
+        for job in jobs:
+            job.cancel()  # no-op for finished jobs; frees the rows of the others when the client went away
+
+
+def submit(loaded, jobs: Sequence[TextJob]) -> None:
+    """Submit every job, or none: if the queue refuses one, the ones already queued are cancelled."""
+    try:
+        for job in jobs:
+            loaded.scheduler.submit(job)
+    except ServiceError:
+        for job in jobs:
+            job.cancel()
+        raise

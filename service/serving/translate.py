@@ -1,0 +1,82 @@
+"""German -> English translation, for every API: protocol-neutral parameters -> one search per text -> the
+translator's continuous batcher -> an n-best list of completions per text, or a stream (greedy, one text)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from service.decoding import BeamSearch, GreedySearch, Search
+from service.errors import BadInput
+from service.registry import LoadedModel
+from service.scheduling.continuous import TextJob
+from service.serving.awaiting import await_results
+from service.serving.outputs import Completion, completion_from
+from service.serving.streaming import Finished, IncrementalText, Piece, stream_jobs, submit
+
+
+@dataclass(frozen=True)
+class TranslationParams:
+    num_beams: int = 4
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    max_new_tokens: int | None = None  # default: twice the source length + 10, within the model's maximum
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+
+    @property
+    def mode(self) -> str:
+        return "beam" if self.num_beams > 1 else "greedy"
+
+
+def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, deadline: float) -> list[TextJob]:
+    if params.num_return_sequences > params.num_beams:
+        raise BadInput(f"num_return_sequences ({params.num_return_sequences}) must be <= num_beams "
+                       f"({params.num_beams})")
+    engine = loaded.engine
+    jobs = []
+    for text in texts:
+        source = engine.source_ids(" ".join(text.split()))  # tabs and newlines -> spaces
+        max_new = min(params.max_new_tokens or engine.default_max_new_tokens(len(source)),
+                      engine.max_target_length - 1)
+        search: Search
+        if params.num_beams == 1:
+            search = GreedySearch(max_new, engine.eos_id, min_new_tokens=params.min_new_tokens,
+                                  no_repeat_ngram_size=params.no_repeat_ngram_size, prefix=[engine.bos_id])
+        else:
+            search = BeamSearch(params.num_beams, max_new, engine.eos_id, length_penalty=params.length_penalty,
+                                early_stopping=params.early_stopping,
+                                num_return_sequences=params.num_return_sequences,
+                                no_repeat_ngram_size=params.no_repeat_ngram_size,
+                                min_new_tokens=params.min_new_tokens, prefix=[engine.bos_id])
+        jobs.append(TextJob(source, search, params.mode, deadline))
+    return jobs
+
+
+async def translate(request: Request, loaded: LoadedModel, texts: Sequence[str], params: TranslationParams,
+                    deadline: float) -> list[list[Completion]]:
+    """An n-best list (`num_return_sequences` long, best first) per text."""
+    jobs = _jobs(loaded, texts, params, deadline)
+    submit(loaded, jobs)
+    results = await await_results(request, [job.future for job in jobs], deadline,
+                                  abandon=lambda: [job.cancel() for job in jobs])
+    decode = loaded.engine.tokenizer.decode
+    return [[completion_from(h, decode, (), len(job.input_ids)) for h in hypotheses[: params.num_return_sequences]]
+            for job, hypotheses in zip(jobs, results)]
+
+
+def stream(loaded: LoadedModel, text: str, params: TranslationParams,
+           deadline: float) -> AsyncIterator[list[Piece | Finished]]:
+    """Stream the greedy translation of one text (choice 0). Submitted now."""
+    if params.num_beams != 1:
+        raise BadInput("stream=true needs num_beams=1 and a single text")
+    jobs = _jobs(loaded, [text], params, deadline)
+    tokenizer = loaded.engine.tokenizer
+
+    def complete(choice: int, hypothesis) -> Completion:
+        return completion_from(hypothesis, tokenizer.decode, (), len(jobs[choice].input_ids))
+
+    return stream_jobs(loaded, jobs, [IncrementalText(tokenizer)], complete)
