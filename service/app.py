@@ -19,9 +19,10 @@ from service.errors import install_error_handlers
 from service.imaging import ImageDecoder
 from service.metrics import Metrics
 from service.middleware import RequestMiddleware
-from service.registry import ModelRegistry
+from service.openai_protocol import openai_request_models
 from service.protocol import request_models
-from service.routes import admin, images, text
+from service.registry import ModelRegistry
+from service.routes import admin, images, openai, text
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(text.build_router(models))
     app.include_router(images.build_router(models, settings))
+    app.include_router(openai.build_router(openai_request_models(settings)))
     app.include_router(admin.router)
     # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
     # middleware, which still logs and counts (by status) the requests they reject

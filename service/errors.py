@@ -1,4 +1,7 @@
 """Errors as JSON `{"error": {"type", "message"}}` with the right status, and the handlers that produce them.
+Where the OpenAI-compatible routes answer, the same errors come in OpenAI's shape, `{"error": {"message", "type",
+"param", "code"}}` (a superset: `code` holds this service's error type), and a request that does not conform to
+the schema is a 400 there, as OpenAI answers it.
 
 Bad input is 400/413/415/422 and never a 500; 404 unknown model or version; 408 a body that did not arrive in time;
 429 (with Retry-After) full queue; 503 not ready or draining; 504 deadline expired; 499 (never read) the client went
@@ -24,10 +27,11 @@ class ServiceError(Exception):
     type = "internal_error"
     reason = "internal"
 
-    def __init__(self, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, message: str, headers: dict[str, str] | None = None, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.param = param  # the request field it is about, when there is one
 
 
 class BadInput(ServiceError):
@@ -76,8 +80,33 @@ class ClientBodyError(StarletteHTTPException):
         self.type = error_type
 
 
+OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+# OpenAI's error types by status (the SDK maps the status to its exception class; the type is for people)
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+                 415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                 503: "service_unavailable_error", 504: "timeout_error"}
+
+
 def error_body(error_type: str, message: str) -> dict:
     return {"error": {"type": error_type, "message": message}}
+
+
+def error_payload(path: str, status: int, error_type: str, message: str, param: str | None = None) -> tuple[int, dict]:
+    """(status, body) of an error in the shape of the API at `path`."""
+    if path not in OPENAI_PATHS:
+        return status, error_body(error_type, message)
+    if status == 422:  # OpenAI answers a malformed request with 400
+        status = 400
+    return status, {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"), "param": param,
+                              "code": error_type}}
+
+
+def error_response(request: Request, status: int, error_type: str, message: str, headers: dict | None = None,
+                   param: str | None = None) -> JSONResponse:
+    """The error in the shape of the API the request was for."""
+    status, body = error_payload(request.url.path, status, error_type, message, param)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # pydantic names the member of a union in an error's location ("text.list[constrained-str].1"); a field name of this
@@ -109,12 +138,13 @@ def _describe_validation(error: RequestValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
-        return JSONResponse(error_body(error.type, error.message), status_code=error.status, headers=error.headers)
+        return error_response(request, error.status, error.type, error.message, error.headers, error.param)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         request.state.failure_reason = "bad_input"
-        return JSONResponse(error_body("invalid_request", _describe_validation(error)), status_code=422)
+        first = error.errors()[0].get("loc", ()) if error.errors() else ()
+        return error_response(request, 422, "invalid_request", _describe_validation(error), param=_field_path(first))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -123,13 +153,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(error.__cause__, (UnicodeDecodeError, RecursionError)):  # the same wrapping: not JSON at all
             request.state.failure_reason = "bad_input"
             reason = "is not UTF-8" if isinstance(error.__cause__, UnicodeDecodeError) else "is nested too deeply"
-            return JSONResponse(error_body("invalid_request", f"body: not valid JSON (it {reason})"), status_code=422)
+            return error_response(request, 422, "invalid_request", f"body: not valid JSON (it {reason})")
         kind = getattr(error, "type", None) or {404: "not_found", 405: "method_not_allowed"}.get(
             error.status_code, "http_error")
-        return JSONResponse(error_body(kind, str(error.detail)), status_code=error.status_code,
-                            headers=getattr(error, "headers", None))
+        return error_response(request, error.status_code, kind, str(error.detail), getattr(error, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, error: ClientDisconnect) -> JSONResponse:
         """The client went away while its body was being read: nobody reads this, and it is not a bad input."""
-        return JSONResponse(error_body(Cancelled.type, "client went away"), status_code=Cancelled.status)
+        return error_response(request, Cancelled.status, Cancelled.type, "client went away")

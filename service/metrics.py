@@ -14,7 +14,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 
-FAILURE_REASONS = ("bad_input", "queue_full", "timeout", "cancelled", "internal", "unavailable")
+FAILURE_REASONS = ("bad_input", "unauthorized", "queue_full", "timeout", "cancelled", "internal", "unavailable")
 
 
 class Metrics:
@@ -22,8 +22,9 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.request_duration = Histogram(
-            "tserve_request_duration_seconds", "Time from receiving a request to its last byte, by endpoint/status.",
-            ["endpoint", "model", "version", "mode", "status"], buckets=LATENCY_BUCKETS, registry=r)
+            "tserve_request_duration_seconds", "Time from receiving a request to its last byte, by endpoint, API "
+            "(native | openai) and status.",
+            ["endpoint", "api", "model", "version", "mode", "status"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram(
             "tserve_queue_wait_seconds", "Time a request waited before its first batch (prefill or image batch).",
             ["model", "version", "mode"], buckets=LATENCY_BUCKETS, registry=r)

@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 
-from service.errors import ClientBodyError, error_body
+from service.errors import OPENAI_PATHS, ClientBodyError, error_payload
 from service.logs import log_access
 from service.metrics import Metrics
 
@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-ENDPOINTS = {"/v1/translate", "/v1/generate", "/v1/classify", "/v1/models", "/health/live", "/health/ready",
-             "/metrics"}
+ENDPOINTS = {"/v1/translate", "/v1/generate", "/v1/classify", "/v1/models", "/v1/completions", "/v1/chat/completions",
+             "/health/live", "/health/ready", "/metrics"}
 # Failures by final status (unless the route set `failure_reason`); 499 = the client went away.
-FAILURE_REASONS = {400: "bad_input", 404: "bad_input", 405: "bad_input", 408: "bad_input", 413: "bad_input",
+FAILURE_REASONS = {400: "bad_input", 401: "unauthorized", 404: "bad_input", 405: "bad_input", 408: "bad_input", 413: "bad_input",
                    415: "bad_input", 422: "bad_input", 429: "queue_full", 499: "cancelled", 500: "internal",
                    503: "unavailable", 504: "timeout"}
 
@@ -88,14 +88,14 @@ class RequestMiddleware:
         try:
             if declared.isdigit() and int(declared) > self.max_body_bytes:
                 error = self._too_large()
-                await self._send_error(send_with_id, error.status_code, error.type, error.detail, error.headers)
+                await self._send_error(scope, send_with_id, error.status_code, error.type, error.detail, error.headers)
             else:
                 await self.app(scope, limited_receive, send_with_id)
         except Exception:
             if response_started:
                 raise  # a response is under way: only cutting the connection tells the client it is incomplete
             log.exception("unhandled error on %s", scope.get("path"))
-            await self._send_error(send_with_id, 500, "internal_error", "internal error; see the server log")
+            await self._send_error(scope, send_with_id, 500, "internal_error", "internal error; see the server log")
         finally:
             self._observe(scope, state, status, time.perf_counter() - started, request_id)
 
@@ -104,8 +104,9 @@ class RequestMiddleware:
                                f"request body exceeds {self.max_body_bytes} bytes (TSERVE_MAX_BODY_BYTES)")
 
     @staticmethod
-    async def _send_error(send, status: int, error_type: str, message: str, headers: dict | None = None) -> None:
-        body = json.dumps(error_body(error_type, message)).encode()
+    async def _send_error(scope, send, status: int, error_type: str, message: str, headers: dict | None = None) -> None:
+        status, payload = error_payload(scope.get("path", ""), status, error_type, message)
+        body = json.dumps(payload).encode()
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
@@ -117,7 +118,8 @@ class RequestMiddleware:
         endpoint = path if path in ENDPOINTS else "other"
         model, version, mode = state.get("model", ""), str(state.get("version", "")), state.get("mode", "")
         if endpoint.startswith("/v1/"):
-            self.metrics.request_duration.labels(endpoint=endpoint, model=model, version=version, mode=mode,
+            api = "openai" if path in OPENAI_PATHS else "native"
+            self.metrics.request_duration.labels(endpoint=endpoint, api=api, model=model, version=version, mode=mode,
                                                  status=str(status)).observe(seconds)
             reason = state.get("failure_reason") or FAILURE_REASONS.get(status)
             if reason:

@@ -213,20 +213,6 @@ class ClassifyResponse(BaseModel):
     predictions: list[list[Prediction]] = Field(..., description="Top-k predictions per image, best first.")
 
 
-class ModelStatus(BaseModel):
-    name: str
-    kind: str
-    versions: list[int] = Field(..., description="Versions present in the repository.")
-    active_version: int | None = Field(..., description="The version served when a request names none.")
-    loaded_versions: list[int]
-    provider: str | None
-    ready: bool
-
-
-class ModelsResponse(BaseModel):
-    models: list[ModelStatus]
-
-
 class Liveness(BaseModel):
     status: Literal["live"]
 

@@ -30,6 +30,7 @@ from service.decoding import (  # noqa: E402
     GreedySearch,
     Hypothesis,
     SamplingSearch,
+    TokenLogprob,
     apply_repetition_penalty,
     apply_temperature,
     run_search,
@@ -40,6 +41,7 @@ from service.decoding import (  # noqa: E402
 VOCAB = 40
 MAX_NEW = 10
 ATOL = 1e-4
+TOP_N = 5  # greedy: HF hypotheses carry the top-N raw log-probs of every generated token (from output_logits)
 
 # decoder-only ids
 GPT_BOS, GPT_EOS, GPT_PAD = 0, 1, 2
@@ -132,12 +134,18 @@ class Harness:
                 n = seq.index(self.eos) + 1 if self.eos in seq else len(seq)
                 scores.append(float(sum(lp[b, j, seq[j]] for j in range(n))))
         hyps = []
-        for seq, score in zip(seqs, scores):
+        for b, (seq, score) in enumerate(zip(seqs, scores)):
             if self.eos in seq:
                 hyps.append(Hypothesis(seq[: seq.index(self.eos)], score, "eos"))
             else:
                 assert len(seq) == MAX_NEW
                 hyps.append(Hypothesis(seq, score, "length"))
+            if num_beams == 1:  # OpenAI-style logprobs of the raw distribution (output_logits are unprocessed)
+                hyps[-1].logprobs = []
+                for j, tok in enumerate(hyps[-1].tokens):
+                    top = torch.topk(lp[b, j], TOP_N)
+                    hyps[-1].logprobs.append(TokenLogprob(
+                        tok, float(lp[b, j, tok]), list(zip(top.indices.tolist(), top.values.tolist()))))
         return [hyps[i * nrs : (i + 1) * nrs] for i in range(batch)]
 
 
@@ -210,6 +218,38 @@ def test_greedy_matches_hf(harnesses, kind, min_new_tokens):
     ours = [s.results() for s in searches]
     hf = h.run_hf(num_beams=1, min_new_tokens=min_new_tokens)
     _assert_same(ours, hf)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+@pytest.mark.parametrize("min_new_tokens", [0, 4])
+def test_greedy_logprobs_match_hf(harnesses, kind, min_new_tokens):
+    """Recorded logprobs == log-softmax of HF's raw ``output_logits``: the chosen token and the top N, best first
+    (with min_new_tokens the EOS masking changes the choice, not the recorded distribution). Temperature-0
+    sampling with the OpenAI penalties at 0 records the same."""
+    h = harnesses[kind]
+    hf = h.run_hf(num_beams=1, min_new_tokens=min_new_tokens)
+    greedy = [GreedySearch(MAX_NEW, h.eos, min_new_tokens=min_new_tokens, logprobs=TOP_N) for _ in h.inputs]
+    sampled = [SamplingSearch(MAX_NEW, h.eos, temperature=0.0, min_new_tokens=min_new_tokens, logprobs=TOP_N,
+                              presence_penalty=0.0, frequency_penalty=0.0, seed=0) for _ in h.inputs]
+    h.run_ours(greedy)
+    h.run_ours(sampled)
+    ours = [s.results() for s in greedy]
+    _assert_same(ours, hf)
+    assert [s.results() for s in sampled] == ours
+    for i, ((o,), (r,)) in enumerate(zip(ours, hf)):
+        assert len(o.logprobs) == len(o.tokens) == len(r.logprobs), f"input {i}"
+        for j, (a, b) in enumerate(zip(o.logprobs, r.logprobs)):
+            assert a.token_id == b.token_id, (i, j)
+            assert a.logprob == pytest.approx(b.logprob, abs=ATOL), (i, j)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top], (i, j)
+            np.testing.assert_allclose([x for _, x in a.top], [x for _, x in b.top], atol=ATOL, rtol=0)
+        chosen = sum(x.logprob for x in o.logprobs)
+        if o.finish_reason == "eos":
+            assert chosen > o.score  # the score also holds the EOS log-prob, which is not a generated token
+        else:
+            assert chosen == pytest.approx(o.score, abs=1e-9)
+    if min_new_tokens:  # the masked EOS still shows in the recorded raw distribution: it is not renormalised away
+        assert any(h.eos in [t for t, _ in x.top] for (o,) in ours for x in o.logprobs[:min_new_tokens])
 
 
 def _repeats_ngram(seq: list[int], n: int) -> bool:

@@ -10,11 +10,17 @@ from service.decoding import (
     GreedySearch,
     SamplingSearch,
     StopStrings,
+    TokenLogprob,
+    apply_openai_penalties,
+    apply_repetition_penalty,
+    apply_temperature,
     log_softmax,
     run_search,
+    top_k_filter,
+    top_p_filter,
     truncate_at_stop,
 )
-from service.decoding.base import NGramBlocker
+from service.decoding.base import NGramBlocker, top_logprobs
 
 V = 16
 EOS = 1
@@ -527,3 +533,335 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
             warnings.simplefilter("error")
             search = SamplingSearch(3, None, temperature=temperature, top_k=5, top_p=0.5, seed=1)
             assert search.step(logits).tokens.tolist() == [int(np.argmax(logits))]
+
+
+# --- per-token log-probabilities (OpenAI logprobs / top_logprobs) ----------------------------------------------
+
+
+def _expected_top(raw: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of the raw row by definition: full sort by (-log-prob, id)."""
+    lp = log_softmax(raw)
+    ids = sorted(range(raw.shape[-1]), key=lambda j: (-lp[j], j))[:n]
+    return [(j, float(lp[j])) for j in ids]
+
+
+def _drive_recording(search, prompt: list[int], check_alignment: bool = True, **model_kw):
+    """Drive one search on a `ToyModel`, returning the raw logits row (V,) it received at every step.
+
+    After every step the recorded log-probs must be aligned with ``generated`` (what the streaming code reads)."""
+    model = ToyModel([prompt], **model_kw)
+    rows = [model.first_logits()[0]]
+    res = search.step(rows[-1][None, :])
+    while True:
+        if check_alignment:
+            gen = search.generated.tolist()
+            assert [r.token_id for r in search.token_logprobs] == gen
+        if res.done:
+            return rows
+        rows.append(model.step_fn(res.tokens, res.parents)[0])
+        res = search.step(rows[-1][None, :])
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, V - 1, V, V + 5])
+@pytest.mark.parametrize("eos_bias", [0.0, 3.0])
+def test_greedy_logprobs_are_raw_log_softmax(n, eos_bias):
+    search = GreedySearch(10, EOS, logprobs=n)
+    rows = _drive_recording(search, [0, 5], eos_bias=eos_bias)
+    (h,) = search.results()
+    assert h.logprobs == search.token_logprobs and h.logprobs is not search.token_logprobs  # a copy
+    assert len(h.logprobs) == len(h.tokens) and [r.token_id for r in h.logprobs] == h.tokens
+    for rec, tok, raw in zip(h.logprobs, h.tokens, rows):
+        assert isinstance(rec, TokenLogprob)
+        assert rec.logprob == float(log_softmax(raw)[tok])  # bit-identical to log_softmax of the raw row
+        expected = _expected_top(raw, n)
+        assert [t for t, _ in rec.top] == [t for t, _ in expected]
+        np.testing.assert_allclose([lp for _, lp in rec.top], [lp for _, lp in expected], rtol=0, atol=1e-12)
+        assert len(rec.top) == min(n, V)
+        assert all(isinstance(t, int) and isinstance(lp, float) for t, lp in rec.top)
+        if n:
+            assert rec.top[0][0] == tok  # greedy: the argmax of the raw row is the best alternative
+    chosen = sum(r.logprob for r in h.logprobs)
+    if h.finish_reason == "eos":
+        eos_lp = float(log_softmax(rows[len(h.tokens)])[EOS])
+        assert chosen == pytest.approx(h.score - eos_lp, abs=1e-9)
+    else:
+        assert chosen == pytest.approx(h.score, abs=1e-12)
+
+
+def test_logprobs_cover_eos_and_length_endings():
+    """Guard: the parametrised test above sees both endings."""
+    reasons = set()
+    for eos_bias in (0.0, 3.0):
+        s = GreedySearch(10, EOS, logprobs=1)
+        _drive_recording(s, [0, 5], eos_bias=eos_bias)
+        reasons.add(s.results()[0].finish_reason)
+    assert reasons == {"eos", "length"}
+
+
+def test_logprobs_eos_not_recorded_and_score_includes_it():
+    s = GreedySearch(5, EOS, logprobs=2)
+    s.step(_onehot_logits(7))
+    assert [r.token_id for r in s.token_logprobs] == [7] == s.generated.tolist()
+    s.step(_onehot_logits(EOS))
+    (h,) = s.results()
+    assert h.finish_reason == "eos" and h.tokens == [7] and len(h.logprobs) == 1
+    lp = log_softmax(_onehot_logits(7))[0]
+    assert h.logprobs[0].logprob == lp[7] and h.score == pytest.approx(2 * lp[7])
+    assert h.logprobs[0].top == [(7, lp[7]), (0, lp[0])]  # the 15 tied zeros: lowest id first
+
+
+def test_logprobs_stop_token_is_recorded_and_aligned_while_streaming():
+    vocab = {i: chr(ord("a") + i) for i in range(V)}
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    s = GreedySearch(10, EOS, stop_checker=StopStrings(["ef"], decode), logprobs=0)
+    streamed = []
+    for tok in (3, 4, 5, 6):
+        res = s.step(_onehot_logits(tok))
+        new = s.generated.tolist()[len(streamed):]  # what a scheduler streams after this step
+        streamed += [(t, s.token_logprobs[len(streamed) + i]) for i, t in enumerate(new)]
+        assert len(s.token_logprobs) == len(s.generated)
+        if res.done:
+            break
+    (h,) = s.results()
+    assert h.finish_reason == "stop" and h.tokens == [3, 4, 5]
+    assert [t for t, _ in streamed] == [3, 4, 5] == [r.token_id for r in h.logprobs]
+    assert all(r.top == [] for _, r in streamed)  # N = 0: only the chosen token's log-prob
+    assert sum(r.logprob for r in h.logprobs) == pytest.approx(h.score, abs=1e-12)
+
+
+def test_logprobs_none_records_nothing():
+    for search in (GreedySearch(6, EOS), SamplingSearch(6, EOS, seed=0, temperature=1.2)):
+        rows = _drive_recording(search, [0, 4], check_alignment=False)
+        assert len(rows) >= 1
+        assert search.token_logprobs == [] and search._logprobs is None
+        assert search.results()[0].logprobs is None
+    beam = BeamSearch(3, 6, EOS, num_return_sequences=3)
+    _drive([beam], [[0, 4]])
+    assert all(h.logprobs is None for h in beam.results())
+
+
+@pytest.mark.parametrize("cls", [GreedySearch, SamplingSearch])
+def test_logprobs_must_not_be_negative(cls):
+    with pytest.raises(ValueError):
+        cls(5, EOS, logprobs=-1)
+    cls(5, EOS, logprobs=0)
+
+
+def test_logprobs_do_not_change_tokens_or_scores():
+    for make in (lambda lp: GreedySearch(10, EOS, min_new_tokens=2, no_repeat_ngram_size=2, prefix=[0, 5],
+                                         logprobs=lp),
+                 lambda lp: SamplingSearch(10, EOS, temperature=1.4, top_k=6, top_p=0.9, seed=5, prefix=[0, 5],
+                                           repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3,
+                                           logprobs=lp)):
+        off, on = make(None), make(4)
+        _drive_recording(off, [0, 5], check_alignment=False)
+        _drive_recording(on, [0, 5])
+        (a,), (b,) = off.results(), on.results()
+        assert (a.tokens, a.score, a.finish_reason) == (b.tokens, b.score, b.finish_reason)
+
+
+def test_sampling_logprobs_are_of_the_raw_distribution():
+    """Temperature, top-k, top-p, penalties and the n-gram ban change the draw, not what is recorded."""
+    search = SamplingSearch(12, EOS, temperature=1.7, top_k=3, top_p=0.8, repetition_penalty=1.3,
+                            presence_penalty=0.8, frequency_penalty=0.6, no_repeat_ngram_size=2, seed=11,
+                            prefix=[0, 6], logprobs=5)
+    processed_differs = False
+    model = ToyModel([[0, 6]])
+    rows = [model.first_logits()[0]]
+    while True:
+        processed = search.process_logits(rows[-1].astype(np.float64))
+        res = search.step(rows[-1][None, :])
+        assert [r.token_id for r in search.token_logprobs] == search.generated.tolist()
+        if search.generated.size == len(rows):  # a token was appended at this step
+            rec = search.token_logprobs[-1]
+            raw = rows[-1]
+            assert rec.logprob == float(log_softmax(raw)[rec.token_id])
+            assert rec.top == _expected_top(raw, 5)  # ids in order, log-probs bit-identical to log_softmax
+            kept = ~np.isneginf(processed)
+            proc_lp = log_softmax(np.where(kept, processed, -np.inf))
+            processed_differs |= not np.isclose(proc_lp[rec.token_id], rec.logprob)
+        if res.done:
+            break
+        rows.append(model.step_fn(res.tokens, res.parents)[0])
+    assert len(search.generated) >= 3
+    assert processed_differs  # not vacuous: the processed distribution is a different one
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_top_logprobs_ties_break_by_lower_id(seed):
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(2, 40))
+    row = rng.integers(-3, 3, size=v).astype(np.float64)  # few distinct values: many ties, at the boundary too
+    if seed % 4 == 0:
+        row[rng.integers(0, v, size=v // 3)] = -np.inf
+    m = row.max()
+    log_z = np.log(np.sum(np.exp(row - m)))
+    for n in range(v + 2):
+        got = top_logprobs(row, n, m, log_z)
+        expected = _expected_top(row, n)
+        assert [t for t, _ in got] == [t for t, _ in expected], (n, row.tolist())
+        assert [lp for _, lp in got] == [lp for _, lp in expected]  # bit-identical to log_softmax
+
+
+def test_top_logprobs_scattered_tie_at_the_boundary():
+    row = np.zeros(V)
+    row[[14, 9, 2, 5]] = 3.0
+    row[7] = 4.0
+    m = row.max()
+    log_z = np.log(np.sum(np.exp(row - m)))
+    assert [t for t, _ in top_logprobs(row, 3, m, log_z)] == [7, 2, 5]
+    assert [t for t, _ in top_logprobs(row, 6, m, log_z)] == [7, 2, 5, 9, 14, 0]
+
+
+# --- OpenAI presence_penalty / frequency_penalty ---------------------------------------------------------------
+
+
+def _penalised_reference(raw, prefix, generated, presence, frequency, repetition=1.0, temperature=1.0):
+    """vLLM ``apply_penalties`` by its definition: repetition penalty over prompt + output, then
+    ``-= frequency * count + presence * (count > 0)`` with counts over the OUTPUT tokens only; then temperature."""
+    x = np.array(raw, dtype=np.float64)
+    seen = set(prefix) | set(generated)
+    for j in range(x.shape[0]):
+        if repetition != 1.0 and j in seen:
+            x[j] = x[j] * repetition if x[j] < 0 else x[j] / repetition
+        c = generated.count(j)
+        x[j] -= frequency * c + presence * (c > 0)
+    return x / temperature
+
+
+def _force(search, tokens: list[int], v: int) -> None:
+    """Make ``search`` generate ``tokens`` (one-hot logits far above any penalty)."""
+    for t in tokens:
+        forced = np.zeros((1, v), dtype=np.float32)
+        forced[0, t] = 60.0
+        assert search.step(forced).tokens.tolist() == [t]
+
+
+_RAW6 = [1.0, 2.0, -1.0, 0.5, 0.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "generated", "presence", "frequency", "repetition", "expected"),
+    [
+        ([], [], 1.5, 1.5, 1.0, _RAW6),  # nothing generated: nothing penalised
+        ([0, 5], [], 2.0, 2.0, 1.0, _RAW6),  # the prompt does not count
+        ([], [2, 2, 3], 0.5, 1.0, 1.0, [1.0, 2.0, -3.5, -1.0, 0.0, 3.0]),  # -1 - 2*1 - .5 ; .5 - 1 - .5
+        ([], [5, 5, 5], 0.0, 0.5, 1.0, [1.0, 2.0, -1.0, 0.5, 0.0, 1.5]),  # frequency only: 3 - 3*.5
+        ([], [5, 5, 5], 0.7, 0.0, 1.0, [1.0, 2.0, -1.0, 0.5, 0.0, 2.3]),  # presence only: once, whatever the count
+        ([], [4, 1], 1.0, 0.25, 1.0, [1.0, 0.75, -1.0, 0.5, -1.25, 3.0]),
+        ([], [0, 2, 0], -1.0, -0.5, 1.0, [3.0, 2.0, 0.5, 0.5, 0.0, 3.0]),  # negative: 1 + 1 + 1 ; -1 + .5 + 1
+        ([0], [2, 2], 0.5, 1.0, 2.0, [0.5, 2.0, -4.5, 0.5, 0.0, 3.0]),  # repetition first: -1*2 = -2, -2 - 2 - .5
+        ([1, 3], [1], 1.0, 1.0, 2.0, [1.0, -1.0, -1.0, 0.25, 0.0, 3.0]),  # 2/2 - 1 - 1 ; prompt 3: only 0.5/2
+    ],
+)
+def test_openai_penalties_table(prefix, generated, presence, frequency, repetition, expected):
+    v = len(_RAW6)
+    assert _penalised_reference(_RAW6, prefix, generated, presence, frequency, repetition).tolist() == expected
+    search = SamplingSearch(10, None, temperature=0.0, prefix=prefix, presence_penalty=presence,
+                            frequency_penalty=frequency, repetition_penalty=repetition)
+    _force(search, generated, v)
+    np.testing.assert_allclose(search.process_logits(np.array(_RAW6)), expected, rtol=0, atol=1e-12)
+    assert search.generated.tolist() == generated
+
+
+def test_apply_openai_penalties_function():
+    counts = np.array([[0, 1, 3], [2, 0, 0]])
+    x = np.zeros((2, 3))
+    np.testing.assert_allclose(apply_openai_penalties(x, counts, 0.5, 0.25), [[0, -0.75, -1.25], [-1.0, 0, 0]])
+    np.testing.assert_array_equal(apply_openai_penalties(np.array([-np.inf, 1.0]), np.array([4, 0]), -2, -2),
+                                  [-np.inf, 1.0])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_openai_penalties_counts_are_maintained_incrementally(seed):
+    """Over a sampled run on a tiny vocabulary (many repeats), each step's processed logits equal the reference
+    recomputed from scratch over the generated tokens (prompt excluded)."""
+    v = 6
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, v, size=4).tolist()
+    presence, frequency = float(rng.uniform(-2, 2)), float(rng.uniform(-2, 2))
+    repetition, temperature = float(rng.uniform(0.7, 1.5)), float(rng.uniform(0.5, 2.0))
+    search = SamplingSearch(25, None, temperature=temperature, repetition_penalty=repetition, seed=seed,
+                            prefix=prefix, presence_penalty=presence, frequency_penalty=frequency)
+    while not search.done:
+        raw = rng.standard_normal(v)
+        expected = _penalised_reference(raw, prefix, search.generated.tolist(), presence, frequency, repetition,
+                                        temperature)
+        np.testing.assert_allclose(search.process_logits(raw), expected, rtol=1e-12, atol=1e-12)
+        search.step(raw[None, :])
+    gen = search.generated.tolist()
+    assert len(gen) == 25 and len(set(gen)) < len(gen)
+    np.testing.assert_array_equal(search._counts, np.bincount(gen, minlength=v))  # prefix not counted
+
+
+def _fixed_logits_sequence(steps: int) -> list[np.ndarray]:
+    """Rows favouring the same few tokens at every step (a greedy decoder repeats itself on them)."""
+    rng = np.random.default_rng(3)
+    base = np.linspace(5.0, 3.5, V)  # 0.1 apart: a penalty of 2 drops a token below the 9 next ones
+    base[EOS] = -10.0
+    return [(base + rng.uniform(0, 0.05, V)).astype(np.float32) for _ in range(steps)]
+
+
+def _run_rows(search, rows) -> list[int]:
+    for row in rows:
+        if search.step(row[None, :]).done:
+            break
+    return search.results()[0].tokens
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.0, 2.0), (2.0, 0.0), (1.0, 1.5)])
+def test_strong_penalty_greedy_never_repeats(presence, frequency):
+    rows = _fixed_logits_sequence(8)
+    plain = _run_rows(SamplingSearch(8, EOS, temperature=0.0), rows)
+    assert plain == _run_rows(GreedySearch(8, EOS), rows)  # penalties at 0: plain greedy
+    assert len(set(plain)) < len(plain)  # unpenalised greedy repeats
+    penalised = _run_rows(SamplingSearch(8, EOS, temperature=0.0, presence_penalty=presence,
+                                         frequency_penalty=frequency, logprobs=1), rows)
+    assert len(penalised) == 8 and len(set(penalised)) == 8
+    # the prompt does not count: a prefix holding the favourite token still lets it be generated first
+    first = _run_rows(SamplingSearch(1, EOS, temperature=0.0, frequency_penalty=2.0, prefix=[plain[0]]), rows)
+    assert first == [plain[0]]
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.0, -1.0), (-1.0, 0.0), (-0.5, -0.5)])
+def test_negative_penalties_encourage_repetition(presence, frequency):
+    first = np.full(V, -2.0, dtype=np.float32)
+    first[4] = 5.0
+    later = np.full(V, -2.0, dtype=np.float32)
+    later[4], later[6] = 3.0, 3.5  # 6 wins unpenalised; a bonus of 1 for the already generated 4 flips it
+    rows = [first] + [later] * 5
+    assert _run_rows(SamplingSearch(6, EOS, temperature=0.0), rows) == [4, 6, 6, 6, 6, 6]
+    got = _run_rows(SamplingSearch(6, EOS, temperature=0.0, presence_penalty=presence, frequency_penalty=frequency),
+                    rows)
+    assert got == [4] * 6
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(presence_penalty=2.01), dict(presence_penalty=-2.5), dict(presence_penalty=float("nan")),
+     dict(frequency_penalty=3.0), dict(frequency_penalty=-2.0001), dict(frequency_penalty=float("nan"))],
+)
+def test_openai_penalties_reject_out_of_range(kw):
+    with pytest.raises(ValueError):
+        SamplingSearch(5, EOS, **kw)
+
+
+def test_openai_penalties_accept_the_bounds():
+    for value in (-2.0, 2.0, 0.0):
+        SamplingSearch(5, EOS, presence_penalty=value, frequency_penalty=value)
+
+
+def test_zero_penalties_leave_processing_untouched():
+    x = np.random.default_rng(4).standard_normal(V) * 3
+    a = SamplingSearch(5, EOS, temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3, prefix=[2, 3])
+    b = SamplingSearch(5, EOS, temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3, prefix=[2, 3],
+                       presence_penalty=0.0, frequency_penalty=0.0)
+    np.testing.assert_array_equal(a.process_logits(x), b.process_logits(x))
+    assert b._counts is None  # off: no counting at all
+    seen = np.zeros(V, dtype=bool)
+    seen[[2, 3]] = True  # the HF chain, unchanged: repetition penalty, temperature, top-k, top-p
+    hf_chain = top_p_filter(top_k_filter(apply_temperature(apply_repetition_penalty(x, seen, 1.3), 0.8), 5), 0.9)
+    np.testing.assert_array_equal(b.process_logits(x), hf_chain)

@@ -42,8 +42,11 @@ def post_json(client, path, payload):
 def test_health_and_models(client):
     assert client.get("/health/live").json() == {"status": "live"}
     assert client.get("/health/ready").json() == {"status": "ready"}
-    models = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
+    listing = client.get("/v1/models").json()  # OpenAI's shape, with this service's details on each entry
+    assert listing["object"] == "list"
+    models = {m["id"]: m for m in listing["data"]}
     assert set(models) == {"translation", "gpt", "vit"}
+    assert all(m["object"] == "model" and m["owned_by"] and m["created"] > 0 for m in models.values())
     for name, kind in [("translation", "translation"), ("gpt", "gpt"), ("vit", "vit")]:
         assert models[name]["kind"] == kind and models[name]["active_version"] == 1 and models[name]["ready"]
         assert models[name]["provider"] == "CPUExecutionProvider" and models[name]["versions"] == [1]
@@ -258,8 +261,8 @@ def test_metrics_describe_the_traffic(client):
     client.post("/v1/translate", json={"text": "Ein Hund."})
     client.post("/v1/translate", json={"text": ""})
     text = client.get("/metrics").text
-    assert 'tserve_request_duration_seconds_count{endpoint="/v1/translate",mode="beam",model="translation",' \
-           'status="200",version="1"}' in text
+    assert 'tserve_request_duration_seconds_count{api="native",endpoint="/v1/translate",mode="beam",' \
+           'model="translation",status="200",version="1"}' in text
     for name in ("tserve_time_to_first_token_seconds_bucket", "tserve_inter_token_latency_seconds_bucket",
                  "tserve_queue_wait_seconds_bucket", "tserve_batch_size_bucket", "tserve_prompt_tokens_total",
                  'tserve_generated_tokens_total{mode="greedy",model="gpt",version="1"}', "tserve_queue_depth",

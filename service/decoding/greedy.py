@@ -7,8 +7,8 @@ prefix + generated tokens, see `NGramBlocker`), then ``min_new_tokens`` (EOS -> 
 of the model's log-probabilities (log-softmax of the raw logits, before any processing) of the chosen tokens, EOS
 included when the sequence ends with it. With ``logprobs=N`` the search also records, per generated token (EOS
 excluded), that raw log-probability and the N most likely tokens of the same raw distribution (OpenAI
-``logprobs`` / ``top_logprobs``, see `TokenLogprob`). `GreedySearch` is also the single-row base of `SamplingSearch`, which
-adds its own processors and swaps the token choice.
+``logprobs`` / ``top_logprobs``, see `TokenLogprob`). `GreedySearch` is also the single-row base of
+`SamplingSearch`, which adds its own processors and swaps the token choice.
 """
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .base import Hypothesis, NGramBlocker, Search, StepResult, TokenLogprob, eos_ids, finished_step, top_logprobs
+from .base import (
+    Hypothesis,
+    NGramBlocker,
+    Search,
+    StepResult,
+    TokenLogprob,
+    eos_ids,
+    finished_step,
+    top_logprobs,
+)
 
 __all__ = ["GreedySearch"]
 

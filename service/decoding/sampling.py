@@ -3,14 +3,15 @@
 Per step, on the raw logits of the single row, in the order of HF ``GenerationMixin._get_logits_processor``:
 repetition penalty (prompt/prefix + generated tokens, ``RepetitionPenaltyLogitsProcessor``), then OpenAI's
 ``frequency_penalty`` / ``presence_penalty`` (not in HF; vLLM's ``apply_penalties`` order and formula:
-``logits[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``, ``count`` over the GENERATED
-tokens only, prompt/prefix excluded), ``no_repeat_ngram_size`` (-inf for tokens that would repeat an n-gram of prefix + generated tokens,
-``NoRepeatNGramLogitsProcessor``, see `NGramBlocker`), ``min_new_tokens`` EOS masking, then the warpers
-temperature (``TemperatureLogitsWarper``), top-k (``TopKLogitsWarper``) and top-p (``TopPLogitsWarper``), then a
-draw from the softmax with ``np.random.default_rng(seed)`` (same seed, same output; HF's torch RNG is not
-reproduced). ``temperature == 0`` means greedy: argmax after the repetition penalty, the n-gram ban and the EOS
-masking (the OpenAI penalties apply there too). The hypothesis score is the sum of the model's log-probabilities of the chosen tokens (raw logits,
-before any processing), as in `GreedySearch`; so are the recorded ``logprobs``.
+``logits[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``, ``count[j]`` = how often
+``j`` was generated, prompt/prefix excluded), ``no_repeat_ngram_size`` (-inf for tokens that would repeat an
+n-gram of prefix + generated tokens, ``NoRepeatNGramLogitsProcessor``, see `NGramBlocker`), ``min_new_tokens``
+EOS masking, then the warpers temperature (``TemperatureLogitsWarper``), top-k (``TopKLogitsWarper``) and top-p
+(``TopPLogitsWarper``), then a draw from the softmax with ``np.random.default_rng(seed)`` (same seed, same
+output; HF's torch RNG is not reproduced). ``temperature == 0`` means greedy: argmax after the repetition
+penalty, the OpenAI penalties, the n-gram ban and the EOS masking. The hypothesis score is the sum of the
+model's log-probabilities of the chosen tokens (raw logits, before any processing), as in `GreedySearch`; so
+are the recorded ``logprobs``.
 
 The filter functions are public so they can be tested against HF's processors; they work on the last axis of
 arrays of any leading shape and mark removed tokens with -inf.

@@ -1,4 +1,5 @@
-"""Operations endpoints: `GET /v1/models`, `/health/live`, `/health/ready` and `/metrics`."""
+"""Operations endpoints: `/health/live`, `/health/ready` and `/metrics` (`GET /v1/models` is OpenAI's, in
+`service.routes.openai`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.protocol import Liveness, ModelsResponse, ModelStatus, Readiness
+from service.protocol import Liveness, Readiness
 
 router = APIRouter(tags=["operations"])
-
-
-@router.get("/v1/models", response_model=ModelsResponse, summary="Models in the repository and what is loaded")
-async def list_models(request: Request) -> ModelsResponse:
-    return ModelsResponse(models=[ModelStatus(**status) for status in request.app.state.registry.status()])
 
 
 @router.get("/health/live", summary="Liveness: the process answers", response_model=Liveness)

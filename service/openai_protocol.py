@@ -1,0 +1,211 @@
+"""Request and response schemas of the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
+`/v1/models`), as OpenAI documents them and its Python SDK sends and reads them.
+
+Built per app by `openai_request_models(settings)` (like `service.protocol`), so the server's limits are in the
+schema. Fields OpenAI has and this service does not support are accepted only at their no-op value and otherwise
+answered 400 naming the field (`logit_bias`, `suffix`, tools, non-text `response_format`); `user` is ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from service.protocol import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, Name, integer
+from service.settings import Settings
+
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat)
+MAX_PENALTY = 2.0  # presence / frequency penalty range, as OpenAI's
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+class _OpenAIRequest(BaseModel):
+    # The SDK sends only what the caller set; an unknown field is a 400 naming it (as OpenAI answers).
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+class StreamOptions(_OpenAIRequest):
+    include_usage: StrictBool = Field(False, description="Send a last chunk with the usage (and no choices).")
+
+
+class TextPart(_OpenAIRequest):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(..., description="Text, or a list of text parts (joined).")
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
+        None, description="The speaker's name in the rendered play (default: ROMEO for user, JULIET for assistant).")
+
+
+@dataclass(frozen=True)
+class OpenAIRequestModels:
+    completion: type[BaseModel]
+    chat: type[BaseModel]
+
+
+def openai_request_models(settings: Settings) -> OpenAIRequestModels:
+    s = settings
+    Text = Annotated[str, Field(min_length=1, max_length=s.max_text_chars)]
+    Tokens = Annotated[list[integer(ge=0)], Field(min_length=1, max_length=s.max_text_chars)]
+    Choices = integer(ge=1, le=s.max_num_beams)
+    Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+    Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+
+    class _Sampling(_OpenAIRequest):
+        model: Name = Field(..., description="A loaded GPT model (see GET /v1/models), e.g. gpt.", examples=["gpt"])
+        temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
+            None, description="0 (or below 1e-5) = greedy; default 1.", examples=[0.8])
+        top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="Nucleus sampling; default 1.")
+        n: Choices | None = Field(None, description=f"Choices per prompt (at most {s.max_num_beams}); default 1.")
+        stream: StrictBool | None = Field(None, description="Server-sent events as OpenAI streams them.")
+        stream_options: StreamOptions | None = None
+        stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+            None, description=f"Up to {MAX_STOP_STRINGS} stop strings; the text ends before the first.")
+        seed: integer(ge=0, le=MAX_SEED) | None = Field(None, description="Same seed, same text (choice i: seed+i).")
+        presence_penalty: Penalty | None = Field(None, description="OpenAI's: minus this from every token already "
+                                                 "generated.")
+        frequency_penalty: Penalty | None = Field(None, description="OpenAI's: minus this times each token's count "
+                                                  "so far.")
+        logit_bias: dict[str, Any] | None = Field(None, description="Not supported (only empty).")
+        user: str | None = Field(None, description="Ignored.")
+
+    class CompletionRequest(_Sampling):
+        model_config = ConfigDict(json_schema_extra={"examples": [
+            {"model": "gpt", "prompt": "ROMEO:\n", "max_tokens": min(40, s.max_new_tokens), "temperature": 0.8,
+             "seed": 7}]})
+
+        prompt: Text | Tokens | Annotated[list[Text], Field(min_length=1, max_length=s.max_texts)] | Annotated[
+            list[Tokens], Field(min_length=1, max_length=s.max_texts)] = Field(
+            ..., description=f"A prompt, or up to {s.max_texts} (text, or token ids).", examples=["ROMEO:\n"])
+        max_tokens: integer(ge=1, le=s.max_new_tokens) | None = Field(
+            None, description=f"Most tokens per choice (default {DEFAULT_COMPLETION_TOKENS}).")
+        logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
+            None, description=f"Return the log-probability of each token and its top alternatives (0-{MAX_LOGPROBS}).")
+        echo: StrictBool | None = Field(None, description="Put the prompt in front of the text.")
+        best_of: Choices | None = Field(None, description="Sample this many choices and return the n with the "
+                                        "highest log-probability per token; with temperature 0: beam search of "
+                                        "this width.")
+        suffix: str | None = Field(None, description="Not supported (only null).")
+
+    class ChatRequest(_Sampling):
+        model_config = ConfigDict(json_schema_extra={"examples": [
+            {"model": "gpt", "messages": [{"role": "user", "content": "What light through yonder window breaks?"}],
+             "max_tokens": min(40, s.max_new_tokens), "temperature": 0.8, "seed": 7}]})
+
+        messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=s.max_texts)]
+        max_tokens: integer(ge=1, le=s.max_new_tokens) | None = Field(None, description="Deprecated by OpenAI in "
+                                                                       "favour of max_completion_tokens; either.")
+        max_completion_tokens: integer(ge=1, le=s.max_new_tokens) | None = Field(
+            None, description="Most tokens per choice (default: as many as the context allows, up to "
+            f"{s.max_new_tokens}).")
+        logprobs: StrictBool | None = Field(None, description="Return each token's log-probability.")
+        top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token.")
+        response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+        tools: list[Any] | None = Field(None, description="Not supported (only empty).")
+        tool_choice: Any | None = Field(None, description="Not supported (only none).")
+        parallel_tool_calls: StrictBool | None = Field(None, description="Ignored.")
+
+    return OpenAIRequestModels(CompletionRequest, ChatRequest)
+
+
+# --- responses (documented; built as dicts by the routes) ------------------------------------------------------
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class OpenAIModel(BaseModel):
+    """OpenAI's model object, with this service's details as extra keys."""
+
+    id: str
+    object: Literal["model"]
+    created: int = Field(..., description="When the active (else newest) version was written, Unix seconds.")
+    owned_by: str
+    kind: str
+    versions: list[int] = Field(..., description="Versions present in the repository.")
+    active_version: int | None = Field(..., description="The version served when a request names none.")
+    loaded_versions: list[int]
+    provider: str | None
+    ready: bool
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[OpenAIModel]
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
