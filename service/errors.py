@@ -53,8 +53,11 @@ class NotFound(ServiceError):
 class QueueFull(ServiceError):
     status, type, reason = 429, "queue_full", "queue_full"
 
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message, {"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
+    def __init__(self, message: str, retry_after_s: float, retry_after_ms: int | None = None):
+        headers = {"Retry-After": str(max(1, int(retry_after_s + 0.999)))}
+        if retry_after_ms is not None:  # the OpenAI SDK's finer header, read before Retry-After
+            headers["retry-after-ms"] = str(retry_after_ms)
+        super().__init__(message, headers)
 
 
 class Unavailable(ServiceError):

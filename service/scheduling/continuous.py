@@ -114,8 +114,10 @@ class ContinuousBatcher:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
-                retry = self._retry.seconds(len(self._waiting), self.max_queue, job.deadline - time.monotonic())
-                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)", retry)
+                may_wait = job.deadline - time.monotonic()
+                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
+                                self._retry.seconds(len(self._waiting), self.max_queue, may_wait),
+                                self._retry.milliseconds(len(self._waiting), self.max_queue, may_wait))
             self._waiting.append(job)
         self._wakeup.set()
         return job

@@ -15,6 +15,7 @@ thread, the Retry-After estimate of a full queue, and gauges that read the sched
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from service.metrics import Metrics
 DEPARTURE_SMOOTHING = 0.1
 # Before anything has left the queue there is no rate: assume this many seconds between departures.
 INITIAL_DEPARTURE_INTERVAL_S = 0.1
+# retry-after-ms is spread over [estimate, (1 + RETRY_JITTER) x estimate] (a refused burst would otherwise retry in step)
+RETRY_JITTER = 1.0
 
 
 def settle(future: Future, result) -> bool:
@@ -82,10 +85,18 @@ class RetryAfter:
     def seconds(self, waiting: int, capacity: int, may_wait_s: float) -> int:
         """Whole seconds (>= 1, as the header needs) until `waiting` requests in a queue of `capacity` have
         drained by one, at the measured rate; capped at `may_wait_s`, the longest the request may wait."""
-        excess = max(1, waiting - capacity + 1)
-        estimate = excess * self._interval
+        estimate = self._estimate(waiting, capacity)
         cap = math.floor(may_wait_s) if math.isfinite(may_wait_s) else math.ceil(estimate)
         return max(1, min(math.ceil(estimate), cap))
+
+    def milliseconds(self, waiting: int, capacity: int, may_wait_s: float) -> int:
+        """The same estimate in milliseconds (OpenAI's `retry-after-ms`), spread by up to RETRY_JITTER of itself so
+        that the clients refused together do not all come back at the same instant; capped at `may_wait_s`."""
+        estimate = self._estimate(waiting, capacity) * (1 + RETRY_JITTER * random.random())
+        return max(1, math.ceil(1000 * min(estimate, max(may_wait_s, 0.001))))
+
+    def _estimate(self, waiting: int, capacity: int) -> float:
+        return max(1, waiting - capacity + 1) * self._interval
 
 
 def bind_gauges(metrics: Metrics, labels: dict[str, str], waiting: Callable[[], int], running: Callable[[], int],

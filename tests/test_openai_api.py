@@ -1,0 +1,232 @@
+"""The OpenAI-compatible API proven with the real `openai` SDK (sync and async clients) against a real uvicorn
+server on the tiny GPT: completions and chat completions, streamed and not, `n > 1`, `logprobs`, `stop`, `seed`,
+`echo`, `best_of`, `models.list()`, the SDK's typed errors (BadRequestError, NotFoundError, RateLimitError with its
+retries), and API keys through the SDK's `api_key`.
+
+The tiny GPT's context is 64 byte-level tokens, so prompts and `max_tokens` stay short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
+    ServerProcess,
+    _print_server_output_on_failure,
+)
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-test-0123456789abcdef0123"
+PROMPT = "ROMEO:\n"
+MESSAGES = [{"role": "user", "content": "Good morrow, sweet lady."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_repository, tmp_path_factory):
+    process = ServerProcess("openai server", tiny_repository, tmp_path_factory.mktemp("openai"), models='["gpt"]',
+                            max_new_tokens=60, api_keys=f'["{API_KEY}"]')
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+# --- completions ----------------------------------------------------------------------------------------------
+
+
+def test_completion_with_a_seed_is_reproducible_and_shaped_as_openai(client):
+    first = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=20, temperature=0.9, seed=7)
+    again = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=20, temperature=0.9, seed=7)
+    other = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=20, temperature=0.9, seed=8)
+    assert first.object == "text_completion" and first.id.startswith("cmpl-") and first.model == "gpt"
+    assert first.choices[0].text == again.choices[0].text != other.choices[0].text
+    assert first.choices[0].finish_reason in ("stop", "length") and first.choices[0].index == 0
+    assert first.usage.prompt_tokens == len(PROMPT.encode())
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_greedy_completion_equals_the_native_generate(client, server):
+    completion = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=24, temperature=0)
+    native = httpx.post(f"{server.url}/v1/generate", headers={"Authorization": f"Bearer {API_KEY}"},
+                        json={"prompt": PROMPT, "max_new_tokens": 24, "temperature": 0}).json()
+    assert completion.choices[0].text == native["text"]
+    assert completion.usage.completion_tokens == native["usage"]["completion_tokens"]
+
+
+def test_n_choices_and_several_prompts(client):
+    result = client.completions.create(model="gpt", prompt=["ROMEO:", "JULIET:"], n=3, max_tokens=8, temperature=1.0,
+                                       seed=3)
+    assert [c.index for c in result.choices] == list(range(6))
+    texts = [c.text for c in result.choices]
+    assert len(set(texts[:3])) > 1  # different seeds per choice
+    assert result.usage.prompt_tokens == len("ROMEO:JULIET:")  # the prompts once, whatever n is
+
+
+def test_logprobs_are_the_models_and_aligned_with_the_text(client):
+    result = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3)
+    choice = choice0 = result.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 12
+    assert "".join(logprobs.tokens) == choice0.text  # byte-level tokens of ASCII text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(12)]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 3 and value <= 0
+        assert max(top.values()) == pytest.approx(value)  # greedy: the chosen token is the most likely
+        assert token in top
+
+
+def test_stop_strings_echo_and_best_of(client):
+    plain = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    stop = plain[5:7]
+    cut = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].text == plain[: plain.index(stop)] and cut.choices[0].finish_reason == "stop"
+    echoed = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=10, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain[:10]
+    ranked = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=10, temperature=1.0, n=2, best_of=4,
+                                       seed=1)
+    assert len(ranked.choices) == 2
+    beams = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=10, temperature=0, n=2, best_of=3)
+    assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+
+
+def test_a_streamed_completion_equals_the_plain_one(client):
+    plain = client.completions.create(model="gpt", prompt=[PROMPT, "KING:"], n=2, max_tokens=30, temperature=0.8,
+                                      seed=11, stop=["\n\n"])
+    chunks = list(client.completions.create(model="gpt", prompt=[PROMPT, "KING:"], n=2, max_tokens=30,
+                                            temperature=0.8, seed=11, stop=["\n\n"], stream=True,
+                                            stream_options={"include_usage": True}))
+    texts, reasons = {}, {}
+    for chunk in chunks[:-1]:
+        assert chunk.object == "text_completion" and chunk.id == chunks[0].id
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in plain.choices}
+    assert reasons == {c.index: c.finish_reason for c in plain.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+# --- chat -----------------------------------------------------------------------------------------------------
+
+
+def test_chat_completion_speaks_the_next_turn(client):
+    result = client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=20, temperature=0.8, seed=5)
+    again = client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=20, temperature=0.8, seed=5)
+    choice = result.choices[0]
+    assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content == again.choices[0].message.content
+    assert "\n\n" not in choice.message.content  # the turn ends at a blank line
+    rendered = "ROMEO:\nGood morrow, sweet lady.\n\nJULIET:\n"
+    assert result.usage.prompt_tokens == len(rendered.encode())
+
+
+def test_chat_streams_with_logprobs_and_n(client):
+    kwargs = dict(model="gpt", messages=MESSAGES, max_tokens=20, temperature=0.7, seed=2, n=2)
+    plain = client.chat.completions.create(**kwargs)
+    contents, roles = {}, {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        assert chunk.object == "chat.completion.chunk"
+        for choice in chunk.choices:
+            roles.setdefault(choice.index, choice.delta.role)
+            contents[choice.index] = contents.get(choice.index, "") + (choice.delta.content or "")
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert contents == {c.index: c.message.content for c in plain.choices}
+    with_logprobs = client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=10, temperature=0,
+                                                   logprobs=True, top_logprobs=2)
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == with_logprobs.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode() == t.token for t in content)
+
+
+# --- models, errors, keys -------------------------------------------------------------------------------------
+
+
+def test_models_list_with_the_services_details(client):
+    models = {m.id: m for m in client.models.list()}
+    assert set(models) == {"gpt", "translation", "vit"}
+    gpt = models["gpt"]
+    assert gpt.object == "model" and gpt.owned_by and gpt.created > 0
+    assert gpt.model_extra["kind"] == "gpt" and gpt.model_extra["ready"] and gpt.model_extra["loaded_versions"] == [1]
+    assert not models["vit"].model_extra["ready"]  # in the repository, not loaded by this server
+
+
+def test_the_sdks_typed_errors(client):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert missing.value.body["code"] == "not_found" and "nope" in missing.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as invalid:
+        client.completions.create(model="gpt", prompt="x", max_tokens=2, n=99)
+    assert invalid.value.body["param"] == "n" and invalid.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="gpt", prompt="x" * 60, max_tokens=20)
+    assert "context" in too_long.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    with openai.OpenAI(base_url=client.base_url, api_key="sk-wrong-key-000000000000", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+
+
+def test_async_client_completes_and_streams(server):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
+            plain, stream = await asyncio.gather(
+                c.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=15, temperature=0),
+                c.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=15, temperature=0, stream=True))
+            text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+            return plain.choices[0].message.content, text
+
+    plain, streamed = asyncio.run(run())
+    assert plain == streamed
+
+
+def test_rate_limit_error_and_the_sdks_retries(tiny_repository, tmp_path):
+    """A full queue is a 429 with Retry-After (and OpenAI's retry-after-ms): the SDK raises RateLimitError when told
+    not to retry, and when it retries (it honours retry-after-ms) the requests get through as the queue drains."""
+    process = ServerProcess("openai 429 server", tiny_repository, tmp_path, models='["gpt"]', max_queue_size=1,
+                            gpt_max_batch_rows=1, max_prefill_requests=1).start()
+    try:
+        body = dict(model="gpt", prompt=PROMPT, max_tokens=50, temperature=0)
+        n = 12
+        barrier = threading.Barrier(n)
+
+        def call(retries: int):
+            with openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=retries) as c:
+                barrier.wait(timeout=30)
+                try:
+                    return c.completions.create(**body)
+                except openai.RateLimitError as error:
+                    return error
+
+        with ThreadPoolExecutor(n) as pool:
+            outcomes = list(pool.map(call, [0] * n))
+        refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+        assert refused and len(refused) < n
+        for error in refused:
+            retry_after = error.response.headers["retry-after"]
+            assert retry_after.isdigit() and 1 <= int(retry_after) <= 30  # the default deadline, 30 s
+            assert 1 <= int(error.response.headers["retry-after-ms"]) <= 30_000
+            assert error.body["type"] == "rate_limit_error" and error.body["code"] == "queue_full"
+
+        barrier = threading.Barrier(n)
+        with ThreadPoolExecutor(n) as pool:
+            outcomes = list(pool.map(call, [20] * n))
+        assert not [o for o in outcomes if isinstance(o, openai.RateLimitError)]  # retried after Retry-After
+        statuses = [r["status"] for r in process.access_records() if r["path"] == "/v1/completions"]
+        assert statuses.count(429) >= len(refused) and statuses.count(200) >= n
+    finally:
+        process.stop()
