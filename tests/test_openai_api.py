@@ -230,3 +230,27 @@ def test_rate_limit_error_and_the_sdks_retries(tiny_repository, tmp_path):
         assert statuses.count(429) >= len(refused) and statuses.count(200) >= n
     finally:
         process.stop()
+
+
+def test_token_id_prompts_and_an_out_of_vocabulary_id(client):
+    ids = list(PROMPT.encode())  # byte-level: a token per byte
+    by_ids = client.completions.create(model="gpt", prompt=ids, max_tokens=10, temperature=0)
+    by_text = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    several = client.completions.create(model="gpt", prompt=[ids, ids[:3]], max_tokens=4, temperature=0)
+    assert len(several.choices) == 2 and several.usage.prompt_tokens == len(ids) + 3
+    with pytest.raises(openai.BadRequestError) as invalid:
+        client.completions.create(model="gpt", prompt=[10_000], max_tokens=2)
+    assert "token ids" in invalid.value.body["message"]
+
+
+def test_chat_accepts_text_response_format_and_named_speakers(client):
+    result = client.chat.completions.create(
+        model="gpt", max_tokens=8, temperature=0, response_format={"type": "text"},
+        messages=[{"role": "system", "content": "Verona."},
+                  {"role": "user", "name": "HAMLET", "content": [{"type": "text", "text": "To be?"}]}])
+    assert result.usage.prompt_tokens == len("Verona.\n\nHAMLET:\nTo be?\n\nJULIET:\n".encode())
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.chat.completions.create(model="gpt", max_tokens=2, messages=MESSAGES,
+                                       response_format={"type": "json_object"})
+    assert unsupported.value.body["param"] == "response_format"
