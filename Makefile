@@ -44,6 +44,12 @@ train-tiny: venv
 clean:
 	rm -rf $(VENV) $(RUNS) .pytest_cache
 
+# Download the three datasets into $(TSERVE_DATA_DIR) and verify every file against models/data_checksums.py
+# (nothing to do when all are present and verified): from GitHub, or from the base URL in TSERVE_DATA_MIRROR.
+.PHONY: data
+data: venv
+	$(BIN)/python -m models.data fetch
+
 # Engine benchmark: ours vs transformers generate() vs Optimum ORTModel, in one run (separate venv: Optimum needs
 # transformers<4.58). Writes reports/bench_engine.json.
 BENCH_VENV ?= .venv-bench

@@ -176,7 +176,7 @@ def plot(summary: dict, out: Path) -> None:
         key = f"p{p[:-1]}_ms"
         ax.bar([j + (i - 1) * width for j in range(len(names))],
                [summary["endpoints"][n][key] for n in names], width, label=f"p{p[:-1]}")
-    ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set(title="Latency per request (whole run)", ylabel="ms")
     ax.legend()
 
@@ -187,7 +187,7 @@ def plot(summary: dict, out: Path) -> None:
         label = f"{summary['endpoints'][name]['requests']}" + (f"\n{failed} failed" if failed else "")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                     fontsize=8, color="tab:red" if failed else "black")
-    ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set(title="Requests/s per request (count on the bar)", ylabel="requests/s")
 
     fig.tight_layout()
@@ -213,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plot:
         plot({**summary, "_history": history}, Path(f"{args.prefix}.png"))
 
-    print(f"{'request':<18} {'count':>7} {'failed':>6} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}")
+    width = max([18, *map(len, summary["endpoints"])])
+    print(f"{'request':<{width}} {'count':>7} {'failed':>6} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}")
     for name, e in summary["endpoints"].items():
-        print(f"{name:<18} {e['requests']:>7} {e['failures']:>6} {e['requests_per_s']:>7.2f} {e['p50_ms']:>8.0f} "
+        print(f"{name:<{width}} {e['requests']:>7} {e['failures']:>6} {e['requests_per_s']:>7.2f} {e['p50_ms']:>8.0f} "
               f"{e['p95_ms']:>8.0f} {e['p99_ms']:>8.0f}")
     print(_title(summary))
     for failure in summary["failure_messages"][:10]:

@@ -1,7 +1,7 @@
 """Dataset loading for the three models (numpy only; the training code wraps these in torch).
 
-Data sources (none of it is shipped with the project; point ``--data-dir`` or ``TSERVE_DATA_DIR`` at a folder
-laid out as below):
+Data sources (none of it is shipped with the project; ``make data`` / ``python -m models.data fetch`` downloads
+and verifies it, see :mod:`models.fetch`; point ``--data-dir`` or ``TSERVE_DATA_DIR`` at a folder laid out as below):
 
 - ``multi30k/{train,val,test_2016_flickr}.{de,en}.gz``: Multi30k task 1, raw cased text, one sentence per line,
   gzip, line-aligned German/English. GitHub ``multi30k/dataset``, ``data/task1/raw/``. Research and educational
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 ENV_VAR = "TSERVE_DATA_DIR"
-_HINT = f"set --data-dir or {ENV_VAR}"
+_HINT = f"set --data-dir or {ENV_VAR}, or download the data with `make data` (python -m models.data fetch)"
 
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
 MULTI30K_SOURCE = "Multi30k task 1 raw, github.com/multi30k/dataset data/task1/raw"
@@ -176,3 +176,14 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None, split: str) -> tuple[
     if labels.size and labels.max() >= len(FASHION_MNIST_LABELS):
         raise _error(labels_path, "IDX labels in 0..9", FASHION_MNIST_SOURCE, f"label {labels.max()} out of range")
     return images, labels.astype(np.int64)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m models.data fetch ...` (download and verify the data) and `... checksums DIR`: see models.fetch."""
+    from models.fetch import main as fetch_main
+
+    return fetch_main(argv, prog="python -m models.data")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,7 @@
 """The load test works end to end: deploy/locust/locustfile.py runs headless for ~15 s against a live service with
-real inputs and every task succeeds (zero failures), then deploy/loadtest.py writes the summary and the PNG and
-passes; and the report fails (exit 1) when the failures exceed the threshold.
+real inputs and every task succeeds (zero failures), the OpenAI-compatible ones included, through API-key
+authentication (the service has a key, the load test sends it); then deploy/loadtest.py writes the summary and the
+PNG and passes; and the report fails (exit 1) when the failures exceed the threshold.
 
 Needs locust (the project's `load` extra); a missing one fails the test, it does not skip.
 """
@@ -24,7 +25,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "deploy" / "locust" / "locustfile.py"
 REPORT = ROOT / "deploy" / "loadtest.py"
-TASK_NAMES = {"translate greedy", "translate beam", "generate", "generate stream", "classify"}
+TASK_NAMES = {"translate greedy", "translate beam", "generate", "generate stream", "classify", "openai completion",
+              "openai completion stream", "openai chat", "openai chat stream"}
+STREAM_NAMES = ("generate stream", "openai completion stream", "openai chat stream")
+API_KEY = "loadtest-smoke-key-0123456789"
 
 
 def require_locust() -> None:
@@ -44,6 +48,8 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
     require_locust()
     port = free_port()
     service_log = tmp_path / "service.log"
+    # the service reads .env in its working directory (pydantic-settings): every /v1 request needs the key
+    (tmp_path / ".env").write_text(f"TSERVE_API_KEYS={json.dumps([API_KEY])}\n")
     service = start_service(tiny_repository, port, tmp_path, service_log)
     locust_log = tmp_path / "locust.log"
     prefix = tmp_path / "loadtest"
@@ -58,10 +64,11 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
                 pass
             assert time.monotonic() < deadline, "the service was not ready within 180 s"
             time.sleep(0.25)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401, "the key is not on"
 
-        # the tiny GPT's context is 64 tokens: 16 prompt + 24 new
+        # the tiny GPT's context is 64 tokens: 16 prompt + 24 new (chat: 17 more of template, 17 fewer new)
         load_env = {**clean_env(), "TSERVE_DATA_DIR": str(data_dir), "TSERVE_LOAD_PROMPT_CHARS": "16",
-                    "TSERVE_LOAD_MAX_NEW_TOKENS": "24", "TSERVE_LOAD_THINK_S": "0.05"}
+                    "TSERVE_LOAD_MAX_NEW_TOKENS": "24", "TSERVE_LOAD_THINK_S": "0.05", "TSERVE_LOAD_API_KEY": API_KEY}
         command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
                    "--users", "4", "--spawn-rate", "4", "--run-time", "15s", "--stop-timeout", "20",
                    "--host", f"http://127.0.0.1:{port}", "--csv", str(prefix), "--csv-full-history",
@@ -78,7 +85,9 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
         for name in TASK_NAMES:
             assert name in stats and int(stats[name]["Request Count"]) >= 1, f"no {name!r} request ran"
         extra = json.loads(Path(f"{prefix}_extra.json").read_text())
-        assert extra["images"] >= 1 and extra["ttft_ms"] and extra["generated_tokens"]["generate stream"] > 0
+        assert extra["images"] >= 1 and len(extra["ttft_ms"]) >= len(STREAM_NAMES)
+        assert all(extra["generated_tokens"][name] > 0 for name in STREAM_NAMES), extra["generated_tokens"]
+        assert extra["settings"]["api_key"] is True and API_KEY not in json.dumps(extra)
         assert (tmp_path / "loadtest.html").stat().st_size > 0
 
         report = subprocess.run([sys.executable, str(REPORT), "--prefix", str(prefix), "--max-failure-pct", "0"],
