@@ -91,7 +91,7 @@ def _weights(text: str) -> dict[str, int]:
 
 
 DATA_DIR = os.environ.get("TSERVE_DATA_DIR") or None  # None: the loaders' defaults (../shared/data, ./data)
-WEIGHTS = _weights(os.environ.get("TSERVE_LOAD_WEIGHTS", DEFAULT_WEIGHTS))
+WEIGHTS = _weights(os.environ.get("TSERVE_LOAD_WEIGHTS") or DEFAULT_WEIGHTS)  # unset or empty: the default
 THINK_S = float(os.environ.get("TSERVE_LOAD_THINK_S", "0.1"))
 NUM_BEAMS = _env_int("TSERVE_LOAD_NUM_BEAMS", 4, minimum=2)
 PROMPT_CHARS = _env_int("TSERVE_LOAD_PROMPT_CHARS", 16, minimum=1)
