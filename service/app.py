@@ -22,7 +22,7 @@ from service.middleware import RequestMiddleware
 from service.openai_protocol import openai_request_models
 from service.protocol import request_models
 from service.registry import ModelRegistry
-from service.routes import admin, images, openai, text
+from service.routes import admin, images, oip, openai, text
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(text.build_router(models))
     app.include_router(images.build_router(models, settings))
     app.include_router(openai.build_router(openai_request_models(settings)))
+    app.include_router(oip.build_router())
     app.include_router(admin.router)
     # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
     # middleware, which still logs and counts (by status) the requests they reject

@@ -1,5 +1,6 @@
 """Errors as JSON `{"error": {"type", "message"}}` with the right status, and the handlers that produce them.
-Where the OpenAI-compatible routes answer, the same errors come in OpenAI's shape, `{"error": {"message", "type",
+On the Open Inference Protocol's routes (`/v2`) they are `{"error": "..."}` as the protocol says. Where the
+OpenAI-compatible routes answer, the same errors come in OpenAI's shape, `{"error": {"message", "type",
 "param", "code"}}` (a superset: `code` holds this service's error type), and a request that does not conform to
 the schema is a 400 there, as OpenAI answers it.
 
@@ -97,6 +98,8 @@ def error_body(error_type: str, message: str) -> dict:
 
 def error_payload(path: str, status: int, error_type: str, message: str, param: str | None = None) -> tuple[int, dict]:
     """(status, body) of an error in the shape of the API at `path`."""
+    if path == "/v2" or path.startswith("/v2/"):  # the Open Inference Protocol's: {"error": "..."}, 400 if invalid
+        return (400 if status == 422 else status), {"error": message}
     if path not in OPENAI_PATHS:
         return status, error_body(error_type, message)
     if status == 422:  # OpenAI answers a malformed request with 400

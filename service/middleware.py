@@ -31,6 +31,19 @@ REQUEST_ID_HEADER = b"x-request-id"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ENDPOINTS = {"/v1/translate", "/v1/generate", "/v1/classify", "/v1/models", "/v1/completions", "/v1/chat/completions",
              "/health/live", "/health/ready", "/metrics"}
+# The Open Inference Protocol's inference paths name the model (/v2/models/{name}[/versions/{v}]/infer): one label
+OIP_INFER = "/v2/models/{model}/infer"
+
+
+def _endpoint(path: str) -> str:
+    """The endpoint label of a path: a known route, or "other" (bounded cardinality, whatever clients send)."""
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        return OIP_INFER
+    return "other"
+
+
 # Failures by final status (unless the route set `failure_reason`); 499 = the client went away.
 FAILURE_REASONS = {400: "bad_input", 401: "unauthorized", 404: "bad_input", 405: "bad_input", 408: "bad_input", 413: "bad_input",
                    415: "bad_input", 422: "bad_input", 429: "queue_full", 499: "cancelled", 500: "internal",
@@ -115,10 +128,10 @@ class RequestMiddleware:
 
     def _observe(self, scope, state, status: int, seconds: float, request_id: str) -> None:
         path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = _endpoint(path)
         model, version, mode = state.get("model", ""), str(state.get("version", "")), state.get("mode", "")
-        if endpoint.startswith("/v1/"):
-            api = "openai" if path in OPENAI_PATHS else "native"
+        if endpoint.startswith(("/v1/", OIP_INFER)):
+            api = "oip" if endpoint == OIP_INFER else "openai" if path in OPENAI_PATHS else "native"
             self.metrics.request_duration.labels(endpoint=endpoint, api=api, model=model, version=version, mode=mode,
                                                  status=str(status)).observe(seconds)
             reason = state.get("failure_reason") or FAILURE_REASONS.get(status)

@@ -113,8 +113,9 @@ class ModelRegistry:
 
     # --- lookup and state ---------------------------------------------------------------------------------
 
-    def resolve(self, kind: str, name: str | None, version: int | None) -> LoadedModel:
-        """The loaded model a request asks for (its kind's default when unnamed, the highest loaded version)."""
+    def resolve(self, kind: str | None, name: str | None, version: int | None) -> LoadedModel:
+        """The loaded model a request asks for (its kind's default when unnamed, the highest loaded version);
+        `kind` None: a named model of any kind (the Open Inference Protocol names the model in the path)."""
         if self.draining:
             raise Unavailable("the server is draining (shutting down); retry on another replica")
         name = name or kind
@@ -134,7 +135,7 @@ class ModelRegistry:
         elif version not in versions:
             raise NotFound(f"model {name!r} has no loaded version {version} (loaded: {versions})")
         loaded = self.loaded[(name, version)]
-        if loaded.kind != kind:
+        if kind is not None and loaded.kind != kind:
             raise NotFound(f"model {name!r} is a {loaded.kind} model; this endpoint serves {kind} models")
         return loaded
 

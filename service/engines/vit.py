@@ -11,7 +11,6 @@ from service import onnx_schema as schema
 from service.repository import ModelVersion
 from service.runtime import RuntimeOptions, active_provider, create_session
 
-
 TRANSPARENT_MODES = ("RGBA", "LA", "PA")
 # Rows composited on white at a time: the RGBA copies that compositing needs exist for one strip, not for the
 # whole image (a 4000x4000 image: 12 MB of strips instead of 192 MB of copies), and each strip holds the GIL
@@ -57,7 +56,11 @@ class ViTEngine:
             image = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
         pixels = np.asarray(image, dtype=np.float32) / 255.0
         pixels = pixels[None] if self.channels == 1 else pixels.transpose(2, 0, 1)  # (C, H, W)
-        return (pixels - self.mean) / self.std
+        return self.normalize(pixels)
+
+    def normalize(self, pixels: np.ndarray) -> np.ndarray:
+        """Pixels scaled to [0, 1], in the model's layout (..., C, H, W) -> the model's standardised input."""
+        return ((pixels - self.mean) / self.std).astype(np.float32, copy=False)
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         """Preprocessed images (B, C, H, W) -> logits (B, classes)."""

@@ -22,8 +22,14 @@ from tokenizers.decoders import DecodeStream
 
 from service import chat_template
 from service.errors import BadInput
-from service.openai_protocol import (DEFAULT_COMPLETION_TOKENS, ChatCompletionResponse, CompletionResponse,
-                                     ModelList, OpenAIError, OpenAIRequestModels)
+from service.openai_protocol import (
+    DEFAULT_COMPLETION_TOKENS,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelList,
+    OpenAIError,
+    OpenAIRequestModels,
+)
 from service.registry import LoadedModel
 from service.routes import with_body
 from service.routes.text import sse

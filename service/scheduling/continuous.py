@@ -36,7 +36,13 @@ import numpy as np
 from service.decoding import Hypothesis, Search, StepResult
 from service.errors import QueueFull, ServiceError, Unavailable
 from service.metrics import Metrics
-from service.scheduling.queueing import RetryAfter, bind_gauges, fail, fail_if_gone, settle
+from service.scheduling.queueing import (
+    RetryAfter,
+    bind_gauges,
+    fail,
+    fail_if_gone,
+    settle,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,15 @@ from service.serving.awaiting import await_results, watched
 
 async def classify(request: Request, loaded: LoadedModel, images: Sequence[EncodedImage],
                    deadline: float) -> np.ndarray:
-    """Softmax probabilities (n, classes) float32, one row per image, in order."""
+    """Softmax probabilities (n, classes) float32, one row per encoded image, in order."""
     decoder = request.app.state.image_decoder
     pixels = await watched(request, decoder.decode(images, loaded.engine, deadline), deadline)  # (n, C, H, W)
+    return await classify_pixels(request, loaded, pixels, deadline)
+
+
+async def classify_pixels(request: Request, loaded: LoadedModel, pixels: np.ndarray,
+                          deadline: float) -> np.ndarray:
+    """Softmax probabilities (n, classes) of images already preprocessed to the model's input (n, C, H, W)."""
     job = loaded.scheduler.submit(ImageJob(pixels=pixels, deadline=deadline))
     logits = (await await_results(request, [job.future], deadline,
                                   abandon=lambda: loaded.scheduler.cancel(job)))[0]  # (n, classes)

@@ -18,10 +18,16 @@ from fastapi import Request
 from service.decoding import BeamSearch, SamplingSearch, Search, StopStrings
 from service.errors import BadInput
 from service.registry import LoadedModel
-from service.serving.awaiting import await_results
 from service.scheduling.continuous import TextJob
+from service.serving.awaiting import await_results
 from service.serving.outputs import Completion, completion_from
-from service.serving.streaming import Finished, IncrementalText, Piece, stream_jobs, submit
+from service.serving.streaming import (
+    Finished,
+    IncrementalText,
+    Piece,
+    stream_jobs,
+    submit,
+)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,13 @@ from service.registry import LoadedModel
 from service.scheduling.continuous import TextJob
 from service.serving.awaiting import await_results
 from service.serving.outputs import Completion, completion_from
-from service.serving.streaming import Finished, IncrementalText, Piece, stream_jobs, submit
+from service.serving.streaming import (
+    Finished,
+    IncrementalText,
+    Piece,
+    stream_jobs,
+    submit,
+)
 
 
 @dataclass(frozen=True)

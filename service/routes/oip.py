@@ -1,0 +1,286 @@
+"""The Open Inference Protocol (KServe v2 REST, as Triton serves it and `tritonclient.http` calls it) for the three
+models: server and model metadata, liveness and readiness, and inference. A thin adapter: tensors
+(`service.oip_protocol`) -> the serving layer -> tensors. The same queues, batching, deadlines, limits and metrics
+as the native routes (metrics label `api="oip"`); errors are `{"error": "..."}` as the protocol says.
+
+Tensors per model (also in each model's metadata):
+- vit: input `IMAGE` BYTES [N] (encoded image files; base64 text when sent as JSON) or `PIXELS` FP32 [N, H, W]
+  (or [N, C, H, W]) already scaled to [0, 1]; outputs `PROBABILITIES` FP32 [N, classes] (with the classification
+  extension: the top k as "score:index:label") and `LABEL` BYTES [N], the most likely label.
+- translation: input `TEXT` BYTES (German, UTF-8, any shape); outputs `TRANSLATION` BYTES and `SCORE` FP32 (the
+  input's shape). Decoding options are request `parameters`, as the native API names them (num_beams, ...).
+- gpt: input `PROMPT` BYTES (any shape); outputs `TEXT` BYTES (the continuation) and `FINISH_REASON` BYTES
+  (eos | length | stop); options as `parameters` (max_new_tokens, temperature, seed, stop as one string, ...).
+The deadline is the request parameter `timeout` (microseconds, what tritonclient sends), else the server's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Annotated
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from service.errors import BadInput
+from service.oip_protocol import (
+    HEADER_LENGTH,
+    RESERVED_PARAMETERS,
+    ModelMetadata,
+    ServerMetadata,
+    classification,
+    encode_response,
+    parse_request,
+)
+from service.registry import LoadedModel
+from service.serving import classify as classification_service
+from service.serving import generate as generation
+from service.serving import translate as translation
+from service.serving.context import deadline_of, label
+
+SERVER_NAME, SERVER_VERSION = "transformer-serving", "0.1.0"
+EXTENSIONS = ["binary_tensor_data", "classification"]
+PLATFORM = "onnxruntime_onnx"
+Tensor = tuple[str, str, np.ndarray]  # name, datatype, array
+ERRORS = {status: {"description": text, "content": {"application/json": {"example": {"error": "..."}}}}
+          for status, text in {400: "Invalid request or tensors", 401: "Missing or wrong API key",
+                               404: "Unknown model or version", 429: "Queue full (Retry-After)",
+                               503: "Not ready or draining", 504: "Deadline (timeout) expired"}.items()}
+
+
+def build_router() -> APIRouter:
+    router = APIRouter(tags=["open inference protocol"])
+    router.add_api_route("/v2", server_metadata, methods=["GET"], response_model=ServerMetadata,
+                         summary="Server metadata")
+    router.add_api_route("/v2/health/live", server_live, methods=["GET"], summary="Liveness")
+    router.add_api_route("/v2/health/ready", server_ready, methods=["GET"], summary="Readiness", responses=ERRORS)
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        router.add_api_route(prefix, model_metadata, methods=["GET"], response_model=ModelMetadata,
+                             responses=ERRORS, summary="Model metadata: inputs and outputs")
+        router.add_api_route(f"{prefix}/ready", model_ready, methods=["GET"], responses=ERRORS,
+                             summary="Model readiness")
+        router.add_api_route(f"{prefix}/infer", infer, methods=["POST"], responses=ERRORS, summary="Inference",
+                             openapi_extra={"requestBody": {"required": True, "content": {
+                                 "application/json": {"schema": {"type": "object"}},
+                                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    return router
+
+
+async def server_metadata() -> dict:
+    return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS}
+
+
+async def server_live() -> dict:
+    return {"live": True}
+
+
+async def server_ready(request: Request) -> JSONResponse:
+    ready, _ = request.app.state.registry.readiness()
+    return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+
+def _version(version: str | None) -> int | None:
+    if version is None:
+        return None
+    if not version.isdigit() or int(version) < 1:
+        raise BadInput(f"version {version!r} is not a positive integer")
+    return int(version)
+
+
+def _resolve(request: Request, name: str, version: str | None) -> LoadedModel:
+    return request.app.state.registry.resolve(None, name, _version(version))
+
+
+def _tensors(loaded: LoadedModel) -> tuple[list[Tensor], list[Tensor]]:
+    """(inputs, outputs) as (name, datatype, shape) for the model's metadata."""
+    engine = loaded.engine
+    if loaded.kind == "vit":
+        pixels = [-1, engine.size, engine.size] if engine.channels == 1 else [-1, engine.channels, engine.size,
+                                                                              engine.size]
+        return ([("IMAGE", "BYTES", [-1]), ("PIXELS", "FP32", pixels)],
+                [("PROBABILITIES", "FP32", [-1, len(engine.labels)]), ("LABEL", "BYTES", [-1])])
+    if loaded.kind == "translation":
+        return [("TEXT", "BYTES", [-1])], [("TRANSLATION", "BYTES", [-1]), ("SCORE", "FP32", [-1])]
+    return [("PROMPT", "BYTES", [-1])], [("TEXT", "BYTES", [-1]), ("FINISH_REASON", "BYTES", [-1])]
+
+
+ModelName = Annotated[str, PathParam(description="A loaded model: vit, translation or gpt.",
+                                      examples=["vit", "translation", "gpt"])]
+VersionPath = Annotated[str, PathParam(pattern=r"^[1-9][0-9]{0,8}$", description="A loaded version.", examples=["1"])]
+
+
+async def model_metadata(request: Request, name: ModelName, version: VersionPath | None = None) -> dict:
+    loaded = _resolve(request, name, version)
+    inputs, outputs = _tensors(loaded)
+
+    def described(tensors):
+        return [{"name": n, "datatype": d, "shape": s} for n, d, s in tensors]
+
+    versions = sorted(v for (n, v) in request.app.state.registry.loaded if n == loaded.name)
+    return {"name": loaded.name, "versions": [str(v) for v in versions], "platform": PLATFORM,
+            "inputs": described(inputs), "outputs": described(outputs)}
+
+
+async def model_ready(request: Request, name: ModelName, version: VersionPath | None = None) -> dict:
+    loaded = _resolve(request, name, version)  # 404 unknown, 503 loading or draining
+    return {"name": loaded.name, "ready": True}
+
+
+async def infer(request: Request, name: ModelName, version: VersionPath | None = None) -> Response:
+    loaded = _resolve(request, name, version)
+    body = await request.body()
+    inference, tensors, in_json = parse_request(body, request.headers.get(HEADER_LENGTH))
+    options = {k: v for k, v in inference.parameters.items() if k not in RESERVED_PARAMETERS}
+    timeout_us = inference.parameters.get("timeout")
+    if timeout_us is not None and (not isinstance(timeout_us, int) or timeout_us < 1):
+        raise BadInput(f"parameters.timeout must be a positive integer of microseconds, got {timeout_us!r}")
+    timeout_ms = None if timeout_us is None else max(1, timeout_us // 1000)
+    settings = request.app.state.settings
+    if timeout_ms is not None and timeout_ms > settings.max_timeout_ms:
+        raise BadInput(f"parameters.timeout exceeds TSERVE_MAX_TIMEOUT_MS ({settings.max_timeout_ms} ms)")
+    deadline = deadline_of(request, timeout_ms)
+    known = {n for n, _, _ in _tensors(loaded)[0]}
+    if unknown := sorted(set(tensors) - known):
+        raise BadInput(f"unknown input(s) {unknown} for model {loaded.name!r} (inputs: {sorted(known)})")
+    outputs = await ADAPTERS[loaded.kind](request, loaded, tensors, in_json, options, deadline)
+    outputs = _select(loaded, inference, outputs)
+    content, header_length = encode_response(loaded.name, loaded.version, inference, outputs)
+    if header_length is None:
+        return Response(content, media_type="application/json")
+    return Response(content, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(header_length)})
+
+
+def _select(loaded: LoadedModel, inference, outputs: list[Tensor]) -> list[Tensor]:
+    """The outputs the request asked for (all when it names none), with the classification extension applied."""
+    if not inference.outputs:
+        return outputs
+    by_name = {name: (name, datatype, array) for name, datatype, array in outputs}
+    selected = []
+    for wanted in inference.outputs:
+        if wanted.name not in by_name:
+            raise BadInput(f"unknown output {wanted.name!r} for model {loaded.name!r} (outputs: {sorted(by_name)})")
+        name, datatype, array = by_name[wanted.name]
+        k = wanted.parameters.get("classification")
+        if k is not None:
+            if name != "PROBABILITIES" or not isinstance(k, int) or k < 1:
+                raise BadInput(f"classification: a positive count on PROBABILITIES only, got {k!r} on {name!r}")
+            name, datatype, array = name, "BYTES", classification(array, loaded.engine.labels, k)
+        selected.append((name, datatype, array))
+    return selected
+
+
+# --- per model ---------------------------------------------------------------------------------------------------
+
+
+def _only(tensors: dict[str, np.ndarray], names: tuple[str, ...]) -> tuple[str, np.ndarray]:
+    given = [n for n in names if n in tensors]
+    if len(given) != 1:
+        raise BadInput(f"give exactly one input of {list(names)}")
+    return given[0], tensors[given[0]]
+
+
+def _texts(name: str, array: np.ndarray) -> list[str]:
+    try:
+        return [x.decode("utf-8") for x in array.reshape(-1)]
+    except UnicodeDecodeError:
+        raise BadInput(f"input {name!r}: an element is not UTF-8 text") from None
+
+
+def _validated(model, data: dict, what: str):
+    """Options checked by the native API's request model (the same limits and messages); 400 here."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors())
+        raise BadInput(f"{what}: {problems}") from None
+
+
+async def _vit(request: Request, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
+               deadline: float) -> list[Tensor]:
+    if options:
+        raise BadInput(f"unknown parameter(s) {sorted(options)} for an image model")
+    engine, settings = loaded.engine, request.app.state.settings
+    name, array = _only(tensors, ("IMAGE", "PIXELS"))
+    label(request, loaded, "classify")
+    count = len(array) if array.ndim else 0
+    if not 1 <= count <= settings.max_images:
+        raise BadInput(f"input {name!r}: 1 to {settings.max_images} images (TSERVE_MAX_IMAGES), got {count}")
+    if name == "IMAGE":
+        if array.ndim != 1:
+            raise BadInput(f"input 'IMAGE' has shape {list(array.shape)}; expected [N]")
+        images = [_Image(f"IMAGE[{i}]", x.decode("ascii", "replace") if name in in_json else x)
+                  for i, x in enumerate(array)]
+        probabilities = await classification_service.classify(request, loaded, images, deadline)
+    else:
+        if array.dtype != np.float32:
+            raise BadInput(f"input 'PIXELS' must be FP32, got {array.dtype}")
+        size, channels = engine.size, engine.channels
+        shapes = [(count, channels, size, size)] + ([(count, size, size)] if channels == 1 else [])
+        if array.shape not in shapes:
+            raise BadInput(f"input 'PIXELS' has shape {list(array.shape)}; expected {[list(s) for s in shapes]}")
+        if not np.isfinite(array).all():
+            raise BadInput("input 'PIXELS' holds a NaN or infinite value")
+        pixels = engine.normalize(array.reshape(count, channels, size, size))
+        probabilities = await classification_service.classify_pixels(request, loaded, pixels, deadline)
+    labels = np.array([engine.labels[i].encode() for i in probabilities.argmax(axis=1)], dtype=object)
+    return [("PROBABILITIES", "FP32", probabilities), ("LABEL", "BYTES", labels)]
+
+
+class _Image:
+    """An encoded image for `service.imaging`: bytes, or base64 text."""
+
+    def __init__(self, name: str, data: bytes | str):
+        self.name, self.data = name, data
+
+
+async def _translation(request: Request, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
+                       deadline: float) -> list[Tensor]:
+    name, array = _only(tensors, ("TEXT",))
+    texts = _texts(name, array)
+    if options.get("stream") or options.get("num_return_sequences", 1) != 1:
+        raise BadInput("stream and num_return_sequences are not available here: one translation per text")
+    body = _validated(request.app.state.request_models.translate, {"text": texts, **options}, "parameters")
+    params = translation.TranslationParams(
+        num_beams=body.num_beams, length_penalty=body.length_penalty, early_stopping=body.early_stopping,
+        max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens,
+        no_repeat_ngram_size=body.no_repeat_ngram_size)
+    label(request, loaded, params.mode)
+    results = await translation.translate(request, loaded, texts, params, deadline)
+    best = [completions[0] for completions in results]
+    return [("TRANSLATION", "BYTES", np.array([c.text.encode() for c in best], dtype=object).reshape(array.shape)),
+            ("SCORE", "FP32", np.array([c.score for c in best], dtype=np.float32).reshape(array.shape))]
+
+
+async def _gpt(request: Request, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
+               deadline: float) -> list[Tensor]:
+    name, array = _only(tensors, ("PROMPT",))
+    prompts = _texts(name, array)
+    if not prompts or len(prompts) > request.app.state.settings.max_texts:
+        raise BadInput(f"input 'PROMPT': 1 to {request.app.state.settings.max_texts} prompts (TSERVE_MAX_TEXTS)")
+    if options.get("stream"):
+        raise BadInput("stream is not available here")
+    if isinstance(options.get("stop"), str):
+        options = {**options, "stop": [options["stop"]]}
+    bodies = [_validated(request.app.state.request_models.generate, {"prompt": p, **options}, f"PROMPT[{i}]")
+              for i, p in enumerate(prompts)]
+    body = bodies[0]
+    params = generation.GenerationParams(
+        max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens, temperature=body.temperature,
+        top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
+        no_repeat_ngram_size=body.no_repeat_ngram_size, seed=body.seed, stop=tuple(body.stop),
+        num_beams=body.num_beams)
+    label(request, loaded, params.mode)
+    ids = [generation.encode_prompt(loaded, p, params.max_new_tokens) for p in prompts]
+    results = await generation.generate(request, loaded, ids, params, deadline)
+    best = [completions[0] for completions in results]
+    return [("TEXT", "BYTES", np.array([c.text.encode() for c in best], dtype=object).reshape(array.shape)),
+            ("FINISH_REASON", "BYTES",
+             np.array([c.finish_reason.encode() for c in best], dtype=object).reshape(array.shape))]
+
+
+ADAPTERS: dict[str, Callable[..., Awaitable[list[Tensor]]]] = {"vit": _vit, "translation": _translation, "gpt": _gpt}
+
