@@ -49,10 +49,10 @@ def test_every_generated_request_gets_a_documented_answer(tiny_repository, tmp_p
         command = [str(Path(sys.executable).with_name("schemathesis")), "--no-color", "--config-file", str(config),
                    "run", f"{server.url}/openapi.json", "--checks", "all", "--seed", str(SEED),
                    "--max-examples", str(MAX_EXAMPLES), "--workers", "1", "--generation-database", "none",
-                   "--request-timeout", "30"]
+                   "--request-timeout", "30", "--phases", "examples,coverage,fuzzing"]  # no links: no stateful phase
         run = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
         assert run.returncode == 0, run.stdout[-20_000:] + run.stderr[-5_000:]
-        assert "No issues found" in run.stdout, run.stdout[-5_000:]
+        assert "Failures:" not in run.stdout and " passed" in run.stdout, run.stdout[-5_000:]
         assert server.proc.poll() is None
         problems = [r for r in server.log_records() if r.get("level") in ("error", "critical")]
         assert problems == [], problems[:5]
