@@ -19,10 +19,11 @@ from service.errors import install_error_handlers
 from service.imaging import ImageDecoder
 from service.metrics import Metrics
 from service.middleware import RequestMiddleware
+from service.model_control import ModelControl
 from service.openai_protocol import openai_request_models
 from service.protocol import request_models
 from service.registry import ModelRegistry
-from service.routes import admin, images, oip, openai, text
+from service.routes import admin, images, oip, openai, repository, text
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings, app.state.metrics, app.state.registry = settings, metrics, registry
     app.state.request_models = models = request_models(settings)
+    app.state.model_control = ModelControl(registry, settings.model_control, settings.drain_timeout_s)
     install_error_handlers(app)
     app.include_router(text.build_router(models))
     app.include_router(images.build_router(models, settings))
     app.include_router(openai.build_router(openai_request_models(settings)))
     app.include_router(oip.build_router())
+    app.include_router(repository.build_router())
     app.include_router(admin.router)
     # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
     # middleware, which still logs and counts (by status) the requests they reject

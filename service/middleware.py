@@ -110,6 +110,8 @@ class RequestMiddleware:
             log.exception("unhandled error on %s", scope.get("path"))
             await self._send_error(scope, send_with_id, 500, "internal_error", "internal error; see the server log")
         finally:
+            for loaded in state.pop("leases", ()):  # the model versions the request resolved (serving.context)
+                loaded.release()
             self._observe(scope, state, status, time.perf_counter() - started, request_id)
 
     def _too_large(self) -> ClientBodyError:

@@ -3,6 +3,10 @@ request, readiness, and stopping their schedulers on shutdown.
 
 Models load in a background thread after the server starts, so `/health/live` answers at once and
 `/health/ready` says 503, with reasons, until every configured model is loaded (Kubernetes' startup pattern).
+
+Each model has an active version, the one a request that names no version gets: the version loaded last (at start,
+the highest). A request holds a lease on the model version it resolved until its response has ended, so that a
+version being unloaded (`service.model_control`) is stopped only once no request can still reach it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.errors import NotFound, Unavailable
@@ -22,7 +26,7 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class LoadedModel:
     name: str
     version: int
@@ -31,6 +35,22 @@ class LoadedModel:
     scheduler: Any  # ContinuousBatcher | DynamicBatcher
     provider: str
     load_seconds: float
+    leases: int = 0  # requests that resolved this version and have not ended
+    _released: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def acquire(self) -> None:
+        with self._released:
+            self.leases += 1
+
+    def release(self) -> None:
+        with self._released:
+            self.leases -= 1
+            self._released.notify_all()
+
+    def wait_unleased(self, timeout: float) -> bool:
+        """Block until no request holds this version (True), or `timeout` seconds passed (False)."""
+        with self._released:
+            return self._released.wait_for(lambda: self.leases <= 0, timeout=timeout)
 
 
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
@@ -47,6 +67,7 @@ class ModelRegistry:
         self.metrics = metrics
         self.repository = ModelRepository(settings.repository)
         self.loaded: dict[tuple[str, int], LoadedModel] = {}
+        self.active: dict[str, int] = {}  # model name -> the version requests that name none get
         self.pending: list[str] = []
         self.errors: dict[str, str] = {}
         self.draining = False
@@ -76,7 +97,9 @@ class ModelRegistry:
             finally:
                 self.pending.remove(label)
 
-    def load(self, name: str, version: int | None = None) -> LoadedModel:
+    def load(self, name: str, version: int | None = None, warm_up: bool = False) -> LoadedModel:
+        """Load a version (default: the highest) and make it the active one; with `warm_up`, one real inference runs
+        before any request can reach it."""
         from service.engines.gpt import GPTEngine
         from service.engines.translation import TranslationEngine
         from service.engines.vit import ViTEngine
@@ -98,10 +121,16 @@ class ModelRegistry:
             max_rows = s.translation_max_batch_rows if model.kind == "translation" else s.gpt_max_batch_rows
             scheduler = ContinuousBatcher(engine, model.name, model.version, self.metrics, max_rows=max_rows,
                                           max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size)
+        if warm_up:
+            _warm_up(model.kind, engine)
         scheduler.start()
         seconds = time.perf_counter() - started
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds)
+        previous = self.loaded.get((model.name, model.version))
         self.loaded[(model.name, model.version)] = loaded
+        self.active[model.name] = model.version
+        if previous is not None:  # the same version loaded again: the old copy is retired by its caller
+            log.info("replaced %s version %d", model.name, model.version)
         labels = {"model": model.name, "version": str(model.version)}
         self.metrics.declare_model(model.name, model.version, model.kind)
         self.metrics.model_load_seconds.labels(**labels).set(seconds)
@@ -131,7 +160,7 @@ class ModelRegistry:
             known = sorted({n for n, _ in self.loaded})
             raise NotFound(f"model {name!r} not found (loaded models: {', '.join(known) or 'none'})")
         if version is None:
-            version = versions[-1]
+            version = self.active.get(name) if self.active.get(name) in versions else versions[-1]
         elif version not in versions:
             raise NotFound(f"model {name!r} has no loaded version {version} (loaded: {versions})")
         loaded = self.loaded[(name, version)]
@@ -157,14 +186,44 @@ class ModelRegistry:
                 kind = self.repository.get(name).kind
             except RepositoryError:
                 kind = self.loaded[(name, loaded[-1])].kind
-            active = self.loaded[(name, loaded[-1])] if loaded else None
+            active_version = self.active.get(name) if self.active.get(name) in loaded else (loaded or [None])[-1]
+            active = self.loaded[(name, active_version)] if loaded else None
             out.append({"name": name, "kind": kind, "versions": self.repository.versions(name),
                         "active_version": active.version if active else None, "loaded_versions": loaded,
                         "provider": active.provider if active else None, "ready": bool(loaded)})
         return out
+
+    def unload(self, name: str, version: int) -> LoadedModel:
+        """Take a loaded version out of routing (new requests no longer reach it); the caller retires it. The active
+        version moves to the highest one still loaded."""
+        loaded = self.loaded.pop((name, version), None)
+        if loaded is None:
+            raise NotFound(f"model {name!r} has no loaded version {version}")
+        if self.active.get(name) == version:
+            remaining = sorted(v for (n, v) in self.loaded if n == name)
+            if remaining:
+                self.active[name] = remaining[-1]
+            else:
+                del self.active[name]
+        return loaded
 
     def stop(self, timeout: float) -> None:
         self.draining = True
         deadline = time.monotonic() + timeout
         for loaded in self.loaded.values():
             loaded.scheduler.stop(max(0.0, deadline - time.monotonic()))
+
+
+def _warm_up(kind: str, engine) -> None:
+    """One real inference through a freshly loaded engine (sessions initialised, first-run allocations made), so
+    that the first request does not pay for it and a broken model fails here, before it takes requests."""
+    import numpy as np
+
+    from service.decoding import GreedySearch
+
+    if kind == "vit":
+        engine.logits(np.zeros((1, engine.channels, engine.size, engine.size), np.float32))
+    elif kind == "translation":
+        engine.translate_ids([engine.source_ids("Hallo.")], lambda _: GreedySearch(2, None))
+    else:
+        engine.generate([engine.tokenizer.encode("A").ids], lambda _: GreedySearch(2, None))

@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(16_384, ge=256)
     max_header_count: int = Field(100, ge=1)
 
+    # model control (Triton's explicit mode): load and unload versions through /v2/repository without a restart
+    model_control: bool = False
+
     # logging and shutdown
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"

@@ -34,7 +34,7 @@ from service.errors import (
 )
 from service.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
 from service.serving import classify as classification
-from service.serving.context import label
+from service.serving.context import label, resolve
 from service.settings import Settings
 
 ACCEPTED_TYPES = ("multipart/form-data", "application/json")
@@ -142,7 +142,7 @@ async def classify(request: Request) -> ClassifyResponse:
     settings: Settings = request.app.state.settings
     options, encoded = await _parse(request, settings)
     deadline = received + (options.timeout_ms or settings.default_timeout_ms) / 1000
-    loaded = request.app.state.registry.resolve("vit", options.model, options.version)
+    loaded = resolve(request, "vit", options.model, options.version)
     label(request, loaded, "classify")
     probabilities = await classification.classify(request, loaded, encoded, deadline)  # (n, classes)
     return ClassifyResponse(model=loaded.name, version=loaded.version,

@@ -39,7 +39,7 @@ from service.registry import LoadedModel
 from service.serving import classify as classification_service
 from service.serving import generate as generation
 from service.serving import translate as translation
-from service.serving.context import deadline_of, label
+from service.serving.context import deadline_of, label, resolve
 
 SERVER_NAME, SERVER_VERSION = "transformer-serving", "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "classification"]
@@ -130,7 +130,7 @@ async def model_ready(request: Request, name: ModelName, version: VersionPath | 
 
 
 async def infer(request: Request, name: ModelName, version: VersionPath | None = None) -> Response:
-    loaded = _resolve(request, name, version)
+    loaded = resolve(request, None, name, _version(version))
     body = await request.body()
     inference, tensors, in_json = parse_request(body, request.headers.get(HEADER_LENGTH))
     options = {k: v for k, v in inference.parameters.items() if k not in RESERVED_PARAMETERS}

@@ -34,7 +34,7 @@ from service.registry import LoadedModel
 from service.routes import with_body
 from service.routes.text import sse
 from service.serving import generate as generation
-from service.serving.context import deadline_of, label
+from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
 
@@ -254,7 +254,7 @@ def _stream(request: Request, events: AsyncIterator[list[Piece | Finished]],
 
 async def completions(body, request: Request):
     """OpenAI completions: one or more prompts, `n` choices each (choice `p * n + i`: prompt p's i-th)."""
-    loaded = request.app.state.registry.resolve("gpt", body.model, None)
+    loaded = resolve(request, "gpt", body.model, None)
     _unsupported(body)
     n, best_of = body.n or 1, body.best_of
     if best_of is not None and best_of < n:
@@ -320,7 +320,7 @@ async def completions(body, request: Request):
 
 async def chat_completions(body, request: Request):
     """OpenAI chat completions: the conversation rendered as a play, the model speaking the next turn."""
-    loaded = request.app.state.registry.resolve("gpt", body.model, None)
+    loaded = resolve(request, "gpt", body.model, None)
     _unsupported(body)
     n = body.n or 1
     prompt = chat_template.render(body.messages)

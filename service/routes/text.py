@@ -24,7 +24,7 @@ from service.protocol import (
 from service.routes import with_body
 from service.serving import generate as generation
 from service.serving import translate as translation
-from service.serving.context import deadline_of, label
+from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
 
@@ -97,7 +97,7 @@ def _native_stream(request: Request, events: AsyncIterator[list[Piece | Finished
 
 async def translate(body, request: Request):
     """German -> English for one text or a list of texts; beam search, greedy, or streamed greedy."""
-    loaded = request.app.state.registry.resolve("translation", body.model, body.version)
+    loaded = resolve(request, "translation", body.model, body.version)
     params = translation.TranslationParams(
         num_beams=body.num_beams, length_penalty=body.length_penalty, early_stopping=body.early_stopping,
         num_return_sequences=body.num_return_sequences, max_new_tokens=body.max_new_tokens,
@@ -117,7 +117,7 @@ async def translate(body, request: Request):
 
 async def generate(body, request: Request):
     """Continue a prompt: sampling, greedy (temperature 0) or beam search; optionally streamed."""
-    loaded = request.app.state.registry.resolve("gpt", body.model, body.version)
+    loaded = resolve(request, "gpt", body.model, body.version)
     params = generation.GenerationParams(
         max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens, temperature=body.temperature,
         top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,

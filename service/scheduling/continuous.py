@@ -41,6 +41,7 @@ from service.scheduling.queueing import (
     bind_gauges,
     fail,
     fail_if_gone,
+    release_gauges,
     settle,
 )
 
@@ -107,7 +108,7 @@ class ContinuousBatcher:
         self._stop = threading.Event()
         self._retry = RetryAfter()
         bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active),
-                    rows=lambda: sum(job.state_rows for job in self._active))
+                    rows=lambda: sum(job.state_rows for job in self._active), owner=self)
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model}", daemon=True)
 
     # --- the caller's side (event loop) -------------------------------------------------------------------
@@ -159,6 +160,7 @@ class ContinuousBatcher:
             self._waiting, self._admitting, self._active = deque(), [], []
         for job in leftovers:
             fail(job.future, Unavailable("the server shut down before this request finished"))
+        release_gauges(self.metrics, self.labels, owner=self, rows=True)
 
     # --- the worker thread --------------------------------------------------------------------------------
 

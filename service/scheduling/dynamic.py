@@ -32,6 +32,7 @@ from service.scheduling.queueing import (
     bind_gauges,
     fail,
     fail_if_gone,
+    release_gauges,
     settle,
 )
 
@@ -86,7 +87,8 @@ class DynamicBatcher:
         self._stop = False
         self._active: list[ImageJob] = []  # the batch being run
         self._retry = RetryAfter()
-        bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active))
+        bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active),
+                    owner=self)
         self._thread = threading.Thread(target=self._run, name=f"batcher-{model}-{version}", daemon=True)
 
     # --- the caller's side (event loop) -------------------------------------------------------------------
@@ -143,6 +145,7 @@ class DynamicBatcher:
             leftovers, self._waiting, self._active = list(self._waiting) + self._active, deque(), []
         for job in leftovers:
             fail(job.future, Unavailable("the server shut down before this request finished"))
+        release_gauges(self.metrics, self.labels, owner=self)
 
     # --- the worker thread --------------------------------------------------------------------------------
 

@@ -99,10 +99,23 @@ class RetryAfter:
         return max(1, waiting - capacity + 1) * self._interval
 
 
+_gauge_owners: dict[tuple[int, str, str], object] = {}  # (metrics, model, version) -> the scheduler bound
+
+
 def bind_gauges(metrics: Metrics, labels: dict[str, str], waiting: Callable[[], int], running: Callable[[], int],
-                rows: Callable[[], int] | None = None) -> None:
+                rows: Callable[[], int] | None = None, owner: object = None) -> None:
     """Make the model's queue-depth / running-requests (/ batch-rows) gauges read the scheduler at scrape time."""
     metrics.queue_depth.labels(**labels).set_function(waiting)
     metrics.running_requests.labels(**labels).set_function(running)
     if rows is not None:
         metrics.batch_rows.labels(**labels).set_function(rows)
+    _gauge_owners[(id(metrics), labels["model"], labels["version"])] = owner
+
+
+def release_gauges(metrics: Metrics, labels: dict[str, str], owner: object, rows: bool = False) -> None:
+    """A stopped scheduler's gauges read 0, and no longer hold it (nor its engine) alive; unless another scheduler
+    for the same model version has bound them since (a version loaded again)."""
+    key = (id(metrics), labels["model"], labels["version"])
+    if _gauge_owners.get(key) is owner:
+        bind_gauges(metrics, labels, lambda: 0, lambda: 0, (lambda: 0) if rows else None)
+        del _gauge_owners[key]

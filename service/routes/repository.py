@@ -1,0 +1,62 @@
+"""Triton's model repository extension of the Open Inference Protocol, for loading and unloading model versions
+without a restart (`service.model_control`; off unless `TSERVE_MODEL_CONTROL=true`, guarded by the API keys):
+
+- `POST /v2/repository/index`: every version of every model with its state (READY, LOADING, UNAVAILABLE) and why;
+- `POST /v2/repository/models/{name}/load`: load a version (body `{"parameters": {"version": "2"}}`; default: the
+  highest in the repository), warmed before it takes requests, then the model's active version;
+- `POST /v2/repository/models/{name}/unload`: unload a version (default: every loaded one) once its in-flight
+  requests have finished.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from service.errors import BadInput
+from service.model_control import parse_version
+
+SUPPORTED_PARAMETERS = {"version", "unload_dependents"}  # unload_dependents: tritonclient sends it; no ensembles here
+
+
+def build_router() -> APIRouter:
+    router = APIRouter(tags=["model repository"])
+    router.add_api_route("/v2/repository/index", index, methods=["POST"], summary="Every model version and its state")
+    router.add_api_route("/v2/repository/models/{name}/load", load, methods=["POST"],
+                         summary="Load a model version (warmed, then active) without a restart")
+    router.add_api_route("/v2/repository/models/{name}/unload", unload, methods=["POST"],
+                         summary="Unload a model version once its requests have finished")
+    return router
+
+
+async def _parameters(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    try:
+        payload = json.loads(body) if body.strip() else {}
+    except ValueError:
+        raise BadInput("the body is not valid JSON") from None
+    parameters = payload.get("parameters", {}) if isinstance(payload, dict) else None
+    if not isinstance(parameters, dict):
+        raise BadInput('expected a JSON object {"parameters": {...}}')
+    if unsupported := sorted(set(parameters) - SUPPORTED_PARAMETERS):
+        raise BadInput(f"unsupported parameter(s) {unsupported}: a version is loaded from the repository as it is")
+    return parameters
+
+
+async def index(request: Request) -> list[dict]:
+    """Read-only, so answered with model control off too."""
+    return request.app.state.model_control.index()
+
+
+async def load(request: Request, name: str) -> dict:
+    version = parse_version((await _parameters(request)).get("version"))
+    loaded = await request.app.state.model_control.load(name, version)
+    return {"name": loaded.name, "version": str(loaded.version), "state": "READY"}
+
+
+async def unload(request: Request, name: str) -> dict:
+    version = parse_version((await _parameters(request)).get("version"))
+    versions = await request.app.state.model_control.unload(name, version)
+    return {"name": name, "versions": [str(v) for v in versions], "state": "UNAVAILABLE"}
