@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The data folder: ../shared/data beside the checkout (this workplace's layout), else ./data.
-DATA_DIR ?= $(firstword $(wildcard ../shared/data /work/shared/data) data)
+# The data folder (full sets, for training, `make data` and the tests that need them; the test suite itself runs on
+# tests/fixtures/data): ../shared/data beside the checkout when it exists, else ./data. Relative paths only.
+DATA_DIR ?= $(firstword $(wildcard ../shared/data) data)
 export TSERVE_DATA_DIR ?= $(abspath $(DATA_DIR))
 RUNS ?= runs
 
@@ -50,8 +51,9 @@ clean:
 data: venv
 	$(BIN)/python -m models.data fetch
 
-# Engine benchmark: ours vs transformers generate() vs Optimum ORTModel, in one run (separate venv: Optimum needs
-# transformers<4.58). Writes reports/bench_engine.json.
+# Engine benchmark: ours vs transformers generate() vs Optimum ORTModel vs ONNX Runtime GenAI (on our own exported
+# GPT graph), in one run, and our GPT engine's batch-scaling table against its fp32 matmul roofline (separate venv:
+# Optimum needs transformers<4.58; onnxruntime-genai shares its onnxruntime). Writes reports/bench_engine.json.
 BENCH_VENV ?= .venv-bench
 $(BENCH_VENV)/.installed: bench/requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(BENCH_VENV)

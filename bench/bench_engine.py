@@ -1,4 +1,5 @@
-"""Engine benchmark: our ONNX Runtime decoding engine vs Hugging Face transformers and Optimum, on CPU.
+"""Engine benchmark: our ONNX Runtime decoding engine vs Hugging Face transformers, Optimum and ONNX Runtime GenAI,
+on CPU, and our GPT engine's scaling with the batch against an fp32 matmul roofline.
 
 What is compared, on same-size models with random weights (nothing is downloaded: every model is built from a
 config, and the Optimum models are exported locally into --workdir):
@@ -12,6 +13,10 @@ config, and the Optimum models are exported locally into --workdir):
 Systems (one function each, `run_<system>_<task>`):
 - transformers: PyTorch `model.generate()`;
 - optimum: `optimum.onnxruntime.ORTModelForCausalLM` / `ORTModelForSeq2SeqLM` (their own `generate()`);
+- genai (GPT only): `onnxruntime_genai` (`Generator`, greedy) running OUR exported GPT graph, the very
+  `decoder.onnx` our engine loads, unchanged, through a generated `genai_config.json` (bench/genai_system.py). Same
+  graph and weights as ours, so its tokens must equal ours: the harness checks and reports it. It runs in this
+  process (its wheel uses the installed onnxruntime package), timed and interleaved like the others;
 - ours: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the searches of
   `service.decoding`, on our own from-scratch models (`models.gpt.GPT`, `models.transformer`; same sizes,
   random weights) exported by `export.onnx_export`.
@@ -28,12 +33,23 @@ Fairness rules:
   pass (prefill / encoder), not the model build or export. Tokens/s counts generated tokens only.
 - Compare ratios from one run, never absolute numbers from different runs: this machine is shared.
 
+Scaling table (task `scaling`): our GPT engine at batch 1, 8, 16, 32, 64, 128 (--scaling-batches) on the release
+GPT's shape (models/config.py, preset gpt/release: d_model 256, 4 layers, 4 heads, d_ff 1024, vocab 257, context
+256; random weights), same prompt and new tokens as above, next to its fp32 roofline measured in the same run: the
+matmuls of one decoding step at that batch (per layer the q, k, v and attention-output projections and the two
+MLP matmuls, then the tied LM head; the shapes of the model's nn.Linear layers, bias included) timed in torch with
+the same threads, `new_tokens` steps per pass, interleaved with ours and converted to tokens/s
+(batch * new_tokens / median seconds). Printed: tokens/s of both and ours' fraction of the roofline. The roofline
+leaves out the prompt pass, attention over the cache, LayerNorm, GELU, sampling and everything else, so 1.0 is out
+of reach; the fraction says how much of our step is spent outside the matmuls that any implementation must do.
+
 Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
-    .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, < 1 minute once exports are cached
+    .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, 1-2 minutes once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
-Options: --threads N, --spin, --repeats N, --warmup N, --sentences N, --tasks gpt,translation,
---systems transformers,optimum,ours, --out PATH, --workdir PATH. A system whose package is missing (e.g. Optimum
-in the main venv) or that is not implemented yet is reported as skipped, with the reason.
+Options: --threads N, --spin, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16,
+--scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems transformers,optimum,genai,ours,
+--out PATH, --workdir PATH. A system whose package is missing (e.g. Optimum in the main venv) or that does not
+apply to a task (genai: translation) is reported as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -268,14 +284,10 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     no padding -> (B, spec.new_tokens) int64, the generated tokens only; greedy with
     `min_new_tokens == max_new_tokens == spec.new_tokens`, all B rows decoded together in one batch.
     """
-    from models.config import GPTConfig
-    from models.gpt import GPT
     from service.decoding import GreedySearch
     from service.engines.gpt import GPTEngine
 
-    config = GPTConfig(vocab_size=spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model,
-                       n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)
-    version = _ours_export("gpt", lambda: GPT(config), config, _spec_dir(workdir, "ours-gpt", spec))
+    version = _ours_gpt_version(spec, workdir)
     engine = GPTEngine(version, _ours_runtime_options(runtime))
 
     def generate(prompts: np.ndarray) -> np.ndarray:
@@ -284,6 +296,28 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
         return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)
 
     return generate
+
+
+def _ours_gpt_version(spec: GptSpec, workdir: Path):
+    """Our GPT with random weights (seed 0) at `spec`'s sizes, exported once into workdir (see `_ours_export`)."""
+    from models.config import GPTConfig
+    from models.gpt import GPT
+
+    config = GPTConfig(vocab_size=spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model,
+                       n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)
+    return _ours_export("gpt", lambda: GPT(config), config, _spec_dir(workdir, "ours-gpt", spec))
+
+
+def run_genai_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+    """ONNX Runtime GenAI on OUR exported GPT graph (the file `run_ours_gpt` loads), see bench/genai_system.py."""
+    import genai_system
+    import onnxruntime_genai  # noqa: F401 - ImportError here: reported as skipped
+
+    version = _ours_gpt_version(spec, workdir)
+    folder = genai_system.prepare_folder(
+        version.path, version.config, _spec_dir(workdir, "genai-gpt", spec), threads=runtime.threads,
+        spin=runtime.spin, max_length=spec.prompt_tokens + spec.new_tokens, pad_id=PAD_ID, bos_id=BOS_ID)
+    return genai_system.make_generate(folder, spec.new_tokens)
 
 
 def run_transformers_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
@@ -383,12 +417,16 @@ def _ours_runtime_options(runtime: Runtime):
     return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin)
 
 
-SYSTEMS = ("transformers", "optimum", "ours")
+SYSTEMS = ("transformers", "optimum", "genai", "ours")
 BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
-    "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "ours": run_ours_gpt},
+    "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "genai": run_genai_gpt,
+            "ours": run_ours_gpt},
     "translation": {"transformers": run_transformers_translation, "optimum": run_optimum_translation,
                     "ours": run_ours_translation},
 }
+
+
+TASKS = ("gpt", "translation", "scaling")  # scaling: see `bench_scaling`
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -399,6 +437,10 @@ def build_systems(task: str, spec, systems: list[str], runtime: Runtime, workdir
     """Build each system; one that cannot be built (missing package, not implemented) is skipped with a reason."""
     built, skipped = {}, {}
     for name in systems:
+        if name not in BUILDERS[task]:
+            skipped[name] = f"not applicable to {task}"
+            print(f"  [{task}] {name}: skipped ({skipped[name]})", flush=True)
+            continue
         start = time.perf_counter()
         try:
             built[name] = BUILDERS[task][name](spec, runtime, workdir)
@@ -433,8 +475,8 @@ def measure(systems: dict[str, GenerateFn], inputs: list[np.ndarray], expected_n
 
 
 def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    """Fraction of output rows that are identical (transformers vs Optimum share weights, so ~1.0 expected;
-    near-ties in random-weight logits can flip a token now and then)."""
+    """Fraction of output rows that are identical (transformers vs Optimum share weights, and so do ours vs
+    genai (one graph file), so ~1.0 expected; near-ties in random-weight logits can flip a token now and then)."""
     rows_a = [row for y in a for row in y]
     rows_b = [row for y in b for row in y]
     return sum(np.array_equal(x, y) for x, y in zip(rows_a, rows_b)) / max(len(rows_a), 1)
@@ -451,12 +493,17 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
     result["ratios"] = {
         f"ours/{other}": (throughput["ours"] / throughput[other]) if "ours" in throughput and other in throughput
         else None
-        for other in ("transformers", "optimum")
+        for other in ("transformers", "optimum", "genai")
     }
     result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
                                                 if {"optimum", "transformers"} <= throughput.keys() else None)
     if {"transformers", "optimum"} <= outputs.keys():
         result["transformers_optimum_agreement"] = agreement(outputs["transformers"], outputs["optimum"])
+    if {"ours", "genai"} <= outputs.keys():
+        result["ours_genai_agreement"] = agreement(outputs["ours"], outputs["genai"])
+        result["ours_genai_identical_tokens"] = int(sum(
+            int((x == y).sum()) for x, y in zip(outputs["ours"], outputs["genai"])))
+        result["ours_genai_total_tokens"] = int(sum(x.size for x in outputs["ours"]))
     return result
 
 
@@ -487,6 +534,91 @@ def bench_translation(args, systems: list[str]) -> list[dict]:
     return [result]
 
 
+def release_gpt_spec() -> GptSpec:
+    """The scaling table's model: the release GPT's shape (models/config.py, preset gpt/release), with the GPT
+    case's prompt and new tokens."""
+    from models.config import get_preset
+
+    config, _ = get_preset("gpt", "release")
+    return GptSpec(vocab_size=config.vocab_size, d_model=config.d_model, n_layers=config.n_layers,
+                   n_heads=config.n_heads, d_ff=config.d_ff, context_length=config.context_length)
+
+
+def run_roofline_gpt(spec: GptSpec, batch: int) -> GenerateFn:
+    """The fp32 matmul roofline of one GPT decoding step at `batch`, as a GenerateFn for `measure`: per pass,
+    `spec.new_tokens` steps, each step every matmul of the model at one token per row: per layer q, k, v and
+    attention-output projections (d x d), MLP up (d x d_ff) and down (d_ff x d), bias added (torch.addmm, like
+    nn.Linear), then the tied LM head (d x vocab, no bias). Weights laid out (in, out) like the exported graph's
+    MatMul; preallocated outputs; torch's threads are the harness's (set in `main`). Returns a placeholder of the
+    right shape (it produces no tokens)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    d, ff = spec.d_model, spec.d_ff
+    x = torch.randn(batch, d, generator=generator)
+    hidden = torch.randn(batch, ff, generator=generator)
+
+    def op(inputs, n_out: int, bias: bool = True):
+        weight = torch.randn(inputs.shape[1], n_out, generator=generator) * 0.02
+        return inputs, weight, (torch.randn(n_out, generator=generator) * 0.02 if bias else None), \
+            torch.empty(batch, n_out)
+
+    ops = []
+    for _ in range(spec.n_layers):
+        ops += [op(x, d), op(x, d), op(x, d), op(x, d), op(x, ff), op(hidden, d)]
+    ops.append(op(x, spec.vocab_size, bias=False))
+    placeholder = np.zeros((batch, spec.new_tokens), np.int64)
+
+    def generate(prompts: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            for _ in range(spec.new_tokens):
+                for inputs, weight, bias, out in ops:
+                    if bias is None:
+                        torch.mm(inputs, weight, out=out)
+                    else:
+                        torch.addmm(bias, inputs, weight, out=out)
+        return placeholder
+
+    return generate
+
+
+def bench_scaling(args) -> dict:
+    """Our GPT engine at each batch in --scaling-batches vs the fp32 matmul roofline, interleaved per batch."""
+    spec = release_gpt_spec()
+    print(f"Scaling (our GPT engine vs its fp32 matmul roofline): {spec}", flush=True)
+    ours = run_ours_gpt(spec, args.runtime, args.workdir)
+    rows = []
+    for batch in args.scaling_batches:
+        prompts = make_prompts(spec, batch)
+        systems = {"ours": ours, "roofline": run_roofline_gpt(spec, batch)}
+        times, _ = measure(systems, [prompts], spec.new_tokens, args.warmup, args.repeats)
+        tokens = batch * spec.new_tokens
+        ours_tp = tokens / statistics.median(times["ours"])
+        roofline_tp = tokens / statistics.median(times["roofline"])
+        rows.append({"batch": batch, "ours_tokens_per_s": ours_tp, "roofline_tokens_per_s": roofline_tp,
+                     "fraction_of_roofline": ours_tp / roofline_tp,
+                     "roofline_step_ms": statistics.median(times["roofline"]) / spec.new_tokens * 1000,
+                     "ours_seconds": [round(t, 4) for t in times["ours"]],
+                     "roofline_seconds": [round(t, 4) for t in times["roofline"]]})
+        print(f"  batch {batch:>3}: ours {ours_tp:>9.1f} tok/s   roofline {roofline_tp:>9.1f} tok/s   "
+              f"fraction {ours_tp / roofline_tp:.2f}", flush=True)
+    return {"case": f"gpt scaling, release shape, greedy {spec.prompt_tokens}+{spec.new_tokens} tokens",
+            "spec": asdict(spec), "rows": rows}
+
+
+def print_scaling(scaling: dict) -> None:
+    header = f"{'batch':>5} {'ours tok/s':>12} {'roofline tok/s':>15} {'fraction':>9} {'roofline ms/step':>17}"
+    print(f"\n{scaling['case']} (median of {len(scaling['rows'][0]['ours_seconds']) if scaling['rows'] else 0} "
+          "passes; roofline = the step's matmuls in torch, same threads)")
+    print("=" * len(header))
+    print(header)
+    print("-" * len(header))
+    for row in scaling["rows"]:
+        print(f"{row['batch']:>5} {row['ours_tokens_per_s']:>12.1f} {row['roofline_tokens_per_s']:>15.1f} "
+              f"{row['fraction_of_roofline']:>9.2f} {row['roofline_step_ms']:>17.3f}")
+    print("=" * len(header))
+
+
 def _fmt(value: float | None, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
 
@@ -506,20 +638,26 @@ def print_result(result: dict) -> None:
     print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items()))
     if "transformers_optimum_agreement" in result:
         print(f"    identical outputs transformers vs optimum: {result['transformers_optimum_agreement']:.0%}")
+    if "ours_genai_agreement" in result:
+        print(f"    identical outputs ours vs genai (same graph): {result['ours_genai_agreement']:.0%} of rows, "
+              f"{result['ours_genai_identical_tokens']}/{result['ours_genai_total_tokens']} tokens")
+        if result["ours_genai_agreement"] < 1.0:
+            print("    WARNING: ours and genai run the same graph greedily; their tokens should be identical")
     print(flush=True)
 
 
 def print_table(results: list[dict]) -> None:
-    header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'ours':>10} " \
-             f"{'ours/transf.':>12} {'ours/optimum':>12} {'optimum/transf.':>15}"
+    header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ours':>10} " \
+             f"{'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} {'optimum/transf.':>15}"
     print("=" * len(header))
     print(header)
     print("-" * len(header))
     for r in results:
         tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
         ratios = r["ratios"]
-        print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['ours']:>10} "
-              f"{_fmt(ratios['ours/transformers'], '.2f'):>12} {_fmt(ratios['ours/optimum'], '.2f'):>12} "
+        print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['genai']:>10} "
+              f"{tp['ours']:>10} {_fmt(ratios['ours/transformers'], '.2f'):>12} "
+              f"{_fmt(ratios['ours/optimum'], '.2f'):>12} {_fmt(ratios['ours/genai'], '.2f'):>10} "
               f"{_fmt(ratios['optimum/transformers'], '.2f'):>15}")
     print("=" * len(header))
 
@@ -532,12 +670,13 @@ def environment(runtime: Runtime) -> dict:
             versions[package] = getattr(module, "__version__", "installed")
         except ImportError:
             versions[package] = None
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import version
 
-        versions["optimum-onnx"] = version("optimum-onnx")
-    except Exception:  # noqa: BLE001 - not installed
-        versions["optimum-onnx"] = None
+    for distribution in ("optimum-onnx", "onnxruntime-genai"):
+        try:
+            versions[distribution] = version(distribution)
+        except Exception:  # noqa: BLE001 - not installed
+            versions[distribution] = None
     return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
             "threads": runtime.threads, "spin": runtime.spin,
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(), "executable": sys.executable, "versions": versions}
@@ -555,8 +694,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sentences", type=int, default=None,
                         help="translation: source sentences per pass, one at a time (default 10; quick 3)")
     parser.add_argument("--gpt-batches", default="1,16", help="GPT batch sizes (default 1,16)")
-    parser.add_argument("--tasks", default="gpt,translation", help="comma-separated: gpt,translation")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: transformers,optimum,ours")
+    parser.add_argument("--scaling-batches", default="1,8,16,32,64,128",
+                        help="scaling table batch sizes (default 1,8,16,32,64,128)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated: transformers,optimum,genai,ours (the scaling task always runs ours)")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_engine.json"), help="JSON results")
     parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_engine"),
                         help="where exported models are kept between runs (default .cache/bench_engine)")
@@ -565,14 +707,15 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.sentences = args.sentences or (3 if args.quick else 10)
     args.gpt_batches = [int(b) for b in args.gpt_batches.split(",") if b]
+    args.scaling_batches = [int(b) for b in args.scaling_batches.split(",") if b]
     tasks = [t for t in args.tasks.split(",") if t]
     systems = [s for s in args.systems.split(",") if s]
     for name in systems:
         if name not in SYSTEMS:
             parser.error(f"unknown system {name!r}; choose from {SYSTEMS}")
     for task in tasks:
-        if task not in BUILDERS:
-            parser.error(f"unknown task {task!r}; choose from {tuple(BUILDERS)}")
+        if task not in TASKS:
+            parser.error(f"unknown task {task!r}; choose from {TASKS}")
 
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -596,13 +739,17 @@ def main(argv: list[str] | None = None) -> int:
         results += bench_gpt(args, systems)
     if "translation" in tasks:
         results += bench_translation(args, systems)
-    print_table(results)
+    scaling = bench_scaling(args) if "scaling" in tasks else None
+    if results:
+        print_table(results)
+    if scaling is not None:
+        print_scaling(scaling)
 
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "environment": env,
               "settings": {"repeats": args.repeats, "warmup": args.warmup, "sentences": args.sentences,
-                           "gpt_batches": args.gpt_batches, "gpt": asdict(GptSpec()),
-                           "translation": asdict(TranslationSpec())},
-              "results": results}
+                           "gpt_batches": args.gpt_batches, "scaling_batches": args.scaling_batches,
+                           "gpt": asdict(GptSpec()), "translation": asdict(TranslationSpec())},
+              "results": results, "scaling": scaling}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -17,16 +17,14 @@ import argparse
 import io
 import json
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 from PIL import Image
+
+from service.launcher import ServiceProcess
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120
@@ -60,63 +58,42 @@ def main() -> None:
     parser.add_argument("settings", nargs="*", help="extra server settings, KEY=VALUE (e.g. TSERVE_MAX_IMAGES=8)")
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSERVE_")}
-    env.update(PYTHONPATH=str(PROJECT_ROOT), TSERVE_REPOSITORY=args.repository, TSERVE_MODELS='["vit"]',
-               TSERVE_DRAIN_DELAY_S="0", TSERVE_PORT=str(port), TSERVE_LOG_LEVEL="WARNING",
-               **dict(kv.split("=", 1) for kv in args.settings))
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as workdir:
-        server = subprocess.Popen([sys.executable, "-m", "service"], cwd=workdir, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:
-                try:
-                    if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline or server.poll() is not None:
-                    sys.exit("the server did not become ready")
-                time.sleep(0.1)
-            normal = png(Image.new("L", (28, 28), 9))
-            assert httpx.post(url + "/v1/classify", files=[("files", ("n.png", normal))], timeout=30).status_code == 200
-            before = proc_mib(server.pid, "VmRSS")
-            with open(f"/proc/{server.pid}/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # VmHWM := VmRSS: the peak is the attack's
-            big = png(Image.new("RGBA", (args.size, args.size), (200, 30, 40, 128)))
-            files = [("files", (f"big{i}.png", big, "image/png")) for i in range(args.images)]
+    extra = dict(kv.split("=", 1) for kv in args.settings)  # over the defaults below, as given
+    with ServiceProcess("decode attack server", args.repository, env=extra, ready_timeout=READY_TIMEOUT_S,
+                        models='["vit"]', drain_delay_s=0, log_level="WARNING") as server:
+        url = server.url
+        normal = png(Image.new("L", (28, 28), 9))
+        assert httpx.post(url + "/v1/classify", files=[("files", ("n.png", normal))], timeout=30).status_code == 200
+        before = proc_mib(server.pid, "VmRSS")
+        with open(f"/proc/{server.pid}/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # VmHWM := VmRSS: the peak is the attack's
+        big = png(Image.new("RGBA", (args.size, args.size), (200, 30, 40, 128)))
+        files = [("files", (f"big{i}.png", big, "image/png")) for i in range(args.images)]
 
-            def attack(_):
-                started = time.monotonic()
-                response = httpx.post(url + "/v1/classify", files=files, data={"timeout_ms": str(args.timeout_ms)},
-                                      timeout=300)
-                error = response.json().get("error", {}).get("message", "")[:200]
-                return response.status_code, round(time.monotonic() - started, 3), error
+        def attack(_):
+            started = time.monotonic()
+            response = httpx.post(url + "/v1/classify", files=files, data={"timeout_ms": str(args.timeout_ms)},
+                                  timeout=300)
+            error = response.json().get("error", {}).get("message", "")[:200]
+            return response.status_code, round(time.monotonic() - started, 3), error
 
-            with ThreadPoolExecutor(args.requests) as pool:
-                results = list(pool.map(attack, range(args.requests)))
-            peak = proc_mib(server.pid, "VmHWM")
-            cpu = cpu_seconds(server.pid)
-            time.sleep(AFTER_S)
-            cpu_after = cpu_seconds(server.pid) - cpu
-            after = proc_mib(server.pid, "VmRSS")
-            normal_status = httpx.post(url + "/v1/classify", files=[("files", ("n.png", normal))],
-                                       timeout=30).status_code
-            print(json.dumps({
-                "attack": f"{args.requests} x {args.images} RGBA PNGs of {args.size}x{args.size} ({len(big)} bytes "
-                          f"each), timeout_ms {args.timeout_ms}",
-                "statuses": sorted(status for status, _, _ in results),
-                "client_latency_s": sorted(latency for _, latency, _ in results),
-                "first_error": results[0][2], "rss_before_mib": before, "rss_peak_mib": peak,
-                f"rss_{AFTER_S:g}s_after_mib": after, f"server_cpu_s_in_{AFTER_S:g}s_after": round(cpu_after, 2),
-                "normal_image_after": normal_status}))
-        finally:
-            server.terminate()
-            server.wait(30)
+        with ThreadPoolExecutor(args.requests) as pool:
+            results = list(pool.map(attack, range(args.requests)))
+        peak = proc_mib(server.pid, "VmHWM")
+        cpu = cpu_seconds(server.pid)
+        time.sleep(AFTER_S)
+        cpu_after = cpu_seconds(server.pid) - cpu
+        after = proc_mib(server.pid, "VmRSS")
+        normal_status = httpx.post(url + "/v1/classify", files=[("files", ("n.png", normal))],
+                                   timeout=30).status_code
+        print(json.dumps({
+            "attack": f"{args.requests} x {args.images} RGBA PNGs of {args.size}x{args.size} ({len(big)} bytes "
+                      f"each), timeout_ms {args.timeout_ms}",
+            "statuses": sorted(status for status, _, _ in results),
+            "client_latency_s": sorted(latency for _, latency, _ in results),
+            "first_error": results[0][2], "rss_before_mib": before, "rss_peak_mib": peak,
+            f"rss_{AFTER_S:g}s_after_mib": after, f"server_cpu_s_in_{AFTER_S:g}s_after": round(cpu_after, 2),
+            "normal_image_after": normal_status}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python -m export.verify_served --repository model_repository [--data-dir DIR] [--url URL] [--kinds vit]
 
-Starts `python -m service` on the repository (or uses --url), then
+Starts `python -m service` on the repository with default settings (service.launcher: no inherited TSERVE_*
+variable, no .env file), or uses --url, then
 - translation: sacreBLEU (cased, 13a) of `POST /v1/translate` (beam 4) on Multi30k test_2016_flickr, compared with
   the PyTorch model's `bleu` in metrics.json: must be within 0.2;
 - vit: accuracy of `POST /v1/classify` on the 10,000 Fashion-MNIST test images (sent as PNG files), compared with
@@ -15,13 +16,10 @@ Prints JSON; exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,33 +28,11 @@ import sacrebleu
 from PIL import Image
 
 from models import data
+from service.launcher import ServiceProcess
 from service.repository import ModelRepository
 
 BLEU_TOLERANCE = 0.2
 ACCURACY_TOLERANCE = 0.1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(repository: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = {**os.environ, "TSERVE_REPOSITORY": str(repository), "TSERVE_PORT": str(port), "TSERVE_LOG_LEVEL": "WARNING"}
-    process = subprocess.Popen([sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the service did not become ready within 120 s")
 
 
 def _post(client: httpx.Client, path: str, **kwargs) -> dict:
@@ -117,17 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--kinds: unknown {unknown}; choose from {sorted(checks)}")
     present = [kind for kind in wanted if repository.versions(kind)]
-    process, url = (None, args.url) if args.url else _start_server(args.repository)
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(
+            ServiceProcess("verify_served", args.repository, log_level="WARNING", drain_delay_s=0)).url
         results = {}
         for kind in present:
             card = json.loads((repository.get(kind).path / "metrics.json").read_text())
             results[kind] = checks[kind](url, card, data_dir)
         results["skipped"] = [kind for kind in wanted if kind not in present]
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=60)
     print(json.dumps(results, indent=2))
     return 0 if all(r["ok"] for k, r in results.items() if k != "skipped") else 1
 

@@ -106,8 +106,9 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
         "tiny": (
             TranslationConfig(vocab_size=1000, d_model=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
                               d_ff=128, dropout=0.1, max_positions=128),
-            TrainConfig(epochs=2, batch_tokens=1500, lr=3e-3, warmup_steps=50,
-                        schedule="inverse_sqrt", weight_decay=0.0, label_smoothing=0.1, train_limit=10000,
+            # the first 1,000 pairs (the test fixtures' train split, tests/fixtures) x 16 epochs: 288 steps
+            TrainConfig(epochs=16, batch_tokens=1500, lr=3e-3, warmup_steps=50,
+                        schedule="inverse_sqrt", weight_decay=0.0, label_smoothing=0.1, train_limit=1000,
                         eval_limit=100, checkpoint_every=1000),
         ),
         "release": (
@@ -132,8 +133,9 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
     "vit": {
         "tiny": (
             ViTConfig(patch_size=7, d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0),
-            TrainConfig(epochs=2, batch_size=128, lr=3e-3, warmup_steps=20, weight_decay=0.05,
-                        label_smoothing=0.1, train_limit=20000, eval_limit=2000, checkpoint_every=1000),
+            # the first 500 images (the test fixtures' train split, tests/fixtures) x 40 epochs: 280 steps
+            TrainConfig(epochs=40, batch_size=64, lr=3e-3, warmup_steps=20, weight_decay=0.05,
+                        label_smoothing=0.1, train_limit=500, eval_limit=2000, checkpoint_every=1000),
         ),
         "release": (
             # patch 7 (16 tokens) trains 2.5x faster per epoch than patch 4 (49 tokens) at the same loss per

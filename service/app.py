@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from service import tracing
 from service.auth import ApiKeyMiddleware, load_api_keys
 from service.errors import install_error_handlers
 from service.imaging import ImageDecoder
@@ -51,6 +52,7 @@ def _hook_sigterm(registry: ModelRegistry, drain_delay_s: float) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     metrics = Metrics()
+    tracing.configure_from_environment()  # OTEL_* (service.tracing): off unless they ask for it
     registry = ModelRegistry(settings, metrics)
 
     @asynccontextmanager
@@ -60,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _hook_sigterm(registry, settings.drain_delay_s)
         yield
         registry.stop(settings.drain_timeout_s)
+        tracing.flush()  # the spans still buffered
         app.state.image_decoder.close()
 
     app = FastAPI(

@@ -1,5 +1,6 @@
 """ASGI middleware around every request: request id, body size and body time limits, a JSON 500 for anything
-unexpected, the request metrics and the access log.
+unexpected, the request metrics and the access log, and the request's trace span when tracing is on
+(`service.tracing`; its trace id goes into the access log).
 
 A pure ASGI middleware (not `BaseHTTPMiddleware`), so streamed responses pass through untouched and the request
 duration runs to the last byte. Routes put `model`, `version` and `mode` into `request.state` for the labels, and
@@ -21,6 +22,7 @@ import re
 import time
 import uuid
 
+from service import tracing
 from service.errors import OPENAI_PATHS, ClientBodyError, error_payload
 from service.logs import log_access
 from service.metrics import Metrics
@@ -66,6 +68,8 @@ class RequestMiddleware:
         request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
+        span = tracing.start_request(scope, headers) if tracing.tracer is not None else None  # off: one check
+        failure = None
         status = 500
         response_started = False
 
@@ -104,7 +108,8 @@ class RequestMiddleware:
                 await self._send_error(scope, send_with_id, error.status_code, error.type, error.detail, error.headers)
             else:
                 await self.app(scope, limited_receive, send_with_id)
-        except Exception:
+        except Exception as exc:
+            failure = exc
             if response_started:
                 raise  # a response is under way: only cutting the connection tells the client it is incomplete
             log.exception("unhandled error on %s", scope.get("path"))
@@ -112,7 +117,8 @@ class RequestMiddleware:
         finally:
             for loaded in state.pop("leases", ()):  # the model versions the request resolved (serving.context)
                 loaded.release()
-            self._observe(scope, state, status, time.perf_counter() - started, request_id)
+            trace_id = None if span is None else span.end(scope, state, status, failure)
+            self._observe(scope, state, status, time.perf_counter() - started, request_id, trace_id)
 
     def _too_large(self) -> ClientBodyError:
         return ClientBodyError(413, "payload_too_large",
@@ -128,7 +134,8 @@ class RequestMiddleware:
                                 (b"content-length", str(len(body)).encode())] + extra})
         await send({"type": "http.response.body", "body": body})
 
-    def _observe(self, scope, state, status: int, seconds: float, request_id: str) -> None:
+    def _observe(self, scope, state, status: int, seconds: float, request_id: str,
+                 trace_id: str | None = None) -> None:
         path = scope.get("path", "")
         endpoint = _endpoint(path)
         model, version, mode = state.get("model", ""), str(state.get("version", "")), state.get("mode", "")
@@ -142,4 +149,4 @@ class RequestMiddleware:
         if endpoint not in ("/metrics", "/health/live", "/health/ready"):
             log_access(request_id=request_id, method=scope.get("method"), path=path, model=model or None,
                        version=int(version) if version else None, mode=mode or None, status=status,
-                       latency_ms=round(seconds * 1000, 2))
+                       latency_ms=round(seconds * 1000, 2), **({"trace_id": trace_id} if trace_id else {}))

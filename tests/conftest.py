@@ -1,11 +1,21 @@
-"""Session-wide fixtures: the data folder and the three `tiny` presets trained once through the real CLI.
+"""Session-wide fixtures: the data folders and the three `tiny` presets trained once through the real CLI.
+
+`data_dir` is ALWAYS the committed fixtures, tests/fixtures/data (the first few hundred examples of each split,
+made by tests/fixtures/make_fixtures.py), so CI and every developer's machine run the same tests on the same data.
+`full_data_dir` is the full data sets, for the few tests that need them: $TSERVE_DATA_DIR, else ../shared/data
+beside the checkout, else ./data (models.data's order); those tests are skipped, naming what is missing and
+`make data`, when it is absent.
 
 `TSERVE_TEST_CACHE=DIR` keeps the tiny runs and their repository in DIR between test sessions (for quick
-iterations while developing; CI leaves it unset and trains afresh).
+iterations while developing; CI leaves it unset and trains afresh). They live under a folder named by a
+fingerprint of the tiny presets and the fixture data, so changing either trains afresh.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -13,27 +23,78 @@ from pathlib import Path
 
 import pytest
 
-from models.data import resolve_data_dir
+from models.data import ENV_VAR
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_DATA = PROJECT_ROOT / "tests" / "fixtures" / "data"
+_MAKE_DATA = "get them with `make data` (or set TSERVE_DATA_DIR to a folder that holds them)"
 
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    explicit = os.environ.get("TSERVE_DATA_DIR")
+    """The committed data fixtures, whatever TSERVE_DATA_DIR says (tests/fixtures/README.md)."""
+    assert (FIXTURE_DATA / "multi30k" / "train.de.gz").is_file(), \
+        f"{FIXTURE_DATA} is missing: regenerate it with `python tests/fixtures/make_fixtures.py FULL_DATA_DIR`"
+    return FIXTURE_DATA
+
+
+def find_full_data() -> tuple[Path | None, str]:
+    """(the full data folder, "") or (None, why it is not usable): the folder models.data would resolve to, which
+    must hold every file `make data` fetches."""
+    from models.fetch import FILES
+
+    explicit = os.environ.get(ENV_VAR)
     if explicit:
-        return resolve_data_dir(explicit)
-    beside_checkout = PROJECT_ROOT.parent / "shared" / "data"
-    return resolve_data_dir(beside_checkout if beside_checkout.is_dir() else None)
+        folder, how = Path(explicit), ENV_VAR
+    else:
+        beside_checkout = PROJECT_ROOT.parent / "shared" / "data"
+        folder, how = (beside_checkout, "default") if beside_checkout.is_dir() else (PROJECT_ROOT / "data", "default")
+    if not folder.is_dir():
+        return None, f"no data folder at {folder.absolute()} ({how})"
+    if folder.resolve() == FIXTURE_DATA.resolve():
+        return None, f"{folder} ({how}) is the test fixtures, not the full sets"
+    missing = [f.path for f in FILES if not (folder / f.path).is_file()]
+    if missing:
+        return None, f"{folder.absolute()} ({how}) lacks {', '.join(missing)}"
+    return folder.resolve(), ""
+
+
+@pytest.fixture(scope="session")
+def full_data_dir() -> Path:
+    """The full data sets (Multi30k, tinyshakespeare, Fashion-MNIST); skips the test when they are absent."""
+    folder, problem = find_full_data()
+    if folder is None:
+        pytest.skip(f"needs the full data sets: {problem}; {_MAKE_DATA}")
+    return folder
+
+
+def _cache_key() -> str:
+    """Fingerprint of what the cached tiny runs depend on: the tiny presets and the fixture files."""
+    from models.config import PRESETS
+
+    digest = hashlib.sha256()
+    for task in ("translation", "gpt", "vit"):
+        model_cfg, train_cfg = PRESETS[task]["tiny"]
+        digest.update(json.dumps([task, dataclasses.asdict(model_cfg), dataclasses.asdict(train_cfg)],
+                                 sort_keys=True, default=str).encode())
+    for path in sorted(FIXTURE_DATA.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(FIXTURE_DATA).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _cache_root() -> Path | None:
+    cache = os.environ.get("TSERVE_TEST_CACHE")
+    return Path(cache) / f"tiny-{_cache_key()}" if cache else None
 
 
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory, data_dir) -> dict[str, Path]:
-    """Run folders of `python -m models.train <task> --preset tiny`, trained once per test session."""
+    """Run folders of `python -m models.train <task> --preset tiny` on the fixtures, trained once per session."""
     from models.train import main
 
-    cache = os.environ.get("TSERVE_TEST_CACHE")
-    root = Path(cache) / "runs" if cache else tmp_path_factory.mktemp("runs")
+    cache = _cache_root()
+    root = cache / "runs" if cache else tmp_path_factory.mktemp("runs")
     runs = {}
     for task in ("translation", "gpt", "vit"):
         out = root / f"{task}-tiny"
@@ -49,8 +110,8 @@ def tiny_repository(tmp_path_factory, tiny_runs, data_dir) -> Path:
     """A model repository with version 1 of each tiny model, exported (and parity-checked) by the real CLI."""
     from export.__main__ import main
 
-    cache = os.environ.get("TSERVE_TEST_CACHE")
-    repository = Path(cache) / "repository" if cache else tmp_path_factory.mktemp("repository")
+    cache = _cache_root()
+    repository = cache / "repository" if cache else tmp_path_factory.mktemp("repository")
     for kind, run_dir in tiny_runs.items():
         if cache and (repository / kind / "1").is_dir():
             continue

@@ -1,8 +1,10 @@
-"""Dataset loaders: real data (must be present: these tests fail, not skip, without it) and error cases."""
+"""Dataset loaders: the committed fixtures and the full sets (when present), the fixtures' provenance, and error
+cases."""
 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -19,26 +21,50 @@ from models.data import (
     resolve_data_dir,
 )
 
-# --- real data ---------------------------------------------------------------------------------------------------
+# --- real data: the fixtures (always) and the full sets (skipped unless present) -----------------------------------
+
+# what each folder holds; the fixtures are the first N of every split (tests/fixtures/make_fixtures.py)
+EXPECTED = {
+    "fixtures": {
+        "multi30k": {"train": 1_000, "val": 300, "test_2016_flickr": 300},
+        "shakespeare_chars": 100_000, "shakespeare_distinct": 61,
+        "fashion_labels": {"train": [52, 54, 47, 49, 53, 51, 53, 49, 50, 42],
+                           "test": [55, 52, 65, 46, 57, 39, 47, 47, 44, 48]},
+    },
+    "full": {
+        "multi30k": {"train": 29_000, "val": 1_014, "test_2016_flickr": 1_000},
+        "shakespeare_chars": 1_115_394, "shakespeare_distinct": 65,
+        "fashion_labels": {"train": [6_000] * 10, "test": [1_000] * 10},
+    },
+}
 
 
-@pytest.mark.parametrize("split,count", [("train", 29_000), ("val", 1_014), ("test_2016_flickr", 1_000)])
-def test_multi30k_counts(data_dir, split, count):
-    pairs = load_multi30k(data_dir, split)
-    assert len(pairs) == count
+@pytest.fixture(params=["fixtures", "full"])
+def dataset(request) -> tuple[Path, dict]:
+    """(folder, what it holds): tests/fixtures/data, then the full data sets (skipped when absent)."""
+    folder = request.getfixturevalue("data_dir" if request.param == "fixtures" else "full_data_dir")
+    return folder, EXPECTED[request.param]
+
+
+@pytest.mark.parametrize("split", MULTI30K_SPLITS)
+def test_multi30k_counts(dataset, split):
+    folder, expected = dataset
+    pairs = load_multi30k(folder, split)
+    assert len(pairs) == expected["multi30k"][split]
     assert all(de and en and de == de.strip() and en == en.strip() for de, en in pairs)
 
 
-def test_multi30k_first_pairs(data_dir):
-    assert load_multi30k(data_dir, "train")[0] == (
+def test_multi30k_first_pairs(dataset):
+    folder, _ = dataset
+    assert load_multi30k(folder, "train")[0] == (
         "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
         "Two young, White males are outside near many bushes.",
     )
-    assert load_multi30k(data_dir, "val")[0] == (
+    assert load_multi30k(folder, "val")[0] == (
         "Eine Gruppe von Männern lädt Baumwolle auf einen Lastwagen",
         "A group of men are loading cotton onto a truck",
     )
-    assert load_multi30k(data_dir, "test_2016_flickr")[0] == (
+    assert load_multi30k(folder, "test_2016_flickr")[0] == (
         "Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt.",
         "A man in an orange hat starring at something.",
     )
@@ -50,21 +76,25 @@ def test_multi30k_bad_split(data_dir):
         load_multi30k(data_dir, "test")
 
 
-def test_shakespeare_split(data_dir):
-    train, val = load_shakespeare(data_dir)
-    assert len(train) + len(val) == 1_115_394
-    assert len(train) == 1_003_854 and len(val) == 111_540  # int(0.9 * n), as in nanoGPT
+def test_shakespeare_split(dataset):
+    folder, expected = dataset
+    train, val = load_shakespeare(folder)
+    n = expected["shakespeare_chars"]
+    assert len(train) + len(val) == n
+    assert len(train) == int(0.9 * n) and len(val) == n - int(0.9 * n)  # as in nanoGPT: full 1,003,854 + 111,540
     assert train.startswith("First Citizen:\nBefore we proceed any further, hear me speak.")
-    assert len(set(train + val)) == 65
+    assert len(set(train + val)) == expected["shakespeare_distinct"]
 
 
-@pytest.mark.parametrize("split,count", [("train", 60_000), ("test", 10_000)])
-def test_fashion_mnist(data_dir, split, count):
-    images, labels = load_fashion_mnist(data_dir, split)
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_fashion_mnist(dataset, split):
+    folder, expected = dataset
+    images, labels = load_fashion_mnist(folder, split)
+    count = sum(expected["fashion_labels"][split])
     assert images.shape == (count, 28, 28) and images.dtype == np.uint8
     assert labels.shape == (count,) and labels.dtype == np.int64
     assert labels.min() == 0 and labels.max() == 9
-    assert np.bincount(labels).tolist() == [count // 10] * 10
+    assert np.bincount(labels).tolist() == expected["fashion_labels"][split]
     assert images.max() == 255 and images.min() == 0
     assert len(FASHION_MNIST_LABELS) == 10 and FASHION_MNIST_LABELS[9] == "Ankle boot"
 
@@ -72,6 +102,23 @@ def test_fashion_mnist(data_dir, split, count):
 def test_fashion_mnist_bad_split(data_dir):
     with pytest.raises(ValueError):
         load_fashion_mnist(data_dir, "t10k")
+
+
+def test_fixtures_are_what_make_fixtures_makes_from_the_full_sets(full_data_dir, data_dir, tmp_path):
+    """The committed fixtures are reproducible: the script, run on the full sets, gives the same content (compared
+    decompressed, so another zlib's different gzip bytes do not matter) and no other file."""
+    spec = importlib.util.spec_from_file_location("make_fixtures", data_dir.parent / "make_fixtures.py")
+    make_fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_fixtures)
+    made = make_fixtures.make(full_data_dir, tmp_path)
+    committed = sorted(p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file())
+    assert sorted(made) == committed
+
+    def content(path: Path) -> bytes:
+        return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+
+    for name in made:
+        assert content(tmp_path / name) == content(data_dir / name), name
 
 
 # --- data folder resolution ------------------------------------------------------------------------------------

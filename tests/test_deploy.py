@@ -9,24 +9,18 @@ A missing tool fails (never skips): CI must prove these checks; deploy/ci-packag
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from deploy_support import (
-    TOOLS,
-    free_port,
-    render_nginx_conf,
-    require_tool,
-    start_service,
-    stop_process_group,
-)
+from deploy_support import TOOLS, render_nginx_conf, require_tool
 
+from service.launcher import ServiceProcess
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -265,6 +259,37 @@ def test_dockerfile(dockerfile):
     assert "EXPOSE 8000" in instructions
 
 
+def test_locust_image_has_the_project_modules_the_locustfile_imports():
+    """deploy/Dockerfile.locust copies modules, not the package: each project module the locustfile imports (and
+    they import, at their top level) must be copied, with its package's __init__.py, and let in by .dockerignore."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile.locust").read_text())
+    packages = ("models", "service", "export")
+    copied = {source for line in text.splitlines() if line.startswith("COPY") and "--from=" not in line
+              for source in line.split()[1:-1]}
+    for source in copied:
+        assert (ROOT / source).exists(), f"Dockerfile.locust: COPY {source}: missing"
+        assert _dockerignore_allows(source.rstrip("/")), f".dockerignore excludes {source} (Dockerfile.locust)"
+
+    def project_imports(path: Path) -> set[str]:
+        modules = set()
+        for node in ast.parse(path.read_text()).body:  # top level, and try/except ImportError fallbacks
+            branches = [*node.body, *(s for h in node.handlers for s in h.body)] if isinstance(node, ast.Try) else []
+            for statement in [node, *branches]:
+                if isinstance(statement, ast.ImportFrom) and (statement.module or "").split(".")[0] in packages:
+                    modules.add(statement.module)
+        return modules
+
+    todo, seen = project_imports(DEPLOY / "locust" / "locustfile.py"), set()
+    assert "service.sse" in todo
+    while todo:
+        module = todo.pop()
+        seen.add(module)
+        package, _, name = module.partition(".")
+        for needed in (f"{package}/__init__.py", f"{package}/{name or '__init__'}.py"):
+            assert needed in copied or f"{package}/" in copied, f"Dockerfile.locust does not copy {needed}"
+        todo |= project_imports(ROOT / package / f"{name or '__init__'}.py") - seen
+
+
 # --- Kubernetes -------------------------------------------------------------------------------------------------
 
 
@@ -360,32 +385,17 @@ def test_grafana_provisioning_and_dashboard():
 
 
 def test_dashboard_and_alerts_use_only_exported_metrics(tiny_repository, tmp_path):
-    port = free_port()
-    log = tmp_path / "service.log"
-    process = start_service(tiny_repository, port, tmp_path, log)
-    url = f"http://127.0.0.1:{port}"
+    service = ServiceProcess("service", tiny_repository, tmp_path, ready_timeout=180, intra_op_threads=1)
     try:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            deadline = time.monotonic() + 180
-            while True:
-                assert process.poll() is None, f"the service exited with {process.returncode}"
-                try:
-                    if client.get("/health/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the service was not ready within 180 s"
-                time.sleep(0.25)
+        with service, httpx.Client(base_url=service.url, timeout=30) as client:
             # one request of each kind, so every labelled family has samples too
             assert client.post("/v1/translate", json={"text": "Ein Hund läuft.", "num_beams": 2}).status_code == 200
             assert client.post("/v1/generate", json={"prompt": "ROMEO:", "max_new_tokens": 8}).status_code == 200
             assert client.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 9999}).status_code == 422
             metrics = client.get("/metrics").text
     except BaseException:
-        print(log.read_text(errors="replace"))
+        print(service.output())
         raise
-    finally:
-        stop_process_group(process)
 
     exported = exported_names(metrics)
     assert "tserve_request_duration_seconds_bucket" in exported and "tserve_images_total" in exported

@@ -23,7 +23,8 @@ def test_version_folder_is_complete(tiny_repository, kind, files):
     metrics = json.loads((folder / "metrics.json").read_text())
     checks = metrics["export_checks"]
     assert all(v <= 1e-4 for k, v in checks.items() if k.endswith("diff"))
-    assert checks.get("greedy_identical", checks.get("argmax_identical")) in ("50/50", "1000/1000")
+    # 50 validation prompts/sentences; the ViT: the first 1,000 test images, all 500 of the fixtures
+    assert checks.get("greedy_identical", checks.get("argmax_identical")) in ("50/50", "500/500")
     card = (folder / "README.md").read_text()
     assert "python -m models.train" in card and "Export checks" in card and str(metrics["parameters"]) in \
         card.replace(",", "")
@@ -104,5 +105,5 @@ def test_fp16_weight_storage_halves_the_files_and_keeps_the_outputs(tiny_runs, t
                         "--data-dir", str(data_dir), "--weights", "fp16"]) == 0
     checks = json.loads((tmp_path / "vit" / "1" / "metrics.json").read_text())["export_checks"]
     same, total = map(int, checks["fp16_weights_same_argmax_as_fp32"].split("/"))
-    assert total == 1000 and same >= 990 and abs(checks["onnx_test_accuracy_minus_pytorch"]) <= 0.5
+    assert total == 500 and same >= 495 and abs(checks["onnx_test_accuracy_minus_pytorch"]) <= 0.5
     assert "float16" in json.loads((tmp_path / "gpt" / "1" / "config.json").read_text())["weights_storage"]

@@ -24,11 +24,11 @@ import uvicorn
 from PIL import Image
 from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
     ServerProcess,
-    _free_port,
     _print_server_output_on_failure,
 )
 
 from service.app import create_app
+from service.launcher import free_port
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -374,7 +374,7 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_not_a_bad_input(tiny_r
 
 def test_an_internal_error_is_a_json_500_and_the_connection_lives_on(tiny_repository):
     app = create_app(Settings(repository=tiny_repository, models=["gpt"], drain_delay_s=0))
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

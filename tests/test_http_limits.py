@@ -22,12 +22,12 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
     ServerProcess,
-    _free_port,
     _print_server_output_on_failure,
     poll,
 )
 
 from service.http_limits import limited_http_protocol
+from service.launcher import free_port
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -313,7 +313,7 @@ def test_a_pipelined_head_that_times_out_during_a_response_gets_no_response_writ
     reasons: list[str] = []
     settings = Settings(_env_file=None, header_timeout_s=HEADER_TIMEOUT_S, max_header_bytes=MAX_HEADER_BYTES,
                         max_header_count=MAX_HEADER_COUNT)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(slow_app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
                                            http=limited_http_protocol(settings, reasons.append)))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -13,12 +13,12 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from deploy_support import clean_env, free_port, start_service, stop_process_group
+
+from service.launcher import ServiceProcess, clean_environment
 
 pytestmark = pytest.mark.slow
 
@@ -46,32 +46,21 @@ def read_stats(prefix: Path) -> dict[str, dict[str, str]]:
 
 def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path):
     require_locust()
-    port = free_port()
-    service_log = tmp_path / "service.log"
     # the service reads .env in its working directory (pydantic-settings): every /v1 request needs the key
     (tmp_path / ".env").write_text(f"TSERVE_API_KEYS={json.dumps([API_KEY])}\n")
-    service = start_service(tiny_repository, port, tmp_path, service_log)
+    service = ServiceProcess("service", tiny_repository, tmp_path, ready_timeout=180, intra_op_threads=1)
     locust_log = tmp_path / "locust.log"
     prefix = tmp_path / "loadtest"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert service.poll() is None, f"the service exited with {service.returncode}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the service was not ready within 180 s"
-            time.sleep(0.25)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401, "the key is not on"
+        service.start()
+        assert httpx.get(f"{service.url}/v1/models", timeout=5).status_code == 401, "the key is not on"
 
         # the tiny GPT's context is 64 tokens: 16 prompt + 24 new (chat: 17 more of template, 17 fewer new)
-        load_env = {**clean_env(), "TSERVE_DATA_DIR": str(data_dir), "TSERVE_LOAD_PROMPT_CHARS": "16",
+        load_env = {**clean_environment(), "TSERVE_DATA_DIR": str(data_dir), "TSERVE_LOAD_PROMPT_CHARS": "16",
                     "TSERVE_LOAD_MAX_NEW_TOKENS": "24", "TSERVE_LOAD_THINK_S": "0.05", "TSERVE_LOAD_API_KEY": API_KEY}
         command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
                    "--users", "4", "--spawn-rate", "4", "--run-time", "15s", "--stop-timeout", "20",
-                   "--host", f"http://127.0.0.1:{port}", "--csv", str(prefix), "--csv-full-history",
+                   "--host", service.url, "--csv", str(prefix), "--csv-full-history",
                    "--html", str(tmp_path / "loadtest.html"), "--exit-code-on-error", "1", "--loglevel", "WARNING"]
         with locust_log.open("wb") as out:
             locust = subprocess.run(command, cwd=tmp_path, env=load_env, stdout=out, stderr=subprocess.STDOUT,
@@ -104,12 +93,12 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
         assert summary["generated_tokens_per_s"] > 0 and summary["images_per_s"] > 0
         print(report.stdout)
     except BaseException:
-        for path in (service_log, locust_log):
-            if path.exists():
-                print(f"----- {path.name} -----\n{path.read_text(errors='replace')[-20000:]}")
+        print(service.output()[-20000:])
+        if locust_log.exists():
+            print(f"----- {locust_log.name} -----\n{locust_log.read_text(errors='replace')[-20000:]}")
         raise
     finally:
-        stop_process_group(service)
+        service.stop()
 
 
 def test_report_fails_over_the_failure_threshold(tmp_path):

@@ -21,7 +21,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import yaml
 from deploy_support import free_port, render_nginx_conf, require_tool, stop_process_group
 
 from models.data import load_fashion_mnist, load_multi30k
+from service.launcher import ServiceProcess
 
 pytestmark = pytest.mark.slow
 
@@ -86,18 +86,21 @@ class Process:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-class Service(Process):
-    def __init__(self, name: str, repository: Path, workdir: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TSERVE_")}
-        env.update(TSERVE_REPOSITORY=str(repository), TSERVE_HOST="127.0.0.1", TSERVE_PORT=str(self.port),
-                   TSERVE_INTRA_OP_THREADS="1", TSERVE_LOG_FORMAT="text", PYTHONPATH=str(ROOT))
-        super().__init__(name, [sys.executable, "-m", "service"], workdir, env)
+class Service(ServiceProcess):
+    """`python -m service` by the shared launcher, spawned at once (its port is known; wait_ready() later), text
+    logs in <workdir>/<name>.log; `popen`, `log()`, `kill()` and `stop()` as a Process's."""
 
-    def wait_ready(self, timeout: float = 180) -> None:
-        wait_for(f"{self.name} ready", lambda: httpx.get(f"{self.url}/health/ready", timeout=5).status_code == 200,
-                 timeout, self.popen)
+    def __init__(self, name: str, repository: Path, workdir: Path):
+        super().__init__(name, repository, workdir, log_path=workdir / f"{name}.log", ready_timeout=180,
+                         intra_op_threads=1, log_format="text")
+        self.spawn()
+
+    @property
+    def popen(self) -> subprocess.Popen:
+        return self.proc
+
+    def log(self) -> str:
+        return self.output()
 
 
 @pytest.fixture

@@ -15,11 +15,7 @@ Timing notes (the tiny models are fast: a 60-token GPT generation takes ~20 ms o
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +26,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.launcher import ServiceProcess, ServiceStartError
+from service.sse import parse_sse
+
 pytestmark = pytest.mark.slow
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 90.0
 GPT_CONTEXT = 64  # the tiny gpt preset's context, in (byte-level) tokens
 
@@ -46,122 +44,25 @@ HEAVY_TRANSLATE = {"text": [GERMAN, "Zwei Hunde spielen im Schnee.", "Kinder lau
                    "num_beams": 8, "max_new_tokens": 120, "min_new_tokens": 120}
 
 
-# --- the server process --------------------------------------------------------------------------------------
+# --- the server process: the shared launcher (service.launcher), with the tests' defaults and pytest glue ------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m service` in a subprocess, configured only through TSERVE_* variables; its stdout and stderr
-    are collected line by line by reader threads."""
+class ServerProcess(ServiceProcess):
+    """`service.launcher.ServiceProcess` as the tests use it: `(name, repository, workdir, **knobs)`, no drain delay
+    unless a knob says so, idle threads that sleep; a server that does not start fails the test with its output,
+    and the autouse fixture below prints what the servers wrote during a failing test."""
 
     def __init__(self, name: str, repository: Path, workdir: Path, **knobs):
-        self.name = name
-        self.repository = repository
-        self.workdir = workdir
         knobs.setdefault("drain_delay_s", 0)  # a test stops its servers at once unless it tests the drain
-        self.knobs = {f"TSERVE_{k.upper()}": str(v) for k, v in knobs.items()}
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
-        self._readers: list[threading.Thread] = []
+        super().__init__(name, repository, workdir, env={"OMP_WAIT_POLICY": "PASSIVE"}, ready_timeout=READY_TIMEOUT_S,
+                         **knobs)
         _SERVERS.append(self)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _spawn(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TSERVE_")}
-        env.update(PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")])))
-        self.port = _free_port()
-        env.update(TSERVE_REPOSITORY=str(self.repository), TSERVE_PORT=str(self.port), TSERVE_HOST="127.0.0.1",
-                   TSERVE_LOG_FORMAT="json", TSERVE_LOG_LEVEL="INFO", **self.knobs)
-        # cwd outside the checkout: no stray .env file changes the settings
-        self.proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=self.workdir, env=env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, encoding="utf-8", errors="replace", bufsize=1)
-        self._readers = [threading.Thread(target=self._read, args=(stream, sink), daemon=True)
-                         for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr))]
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, sink: list[str]) -> None:
-        for line in stream:
-            sink.append(line.rstrip("\n"))
-
-    def start(self, timeout: float = READY_TIMEOUT_S) -> ServerProcess:
-        """Start the process and poll `/health/ready` until 200; retry on another port if the port was taken."""
-        for _attempt in range(3):
-            self._spawn()
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-            else:
-                self.stop()
-                pytest.fail(f"{self.name}: not ready after {timeout:.0f}s\n{self.output()}")
-            self._join_readers()
-            if "address already in use" not in self.output().lower():
-                pytest.fail(f"{self.name}: exited with {self.proc.returncode} before it was ready\n{self.output()}")
-        pytest.fail(f"{self.name}: could not bind a free port\n{self.output()}")
-
-    def send_signal(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    def wait(self, timeout: float) -> int | None:
+    def start(self, timeout: float | None = None) -> ServerProcess:
         try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL if it does not exit in time; always reaps the process."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            if self.wait(timeout) is None:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._join_readers()
-
-    def _join_readers(self) -> None:
-        for reader in self._readers:
-            reader.join(timeout=5)
-
-    def output(self, since: tuple[int, int] = (0, 0)) -> str:
-        out, err = self.stdout[since[0]:], self.stderr[since[1]:]
-        return (f"--- {self.name} ({' '.join(f'{k}={v}' for k, v in self.knobs.items()) or 'defaults'}) stdout ---\n"
-                + "\n".join(out) + f"\n--- {self.name} stderr ---\n" + "\n".join(err))
-
-    def log_records(self) -> list[dict]:
-        """The stdout lines that are JSON objects."""
-        records = []
-        for line in list(self.stdout):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
-
-    def access_records(self, request_id: str | None = None) -> list[dict]:
-        return [r for r in self.log_records() if r.get("logger") == "tserve.access"
-                and (request_id is None or r.get("request_id") == request_id)]
+            return super().start(timeout)
+        except ServiceStartError as error:
+            message = str(error)
+        pytest.fail(message)
 
 
 _SERVERS: list[ServerProcess] = []
@@ -234,18 +135,6 @@ def assert_error(response: httpx.Response, status: int, error_type: str) -> dict
     assert body["error"]["type"] == error_type, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
     return body
-
-
-def parse_sse(raw: str) -> list[dict]:
-    """`data: {...}\\n\\n` events ending with `data: [DONE]\\n\\n` -> the JSON payloads (without [DONE])."""
-    assert raw.endswith("\n\n"), raw[-200:]
-    chunks = raw[:-2].split("\n\n")
-    assert chunks[-1] == "data: [DONE]", chunks[-3:]
-    events = []
-    for chunk in chunks[:-1]:
-        assert chunk.startswith("data: ") and "\n" not in chunk, repr(chunk)
-        events.append(json.loads(chunk[len("data: "):]))
-    return events
 
 
 def stream(client: httpx.Client, path: str, body: dict) -> list[dict]:

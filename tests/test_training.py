@@ -59,7 +59,7 @@ def test_evaluate_cli_reproduces_metrics(tiny_runs, data_dir, task, capsys):
     printed = json.loads(capsys.readouterr().out)
     saved = read_metrics(run_dir)
     key = {"gpt": "val_loss", "vit": "test_accuracy", "translation": "bleu"}[task]
-    if task == "vit":  # the tiny preset evaluates on 2,000 test images, the CLI was told 100
+    if task == "vit":  # the tiny preset evaluated all 500 test images of the fixtures, the CLI was told 100
         assert 0.0 <= printed[key] <= 100.0
     else:
         assert printed[key] == pytest.approx(saved[key], abs=1e-3)

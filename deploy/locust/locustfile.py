@@ -57,9 +57,11 @@ from locust import HttpUser, between, events, task
 
 try:
     from models.data import load_fashion_mnist, load_multi30k, load_shakespeare
+    from service.sse import SSEError, SSEParser
 except ImportError:  # run from a checkout without the project installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from models.data import load_fashion_mnist, load_multi30k, load_shakespeare
+    from service.sse import SSEError, SSEParser
 
 DEFAULT_WEIGHTS = ("translate_greedy=3,translate_beam=2,generate=2,generate_stream=2,classify=3,"
                    "openai_completion=1,openai_completion_stream=1,openai_chat=1,openai_chat_stream=1")
@@ -240,27 +242,25 @@ def _read_stream(response, started: float, is_token) -> _Stream:
     """Reads `data: ...` lines to `[DONE]`; an error event, a broken connection or a missing `[DONE]` is a problem.
     Sets the request's response time to the whole stream; the time to first token is at the first event for which
     `is_token(event)` holds."""
-    stream, length = _Stream(), 0
+    stream, length, sse = _Stream(), 0, SSEParser()
     try:
         for line in response.iter_lines():
             length += len(line) + 1
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:]
-            if payload == b"[DONE]":
+            event = sse.feed_line(line)
+            if sse.done:
                 stream.done = True
                 break
-            event = json.loads(payload)
-            if not isinstance(event, dict):
-                stream.problem = f"event is not an object: {payload[:300]!r}"
-                break
+            if event is None:
+                continue
             if "error" in event:
                 stream.problem = f"error event: {json.dumps(event['error'])[:300]}"
                 break
             if stream.first_token_ms is None and is_token(event):
                 stream.first_token_ms = (time.perf_counter() - started) * 1000
             stream.events.append(event)
-    except Exception as error:  # connection reset mid-stream, bad JSON
+    except SSEError as error:  # not JSON, not an object
+        stream.problem = f"after {len(stream.events)} events: {error}"
+    except Exception as error:  # connection reset mid-stream
         stream.problem = f"stream broken after {len(stream.events)} events: {error!r}"
     finally:
         response.request_meta["response_time"] = (time.perf_counter() - started) * 1000

@@ -32,11 +32,11 @@ from service.openai_protocol import (
 )
 from service.registry import LoadedModel
 from service.routes import with_body
-from service.routes.text import sse
 from service.serving import generate as generation
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
+from service.sse import event as sse_event
 
 OWNED_BY = "transformer-serving"
 # JSON has no -inf: a token the model gives no probability at all is reported at this log-probability, as OpenAI does
@@ -227,19 +227,19 @@ def _stream(request: Request, events: AsyncIterator[list[Piece | Finished]],
         delivered = False
         try:
             if first:
-                yield sse(chunk(first))
+                yield sse_event(chunk(first))
             async for batch in events:
                 deltas, failed = _merge(batch)
                 if deltas:
-                    yield sse(chunk([choice_delta(delta) for delta in deltas]))
+                    yield sse_event(chunk([choice_delta(delta) for delta in deltas]))
                 for event in failed:  # the middleware counts this reason
                     request.state.failure_reason = event.error.reason
-                    yield sse({"error": {"message": event.error.message, "type": "server_error"
+                    yield sse_event({"error": {"message": event.error.message, "type": "server_error"
                                          if event.error.status >= 500 else "invalid_request_error",
                                          "param": None, "code": event.error.type}})
             if usage is not None:
-                yield sse({**chunk([]), "usage": usage()})
-            yield sse("[DONE]")
+                yield sse_event({**chunk([]), "usage": usage()})
+            yield sse_event("[DONE]")
             delivered = True
         finally:
             if not delivered and not getattr(request.state, "failure_reason", None):  # the client went away

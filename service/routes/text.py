@@ -6,7 +6,6 @@ cancellation are the serving layer's.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -27,6 +26,7 @@ from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
+from service.sse import event as sse_event
 
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in {
     400: "A request the schema allows but this model cannot serve, with the reason: the prompt's tokens plus "
@@ -58,11 +58,6 @@ def build_router(models: RequestModels) -> APIRouter:
     return router
 
 
-def sse(payload) -> bytes:
-    """One server-sent event: `data: <JSON>` (or a bare string such as [DONE])."""
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
-
-
 def _native_stream(request: Request, events: AsyncIterator[list[Piece | Finished]],
                    final: Callable[[Completion], dict]) -> StreamingResponse:
     """This API's stream of one choice: `{"token", "index"}` per piece, a final event with `final(completion)`'s
@@ -75,16 +70,16 @@ def _native_stream(request: Request, events: AsyncIterator[list[Piece | Finished
                 chunk = []
                 for event in batch:
                     if isinstance(event, Piece):
-                        chunk.append(sse({"token": event.text, "index": index}))
+                        chunk.append(sse_event({"token": event.text, "index": index}))
                         index += 1
                     elif event.error is not None:  # the status (200) is already sent: the middleware counts this
                         request.state.failure_reason = event.error.reason
-                        chunk.append(sse({"error": {"type": event.error.type, "message": event.error.message}}))
+                        chunk.append(sse_event({"error": {"type": event.error.type, "message": event.error.message}}))
                     else:
-                        chunk.append(sse({"token": event.rest, "index": index, **final(event.completion)}))
+                        chunk.append(sse_event({"token": event.rest, "index": index, **final(event.completion)}))
                 if chunk:
                     yield b"".join(chunk)
-            yield sse("[DONE]")
+            yield sse_event("[DONE]")
             delivered = True
         finally:
             if not delivered and not getattr(request.state, "failure_reason", None):  # the client went away

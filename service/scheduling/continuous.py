@@ -84,6 +84,9 @@ class TextJob:
     streamed: int = 0
     first_token_at: float | None = None
     last_step_at: float | None = None
+    # phase boundaries (time.monotonic()) for the tracing spans, which the serving layer creates afterwards
+    admitted_at: float | None = None  # left the queue: its prefill starts
+    finished_at: float | None = None  # its results were collected
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request; its rows are freed at the next step boundary."""
@@ -242,6 +245,8 @@ class ContinuousBatcher:
         """Prefill the newcomers and append their rows to the batch; returns the new batch state. A prefill that
         raises fails the newcomers only; a newcomer whose first search step raises fails alone (its row is dead)."""
         started = time.monotonic()
+        for job in admitted:
+            job.admitted_at = started
         try:
             logits, new_state = self.backend.prefill([job.input_ids for job in admitted])
             keep = self._live_rows()
@@ -336,6 +341,7 @@ class ContinuousBatcher:
                 job.streamed = len(generated)
 
     def _complete(self, job: TextJob) -> None:
+        job.finished_at = time.monotonic()
         try:
             hypotheses: list[Hypothesis] = job.search.results()
         except Exception as error:

@@ -58,6 +58,11 @@ class ImageJob:
     future: Future = field(default_factory=Future)  # resolves to logits (n, classes) float32
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # for the tracing spans, which the serving layer creates afterwards: its batch's start (time.monotonic()),
+    # how many images that batch held, and when its logits were ready
+    started_at: float | None = None
+    batch_size: int = 0
+    finished_at: float | None = None
 
     @property
     def size(self) -> int:
@@ -256,9 +261,12 @@ class DynamicBatcher:
         return logits
 
     def _observe_start(self, jobs: list[ImageJob], started: float) -> None:
+        images = min(sum(job.size for job in jobs), self.max_batch_size)  # a chunked job: its chunks' size
         for job in jobs:
+            job.started_at, job.batch_size = started, images
             self.metrics.queue_wait.labels(**self.labels, mode="classify").observe(started - job.arrived)
 
     def _complete(self, job: ImageJob, logits: np.ndarray) -> None:
         self.metrics.images.labels(**self.labels).inc(job.size)
+        job.finished_at = time.monotonic()
         settle(job.future, logits.copy())  # a no-op if the caller gave up (deadline or disconnect) meanwhile

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 from fastapi import Request
 
+from service import tracing
 from service.imaging import EncodedImage
 from service.registry import LoadedModel
 from service.scheduling.dynamic import ImageJob
@@ -27,7 +28,8 @@ async def classify_pixels(request: Request, loaded: LoadedModel, pixels: np.ndar
                           deadline: float) -> np.ndarray:
     """Softmax probabilities (n, classes) of images already preprocessed to the model's input (n, C, H, W)."""
     job = loaded.scheduler.submit(ImageJob(pixels=pixels, deadline=deadline))
-    logits = (await await_results(request, [job.future], deadline,
-                                  abandon=lambda: loaded.scheduler.cancel(job)))[0]  # (n, classes)
+    with tracing.image_spans(loaded, job):  # its queue wait and inference, once over (tracing on)
+        logits = (await await_results(request, [job.future], deadline,
+                                      abandon=lambda: loaded.scheduler.cancel(job)))[0]  # (n, classes)
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
     return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from service import tracing
 from service.decoding import BeamSearch, SamplingSearch, Search, StopStrings
 from service.errors import BadInput
 from service.registry import LoadedModel
@@ -101,8 +102,9 @@ async def generate(request: Request, loaded: LoadedModel, prompts: Sequence[list
     per_prompt = [_jobs(loaded, prompt, params, samples, n, deadline) for prompt in prompts]
     jobs = [job for group in per_prompt for job in group]
     submit(loaded, jobs)
-    results = await await_results(request, [job.future for job in jobs], deadline,
-                                  abandon=lambda: [job.cancel() for job in jobs])
+    with tracing.text_spans(loaded, jobs):  # the jobs' phases, once they are over (tracing on)
+        results = await await_results(request, [job.future for job in jobs], deadline,
+                                      abandon=lambda: [job.cancel() for job in jobs])
     decode = loaded.engine.tokenizer.decode
     out, i = [], 0
     for prompt, group in zip(prompts, per_prompt):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from service import tracing
 from service.decoding import truncate_at_stop
 from service.errors import ServiceError
 from service.handoff import mailbox_for
@@ -90,10 +91,10 @@ def stream_jobs(loaded, jobs: Sequence[TextJob], texts: Sequence[IncrementalText
         job.on_tokens = lambda ids, choice=choice: mailbox.put(updates, (choice, ids))
         job.future.add_done_callback(lambda _, choice=choice: mailbox.put(updates, (choice, None)))
     submit(loaded, jobs)
-    return _events(jobs, texts, complete, updates)
+    return _events(jobs, texts, complete, updates, tracing.text_spans(loaded, jobs))
 
 
-async def _events(jobs, texts, complete, updates: asyncio.Queue) -> AsyncIterator[list[Piece | Finished]]:
+async def _events(jobs, texts, complete, updates: asyncio.Queue, spans) -> AsyncIterator[list[Piece | Finished]]:
     open_choices = set(range(len(jobs)))
     logprobs_sent = [0] * len(jobs)  # per choice: how many token log-probabilities went out
     try:
@@ -123,6 +124,7 @@ async def _events(jobs, texts, complete, updates: asyncio.Queue) -> AsyncIterato
     finally:
         for job in jobs:
             job.cancel()  # no-op for finished jobs; frees the rows of the others when the client went away
+        spans.record()  # the jobs' phase spans (tracing on), children of the request's span
 
 
 def submit(loaded, jobs: Sequence[TextJob]) -> None:

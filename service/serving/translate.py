@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from service import tracing
 from service.decoding import BeamSearch, GreedySearch, Search
 from service.errors import BadInput
 from service.registry import LoadedModel
@@ -67,8 +68,9 @@ async def translate(request: Request, loaded: LoadedModel, texts: Sequence[str],
     """An n-best list (`num_return_sequences` long, best first) per text."""
     jobs = _jobs(loaded, texts, params, deadline)
     submit(loaded, jobs)
-    results = await await_results(request, [job.future for job in jobs], deadline,
-                                  abandon=lambda: [job.cancel() for job in jobs])
+    with tracing.text_spans(loaded, jobs):  # the jobs' phases, once they are over (tracing on)
+        results = await await_results(request, [job.future for job in jobs], deadline,
+                                      abandon=lambda: [job.cancel() for job in jobs])
     decode = loaded.engine.tokenizer.decode
     return [[completion_from(h, decode, (), len(job.input_ids)) for h in hypotheses[: params.num_return_sequences]]
             for job, hypotheses in zip(jobs, results)]

@@ -1,0 +1,181 @@
+"""What is measured: the workloads (request bodies of real data, encoded once) and the cases, one (endpoint,
+concurrency) on one server each, accumulated over the interleaved rounds."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from service.launcher import ServiceProcess
+
+from .load import Result, Workload, percentiles, run_async, run_load
+from .servers import batch_stats, process_cpu_seconds
+
+JSON_HEADERS = {"content-type": "application/json"}
+BOUNDARY = "bench-http-7d1f3a"
+
+
+def gpt_prompts(data_dir: Path, count: int, chars: int) -> list[str]:
+    """`count` prompts of `chars` characters, each starting at a line start, spread over the validation text."""
+    from models.data import load_shakespeare
+
+    _, val = load_shakespeare(data_dir)
+    prompts = []
+    for start in np.linspace(0, len(val) - 4 * chars, count).astype(int):
+        line = val.find("\n", start)
+        start = line + 1 if 0 <= line < len(val) - 2 * chars else start
+        prompts.append(val[start : start + chars])
+    return prompts
+
+
+def gpt_workload(prompts: list[str], max_new_tokens: int) -> Workload:
+    bodies = [json.dumps({"prompt": p, "max_new_tokens": max_new_tokens, "temperature": 0, "stream": True}).encode()
+              for p in prompts]
+    return Workload("/v1/generate", bodies, JSON_HEADERS, stream=True, unit="tokens/s")
+
+
+def baseline_workload(prompts: list[str], max_new_tokens: int) -> Workload:
+    bodies = [json.dumps({"prompt": p, "max_new_tokens": max_new_tokens}).encode() for p in prompts]
+    return Workload("/generate", bodies, JSON_HEADERS, unit="tokens/s",
+                    work=lambda payload: float(payload["completion_tokens"]))
+
+
+def translation_workload(data_dir: Path, count: int, num_beams: int, new_tokens: int | None) -> Workload:
+    from models.data import load_multi30k
+
+    sentences = [de for de, _ in load_multi30k(data_dir, "val")][:count]
+    extra = {} if new_tokens is None else {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+    bodies = [json.dumps({"text": s, "num_beams": num_beams, **extra}).encode() for s in sentences]
+
+    def work(payload: dict) -> float:
+        if not payload.get("translations") or not payload["translations"][0]:
+            raise ValueError("no translation in the response")
+        return float(len(payload["translations"]))
+
+    return Workload("/v1/translate", bodies, JSON_HEADERS, unit="sentences/s", work=work)
+
+
+def vit_workload(data_dir: Path, count: int) -> Workload:
+    """One Fashion-MNIST test image per request, as a PNG in a multipart/form-data body (field `files`)."""
+    from PIL import Image
+
+    from models.data import load_fashion_mnist
+
+    images, _ = load_fashion_mnist(data_dir, "test")
+    bodies = []
+    for i, pixels in enumerate(images[:count]):
+        png = io.BytesIO()
+        Image.fromarray(pixels, mode="L").save(png, format="PNG")
+        bodies.append(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="files"; filename="test{i}.png"\r\n'
+                      f"Content-Type: image/png\r\n\r\n".encode() + png.getvalue() + f"\r\n--{BOUNDARY}--\r\n".encode())
+
+    def work(payload: dict) -> float:
+        if not payload.get("predictions") or not payload["predictions"][0]:
+            raise ValueError("no prediction in the response")
+        return float(len(payload["predictions"]))
+
+    return Workload("/v1/classify", bodies, {"content-type": f"multipart/form-data; boundary={BOUNDARY}"},
+                    unit="images/s", work=work)
+
+
+
+@dataclass
+class Case:
+    """One (endpoint, concurrency) measurement on one server, accumulated over the interleaved rounds."""
+
+    name: str
+    endpoint: str
+    server: ServiceProcess
+    workload: Workload
+    concurrency: int
+    model: str | None = None  # the service's model whose mean batch size (from /metrics) is reported
+    results: list[Result] = field(default_factory=list)
+    wall: float = 0.0
+    client_cpu: float = 0.0
+    server_cpu: float | None = 0.0
+    loop_cpu: float | None = 0.0
+    batch_sum: float = 0.0
+    batch_count: float = 0.0
+    sent: int = 0  # requests sent so far (warm-up included): the next body to send
+    warmup: int = 0
+    load_averages: list = field(default_factory=list)
+
+    def run_warmup(self, requests: int, timeout: float) -> None:
+        self.warmup = requests
+        if requests:
+            run_async(run_load(self.server.url, self.workload, self.concurrency, requests=requests, duration=0.0,
+                               offset=self.sent, timeout=timeout))
+            self.sent += requests
+
+    def run_round(self, duration: float, requests: int | None, timeout: float) -> list[Result]:
+        self.load_averages.append(os.getloadavg())
+        batches = batch_stats(self.server.url) if self.model else {}
+        cpu_before = process_cpu_seconds(self.server.pid)
+        results, client_cpu = run_async(run_load(self.server.url, self.workload, self.concurrency,
+                                                 requests=requests, duration=duration, offset=self.sent,
+                                                 timeout=timeout))
+        cpu_after = process_cpu_seconds(self.server.pid)
+        self.sent += len(results)
+        self.results += results
+        self.client_cpu += client_cpu
+        if results:
+            self.wall += max(r.end for r in results) - min(r.start for r in results)
+        if cpu_before is None or cpu_after is None or self.server_cpu is None:
+            self.server_cpu = self.loop_cpu = None
+        else:
+            self.server_cpu += cpu_after[0] - cpu_before[0]
+            self.loop_cpu += cpu_after[1] - cpu_before[1]
+        if self.model and self.model in batches:
+            after = batch_stats(self.server.url).get(self.model, batches[self.model])
+            self.batch_sum += after[0] - batches[self.model][0]
+            self.batch_count += after[1] - batches[self.model][1]
+        return results
+
+    def summary(self) -> dict:
+        results, wall = self.results, self.wall
+        ok = [r for r in results if r.error is None]
+        work = sum(r.work for r in ok)
+        return {
+            "case": self.name, "endpoint": self.endpoint, "server": self.server.name,
+            "concurrency": self.concurrency, "unit": self.workload.unit,
+            "requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
+            "error_kinds": dict(Counter(r.error for r in results if r.error)),
+            "wall_s": wall, "work": work, "throughput": work / wall if wall > 0 else 0.0,
+            "requests_per_s": len(ok) / wall if wall > 0 else 0.0,
+            "work_per_request": work / len(ok) if ok else None,
+            "latency_ms": percentiles([r.latency for r in ok]),
+            "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]) if self.workload.stream else None,
+            "finish_reasons": dict(Counter(r.finish_reason for r in ok if r.finish_reason)),
+            "notes": sorted({r.note for r in results if r.note})[:5],
+            "server_cpu_s": self.server_cpu, "server_main_thread_cpu_s": self.loop_cpu,
+            "client_cpu_s": self.client_cpu,
+            "work_per_server_cpu_s": work / self.server_cpu if self.server_cpu else None,
+            "mean_batch": self.batch_sum / self.batch_count if self.batch_count else None,
+            "warmup_requests": self.warmup, "load_averages": self.load_averages,
+        }
+
+
+def screen_prompts(server: ServiceProcess, prompts: list[str], max_new_tokens: int, args) -> tuple[list[str], dict]:
+    """Greedy is deterministic: run every prompt once (this also warms the server up) and keep those that run to
+    max_new_tokens without EOS, so that every measured request (ours and the baseline's) does the same work."""
+    workload = gpt_workload(prompts, max_new_tokens)
+    results, _ = run_async(run_load(server.url, workload, min(32, len(prompts)), requests=len(prompts),
+                                    duration=0.0, offset=0, timeout=args.timeout))
+    good = {r.index for r in results if r.error is None and r.work == max_new_tokens}
+    kept = [p for i, p in enumerate(prompts) if i in good]
+    info = {"candidates": len(prompts), "kept": len(kept),
+            "finish_reasons": dict(Counter(r.finish_reason or r.error for r in results))}
+    print(f"  GPT prompts: {len(kept)} of {len(prompts)} run to {max_new_tokens} tokens without EOS "
+          f"({info['finish_reasons']})", flush=True)
+    if len(kept) < max(4, len(prompts) // 8):
+        print("  warning: too few prompts reach max_new_tokens; using all of them (work per request will vary)",
+              flush=True)
+        kept = prompts
+    return kept, info
+

@@ -1,0 +1,157 @@
+"""The load generator: N client tasks on one event loop, each with its own keep-alive connection, sending requests
+back to back (a closed loop); every request becomes a Result (timings, work, error)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.sse import SSEParser
+
+
+@dataclass
+class Workload:
+    """The requests of a case: `bodies` (encoded once) sent in turn to `path`; `work` counts the units of a JSON
+    response (a stream's are its token events)."""
+
+    path: str
+    bodies: list[bytes]
+    headers: dict[str, str]
+    stream: bool = False
+    unit: str = "requests/s"
+    work: Callable[[dict], float] = lambda payload: 1.0  # work units in a successful JSON response
+
+
+@dataclass
+class Result:
+    start: float
+    end: float
+    index: int = -1  # which body was sent
+    work: float = 0.0
+    ttft: float | None = None
+    error: str | None = None
+    finish_reason: str | None = None
+    note: str | None = None
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+
+async def send_stream(client, workload: Workload, body: bytes) -> Result:
+    """One streamed generate request: SSE events until [DONE]; work = generated tokens."""
+    import httpx
+
+    start = time.perf_counter()
+    result = Result(start, start)
+    tokens, usage, sse = 0, None, SSEParser()
+    try:
+        async with client.stream("POST", workload.path, content=body, headers=workload.headers) as response:
+            if not 200 <= response.status_code < 300:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}"
+            else:
+                async for line in response.aiter_lines():
+                    event = sse.feed_line(line)
+                    if sse.done:
+                        break
+                    if event is None:
+                        continue
+                    if "error" in event:
+                        result.error = f"SSE error: {event['error'].get('type')}"
+                    elif "finish_reason" in event:
+                        result.finish_reason, usage = event["finish_reason"], event.get("usage")
+                    else:
+                        if result.ttft is None:
+                            result.ttft = time.perf_counter() - start
+                        tokens += 1
+    except (httpx.HTTPError, OSError, ValueError) as error:
+        result.error = type(error).__name__
+    result.end = time.perf_counter()
+    if result.error is None and not sse.done:
+        result.error = "stream ended without [DONE]"
+    if result.error is None:
+        result.work = float(tokens)
+        if usage is not None and usage.get("completion_tokens") != tokens:
+            result.note = f"usage says {usage.get('completion_tokens')} tokens, {tokens} token events"
+    return result
+
+
+async def send_json(client, workload: Workload, body: bytes) -> Result:
+    import httpx
+
+    start = time.perf_counter()
+    result = Result(start, start)
+    try:
+        response = await client.post(workload.path, content=body, headers=workload.headers)
+        if not 200 <= response.status_code < 300:
+            result.error = f"HTTP {response.status_code}"
+        else:
+            payload = response.json()
+            result.work = workload.work(payload)
+            result.finish_reason = payload.get("finish_reason") if isinstance(payload, dict) else None
+    except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as error:
+        result.error = type(error).__name__
+    result.end = time.perf_counter()
+    return result
+
+
+async def run_load(base_url: str, workload: Workload, concurrency: int, *, requests: int | None, duration: float,
+                   offset: int, timeout: float) -> tuple[list[Result], float]:
+    """Closed loop: `concurrency` tasks send requests back to back, cycling through the bodies, until `requests`
+    have been sent (or `duration` seconds have passed); returns the results and the client's CPU seconds.
+
+    Each task has its own AsyncClient (one keep-alive connection): one client shared by 64 tasks costs ~5 ms of
+    client CPU per request in httpcore's pool bookkeeping (measured here), against ~0.7 ms with one per task."""
+    import httpx
+
+    send: Callable[..., Awaitable[Result]] = send_stream if workload.stream else send_json
+    results: list[Result] = []
+    counter = itertools.count()
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+               for _ in range(concurrency)]
+    try:
+        cpu = time.process_time()
+        stop_at = time.perf_counter() + duration
+
+        async def worker(client) -> None:
+            while True:
+                i = next(counter)
+                if (i >= requests) if requests is not None else (time.perf_counter() >= stop_at):
+                    return
+                body = (offset + i) % len(workload.bodies)
+                result = await send(client, workload, workload.bodies[body])
+                result.index = body
+                results.append(result)
+
+        await asyncio.gather(*(worker(client) for client in clients))
+        cpu = time.process_time() - cpu
+    finally:
+        for client in clients:
+            await client.aclose()
+    return results, cpu
+
+
+def run_async(coroutine):
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coroutine)
+    except ImportError:
+        return asyncio.run(coroutine)
+
+
+def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "mean": None}
+    array = np.asarray(values) * scale
+    return {"p50": float(np.percentile(array, 50)), "p95": float(np.percentile(array, 95)),
+            "p99": float(np.percentile(array, 99)), "mean": float(array.mean())}
+

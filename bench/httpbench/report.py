@@ -1,0 +1,101 @@
+"""What the benchmark prints and records: a line per case and round, the tables, the goals (ratios of throughputs
+measured in the same run) and the environment."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections import Counter
+
+from .load import Result, percentiles
+
+GOALS = (  # (key, description, numerator case, denominator case, threshold)
+    ("vit_batching", "ViT images/s, dynamic batching on / off", "vit batching=on", "vit batching=off", 3.0),
+    ("gpt_vs_baseline", "GPT tokens/s, ours 32 streams / baseline 32 clients", "gpt c=32", "baseline c=32", 5.0),
+    ("gpt_scaling", "GPT tokens/s, ours 32 streams / ours 1 stream", "gpt c=32", "gpt c=1", 4.0),
+)
+
+
+def _fmt(value, pattern: str) -> str:
+    return "n/a" if value is None else format(value, pattern)
+
+
+def describe_round(unit: str, results: list[Result]) -> str:
+    """One case's round: throughput, successes, p50 latency, errors."""
+    ok = [r for r in results if r.error is None]
+    wall = (max(r.end for r in results) - min(r.start for r in results)) if results else 0.0
+    errors = Counter(r.error for r in results if r.error)
+    latency = percentiles([r.latency for r in ok])
+    return (f"{sum(r.work for r in ok) / wall if wall else 0.0:8.1f} {unit:<12} "
+            f"{len(ok):>5}/{len(results):<5} ok  p50 {_fmt(latency['p50'], '.0f')} ms"
+            + (f"  errors {dict(errors)}" if errors else ""))
+
+
+def print_tables(cases: list[dict]) -> None:
+    endpoints: dict[str, list[dict]] = {}
+    for case in cases:
+        endpoints.setdefault(case["endpoint"], []).append(case)
+    header = (f"{'case':<18} {'conc':>4} {'requests':>8} {'errors':>6} {'throughput':>19} {'req/s':>8} "
+              f"{'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'TTFT p50/p95':>13} {'batch':>6} "
+              f"{'cpu srv/loop/cli':>17} {'work/srv-cpu-s':>14}")
+    for endpoint, rows in endpoints.items():
+        print(f"\n{endpoint}")
+        print(header)
+        print("-" * len(header))
+        for r in rows:
+            lat, ttft = r["latency_ms"], r["ttft_ms"]
+            ttft_text = f"{_fmt(ttft['p50'], '.0f')}/{_fmt(ttft['p95'], '.0f')} ms" if ttft else "-"
+            wall = r["wall_s"] or float("nan")
+            cores = [r["server_cpu_s"], r["server_main_thread_cpu_s"], r["client_cpu_s"]]
+            cpu = "/".join(_fmt(c and c / wall, ".2f") for c in cores)
+            print(f"{r['case']:<18} {r['concurrency']:>4} {r['requests']:>8} {r['errors']:>6} "
+                  f"{r['throughput']:>8.1f} {r['unit']:<10} {r['requests_per_s']:>8.1f} {_fmt(lat['p50'], '.1f'):>8} "
+                  f"{_fmt(lat['p95'], '.1f'):>8} {_fmt(lat['p99'], '.1f'):>8} {ttft_text:>13} "
+                  f"{_fmt(r['mean_batch'], '.1f'):>6} {cpu:>17} {_fmt(r['work_per_server_cpu_s'], '.1f'):>14}")
+            if r["errors"]:
+                print(f"{'':<18} errors: {r['error_kinds']}")
+    print("\nbatch: mean rows per decoding step (text) or images per ONNX Runtime call (ViT), from the service's "
+          "/metrics.\ncpu srv/loop/cli: cores used by the server process, by its main (event-loop) thread, and by "
+          "the client.\nwork/srv-cpu-s: work per CPU-second of the server process (throughput with the CPU share "
+          "factored out;\na diagnostic for a shared machine, not what the goals are judged on).")
+
+
+def evaluate_goals(cases: list[dict]) -> list[dict]:
+    by_case = {c["case"]: c for c in cases}
+    goals = []
+    for key, text, num, den, threshold in GOALS:
+        a, b = by_case.get(num), by_case.get(den)
+        ratio = a["throughput"] / b["throughput"] if a and b and b["throughput"] > 0 else None
+        errors = (a["errors"] if a else 0) + (b["errors"] if b else 0)
+        # strict: errors in either case void a PASS (the denominator's would inflate the ratio)
+        status = "SKIPPED" if ratio is None else "MISS" if ratio < threshold or errors else "PASS"
+        per_cpu = (a["work_per_server_cpu_s"] / b["work_per_server_cpu_s"]
+                   if a and b and a["work_per_server_cpu_s"] and b["work_per_server_cpu_s"] else None)
+        goals.append({"goal": key, "description": text, "ratio": ratio, "threshold": threshold, "status": status,
+                      "numerator": num, "denominator": den, "errors_in_cases": errors,
+                      "ratio_per_server_cpu_s": per_cpu})
+    return goals
+
+
+def print_goals(goals: list[dict]) -> None:
+    print("\nGoals (ratios of throughputs measured in this run):")
+    for g in goals:
+        print(f"  {g['status']:<7} {g['description']}: {_fmt(g['ratio'], '.2f')}x (goal >= {g['threshold']:.0f}x)"
+              f"   [per server CPU-second: {_fmt(g['ratio_per_server_cpu_s'], '.2f')}x]"
+              + (f"  [errors in these cases: {g['errors_in_cases']}]" if g["errors_in_cases"] else ""))
+
+
+def environment(args) -> dict:
+    versions = {}
+    for package in ("numpy", "onnxruntime", "torch", "transformers", "fastapi", "uvicorn", "httpx"):
+        try:
+            from importlib.metadata import version
+
+            versions[package] = version(package)
+        except Exception:  # noqa: BLE001 - not installed
+            versions[package] = None
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "threads": args.threads, "spin": args.spin, "load_average": os.getloadavg(),
+            "niceness": os.nice(0), "executable": sys.executable, "versions": versions}
+

@@ -1,0 +1,80 @@
+"""The benchmark's model repository: gpt/1, translation/1 and vit/1 at the release presets' sizes with random
+weights (seed 0), exported with the project's exporter, built once per source digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from . import PROJECT_ROOT
+
+TRANSLATION_TOKENIZER_PAIRS = 5000  # Multi30k training pairs the benchmark's BPE is trained on
+
+
+def _source_digest(extra: dict) -> str:
+    sources = sorted(PROJECT_ROOT.glob("models/*.py")) + sorted(PROJECT_ROOT.glob("export/*.py"))
+    digest = hashlib.sha1(json.dumps(extra, sort_keys=True).encode())
+    for path in sources:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
+    """A repository with gpt/1, translation/1 and vit/1 (release sizes, random weights), built once per source
+    digest into workdir/repository-<digest>; built in a staging folder and renamed into place when complete."""
+    from models.config import get_preset
+
+    presets = {kind: get_preset(kind, "release")[0] for kind in ("gpt", "translation", "vit")}
+    key = _source_digest({"presets": {k: repr(v) for k, v in presets.items()}, "seed": 0,
+                          "tokenizer_pairs": TRANSLATION_TOKENIZER_PAIRS})
+    final = workdir / f"repository-{key}"
+    if final.is_dir():
+        return final
+    print(f"building the random-weight model repository in {final} (once) ...", flush=True)
+    started = time.perf_counter()
+    import dataclasses
+
+    import torch
+
+    from export.onnx_export import EXPORTERS, OPSET
+    from models import data
+    from models.gpt import GPT
+    from models.tokenization import build_byte_tokenizer, train_translation_tokenizer
+    from models.transformer import EncoderDecoderTransformer
+    from models.vit import ViT
+    from service.repository import CONFIG_FILE, TOKENIZER_FILE
+
+    torch.set_num_threads(threads)
+    builders = {"gpt": GPT, "translation": EncoderDecoderTransformer, "vit": ViT}
+    workdir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".repository-", dir=workdir))
+    try:
+        for kind, preset in presets.items():
+            folder = staging / kind / "1"
+            folder.mkdir(parents=True)
+            config = dataclasses.replace(preset, dropout=0.0)
+            torch.manual_seed(0)
+            described = EXPORTERS[kind](builders[kind](config).eval(), config, folder)
+            described.update({"name": kind, "version": 1, "opset": OPSET,
+                              "note": "random weights, built by bench/bench_http.py"})
+            if kind == "gpt":
+                build_byte_tokenizer().save(str(folder / TOKENIZER_FILE))
+            elif kind == "translation":
+                pairs = data.load_multi30k(data_dir, "train")[:TRANSLATION_TOKENIZER_PAIRS]
+                tokenizer = train_translation_tokenizer([s for pair in pairs for s in pair], config.vocab_size)
+                tokenizer.save(str(folder / TOKENIZER_FILE))
+            if kind != "vit":
+                described["tokenizer"] = TOKENIZER_FILE
+            (folder / CONFIG_FILE).write_text(json.dumps(described, indent=2))
+            print(f"  exported {kind} ({sum(p.stat().st_size for p in folder.iterdir()) / 1e6:.1f} MB)", flush=True)
+        staging.rename(final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    print(f"  built in {time.perf_counter() - started:.0f} s", flush=True)
+    return final
+

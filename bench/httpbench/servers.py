@@ -1,0 +1,77 @@
+"""The benchmark's servers, each a subprocess started by the shared launcher (service.launcher: clean environment,
+free port, ready at /health/ready, always stopped): the service and the baseline, plus what is read from them."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from service.launcher import ServiceProcess
+
+from . import PROJECT_ROOT
+
+BASELINE_SCRIPT = PROJECT_ROOT / "bench" / "baseline_server.py"
+READY_TIMEOUT_S = 300.0
+
+
+def _stat_cpu_seconds(path: Path) -> float:
+    fields = path.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> tuple[float, float] | None:
+    """(all threads, main thread) utime + stime of a process, from /proc; None where there is no /proc. The main
+    thread of the service and of uvicorn is the event loop's."""
+    try:
+        return _stat_cpu_seconds(Path(f"/proc/{pid}/stat")), _stat_cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+
+def batch_stats(url: str) -> dict[str, tuple[float, float]]:
+    """The service's `tserve_batch_size` histogram per model: (sum, count); {} when there is none."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    stats: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for suffix, slot in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith("tserve_batch_size" + suffix):
+                model = line.split('model="', 1)[1].split('"', 1)[0]
+                stats.setdefault(model, [0.0, 0.0])[slot] += float(line.rsplit(" ", 1)[1])
+    return {model: (a, b) for model, (a, b) in stats.items()}
+
+
+def service_server(args, name: str, repository: Path, vit_batching: bool,
+                   models: list[str] | None = None) -> ServiceProcess:
+    """`python -m service` on the repository, CPU, the benchmark's threads; --server-env over these settings."""
+    knobs = {"device": "cpu", "intra_op_threads": args.threads, "ort_spin": "true" if args.spin else "false",
+             "vit_batching": "true" if vit_batching else "false", "drain_timeout_s": 5,
+             "max_new_tokens": max(256, args.max_new_tokens)}
+    if models:
+        knobs["models"] = json.dumps(models)
+    return ServiceProcess(name, repository, env=args.server_env, log_path=args.workdir / "logs" / f"{name}.log",
+                          ready_timeout=READY_TIMEOUT_S, die_with_parent=True, **knobs)
+
+
+def baseline_server(args, architecture: dict) -> ServiceProcess:
+    """bench/baseline_server.py, the served GPT's size, the same threads."""
+
+    def command(port: int) -> list[str]:
+        argv = [sys.executable, str(BASELINE_SCRIPT), "--port", str(port), "--threads", str(args.threads),
+                "--max-new-tokens", str(max(256, args.max_new_tokens))]
+        for option in ("vocab-size", "context-length", "d-model", "n-layers", "n-heads", "d-ff"):
+            key = option.replace("-", "_")
+            if key in architecture:
+                argv += [f"--{option}", str(architecture[key])]
+        return argv + (["--spin"] if args.spin else [])
+
+    env = {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "ACTIVE" if args.spin else "PASSIVE"}
+    return ServiceProcess("baseline", command=command, env=env, log_path=args.workdir / "logs" / "baseline.log",
+                          ready_timeout=READY_TIMEOUT_S, die_with_parent=True)
