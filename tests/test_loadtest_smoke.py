@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "deploy" / "locust" / "locustfile.py"
 REPORT = ROOT / "deploy" / "loadtest.py"
 TASK_NAMES = {"translate greedy", "translate beam", "generate", "generate stream", "classify", "openai completion",
-              "openai completion stream", "openai chat", "openai chat stream"}
+              "openai completion stream", "openai chat", "openai chat stream", "oip translate", "oip generate",
+              "oip classify"}
 STREAM_NAMES = ("generate stream", "openai completion stream", "openai chat stream")
 API_KEY = "loadtest-smoke-key-0123456789"
 

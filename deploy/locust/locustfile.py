@@ -16,7 +16,8 @@ the chat template (a `ROMEO:` line before it, a blank line and a `JULIET:` line 
 max_completion_tokens is 17 fewer than max_new_tokens (at least 1): it fits wherever a generate request does.
 
 Request names in the statistics: `translate greedy`, `translate beam`, `generate`, `generate stream`, `classify`,
-`openai completion`, `openai completion stream`, `openai chat`, `openai chat stream`.
+`openai completion`, `openai completion stream`, `openai chat`, `openai chat stream` (the OpenAI-compatible API),
+`oip translate`, `oip generate`, `oip classify` (the Open Inference Protocol, JSON tensors).
 A streamed request's response time is the whole stream (to `[DONE]`), not the time to the response headers.
 Client-side extras locust does not keep (time to first token of streams, generated tokens, images, sentences),
 and locust's final totals (its CSV files are written every second and may miss the last one), are written to
@@ -26,7 +27,8 @@ Settings (environment):
   TSERVE_DATA_DIR              data folder (default ../shared/data, then ./data, as the project's loaders)
   TSERVE_LOAD_WEIGHTS          task weights, default "translate_greedy=3,translate_beam=2,generate=2,
                                generate_stream=2,classify=3,openai_completion=1,openai_completion_stream=1,
-                               openai_chat=1,openai_chat_stream=1" (a name left out: weight 0)
+                               openai_chat=1,openai_chat_stream=1,oip_translate=1,oip_generate=1,
+                               oip_classify=1" (a name left out: weight 0)
   TSERVE_LOAD_THINK_S          mean wait between a user's requests, seconds (default 0.1; 0 = back to back)
   TSERVE_LOAD_NUM_BEAMS        beam width of `translate beam` (default 4)
   TSERVE_LOAD_PROMPT_CHARS     GPT prompt length in characters = tokens, byte-level (default 16)
@@ -44,6 +46,7 @@ Settings (environment):
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -64,9 +67,11 @@ except ImportError:  # run from a checkout without the project installed
     from service.sse import SSEError, SSEParser
 
 DEFAULT_WEIGHTS = ("translate_greedy=3,translate_beam=2,generate=2,generate_stream=2,classify=3,"
-                   "openai_completion=1,openai_completion_stream=1,openai_chat=1,openai_chat_stream=1")
+                   "openai_completion=1,openai_completion_stream=1,openai_chat=1,openai_chat_stream=1,"
+                   "oip_translate=1,oip_generate=1,oip_classify=1")
 OPENAI_TASKS = ("openai_completion", "openai_completion_stream", "openai_chat", "openai_chat_stream")
-TASKS = ("translate_greedy", "translate_beam", "generate", "generate_stream", "classify", *OPENAI_TASKS)
+OIP_TASKS = ("oip_translate", "oip_generate", "oip_classify")  # the Open Inference Protocol (KServe v2), JSON
+TASKS = ("translate_greedy", "translate_beam", "generate", "generate_stream", "classify", *OPENAI_TASKS, *OIP_TASKS)
 # service.chat_template: "ROMEO:\n" before the user's text, "\n\nJULIET:\n" after it (byte-level: 1 token a byte);
 # it may strip the text and merge blank lines in it, never add to it
 CHAT_TEMPLATE_TOKENS = len("ROMEO:\n" + "\n\nJULIET:\n")
@@ -139,9 +144,9 @@ class _Extra:
         self.lock = threading.Lock()
         self.ttft_ms: list[float] = []
         self.tokens = {"generate": 0, "generate stream": 0, "openai completion": 0, "openai completion stream": 0,
-                       "openai chat": 0, "openai chat stream": 0}
+                       "openai chat": 0, "openai chat stream": 0, "oip generate": 0}
         self.images = 0
-        self.sentences = {"translate greedy": 0, "translate beam": 0}
+        self.sentences = {"translate greedy": 0, "translate beam": 0, "oip translate": 0}
 
     def as_dict(self) -> dict:
         with self.lock:
@@ -487,6 +492,63 @@ class TserveUser(HttpUser):
             return tokens
 
         self._stream_task("/v1/chat/completions", "openai chat stream", body, _chat_chunk_is_token, check)
+
+    # --- the Open Inference Protocol (KServe v2), JSON tensors ----------------------------------------------------
+
+    def _oip_task(self, model: str, name: str, body: dict, check) -> None:
+        """`check(outputs by name)` raises _Unexpected or returns what to count."""
+        with self.client.post(f"/v2/models/{model}/infer", json=body, name=name, catch_response=True) as response:
+            if response.status_code != 200:
+                return response.failure(f"HTTP {response.status_code}: {_error_text(response)}")
+            try:
+                payload = response.json()
+                _expect(payload.get("model_name") == model, "model_name")
+                check({o["name"]: o for o in payload["outputs"]})
+            except (_Unexpected, KeyError, TypeError, AttributeError, ValueError) as error:
+                return response.failure(f"unexpected body: {error!r} in {response.text[:300]}")
+
+    @task(WEIGHTS["oip_translate"])
+    def oip_translate(self):
+        body = {"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": [self.rng.choice(SENTENCES)]}],
+                "parameters": {"num_beams": NUM_BEAMS}}
+
+        def check(outputs: dict) -> None:
+            _expect(outputs["TRANSLATION"]["shape"] == [1] and isinstance(outputs["TRANSLATION"]["data"][0], str),
+                    "TRANSLATION")
+            _expect(outputs["SCORE"]["datatype"] == "FP32", "SCORE")
+            with EXTRA.lock:
+                EXTRA.sentences["oip translate"] += 1
+
+        self._oip_task("translation", "oip translate", body, check)
+
+    @task(WEIGHTS["oip_generate"])
+    def oip_generate(self):
+        body = {"inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": [self.rng.choice(PROMPTS)]}],
+                "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.8, "top_k": 40,
+                               "seed": self.rng.randrange(2**31)}}
+
+        def check(outputs: dict) -> None:
+            text = outputs["TEXT"]["data"][0]
+            _expect(isinstance(text, str) and outputs["FINISH_REASON"]["data"][0] in ("eos", "length", "stop"),
+                    "TEXT / FINISH_REASON")
+            with EXTRA.lock:
+                EXTRA.tokens["oip generate"] += len(text.encode())  # byte-level GPT: a token a byte
+
+        self._oip_task(GPT_MODEL, "oip generate", body, check)
+
+    @task(WEIGHTS["oip_classify"])
+    def oip_classify(self):
+        chosen = self.rng.sample(PNGS, self.rng.randint(1, MAX_IMAGES))
+        images = [base64.b64encode(data).decode() for _, data, _ in chosen]  # BYTES in JSON: base64 text
+        body = {"inputs": [{"name": "IMAGE", "shape": [len(images)], "datatype": "BYTES", "data": images}]}
+
+        def check(outputs: dict) -> None:
+            _expect(outputs["PROBABILITIES"]["shape"] == [len(images), 10], "PROBABILITIES shape")
+            _expect(len(outputs["LABEL"]["data"]) == len(images), "LABEL")
+            with EXTRA.lock:
+                EXTRA.images += len(images)
+
+        self._oip_task("vit", "oip classify", body, check)
 
     # --- classification ---------------------------------------------------------------------------------------
 
