@@ -106,7 +106,7 @@ def configure_from_environment() -> bool:
             )
 
             exporter = OTLPSpanExporter()
-            log.info("tracing on: OTLP/HTTP spans to %s", exporter._endpoint)
+            log.info("tracing on: OTLP/HTTP spans to %s", getattr(exporter, "_endpoint", "the OTLP endpoint"))
         else:
             exporter = ConsoleSpanExporter()
             log.info("tracing on: spans to stdout")
@@ -171,7 +171,7 @@ def epoch_ns(monotonic_s: float) -> int:
 class RequestSpan:
     """The SERVER span of one request, current (in the OpenTelemetry context) until `end`."""
 
-    __slots__ = ("span", "_token")
+    __slots__ = ("_token", "span")
 
     def __init__(self, span, token):
         self.span, self._token = span, token
