@@ -27,12 +27,16 @@ def require_tool(name: str) -> str:
 
     path = shutil.which(name)
     if path is None:
-        message = (f"`{name}` not found on PATH: install it with `sudo apt-get install {TOOLS[name]}` "
+        message = (f"`{name}` not found on PATH: install it with `sudo apt-get install {TOOLS.get(name, name)}` "
                    f"(deploy/ci-packages.txt)")
         if os.environ.get("TSERVE_REQUIRE_TOOLS", "") not in ("", "0"):
             pytest.fail(f"{message}; TSERVE_REQUIRE_TOOLS is set (.ci/run), so a missing tool is a failure",
                         pytrace=False)
-        pytest.skip(message)
+        try:  # reported at the test's own line, not this one (pytest's option for skip marks)
+            skip = pytest.skip.Exception(message, _use_item_location=True)
+        except TypeError:  # a pytest without that option
+            skip = pytest.skip.Exception(message)
+        raise skip
     return path
 
 

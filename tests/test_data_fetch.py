@@ -20,7 +20,6 @@ from models.data_checksums import CHECKSUMS
 from models.fetch import FILES, DataFile, compute_checksums, content_digest, fetch, main
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = PROJECT_ROOT.parent / "shared" / "data"
 SHAKESPEARE = "tinyshakespeare/input.txt"
 
 
@@ -342,9 +341,9 @@ def test_committed_table_covers_the_layout():
     assert {f.dataset for f in FILES} == set(fetch_module.DATASETS)
 
 
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"no reference data folder at {REFERENCE} (only on this "
-                                                    "project's machines); nothing to compare the checksums with")
-def test_committed_table_matches_the_reference_copies():
-    assert compute_checksums(REFERENCE) == CHECKSUMS
+def test_committed_table_matches_the_reference_copies(full_data_dir):
+    """The full data folder (this project's reference copies in ../shared/data, or one `make data` filled; skipped
+    without one) has exactly the committed checksums."""
+    assert compute_checksums(full_data_dir) == CHECKSUMS
     committed = (PROJECT_ROOT / "models" / "data_checksums.py").read_text()
     assert fetch_module.render_checksums_module(CHECKSUMS) == committed  # exactly what the script writes

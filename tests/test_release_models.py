@@ -45,7 +45,7 @@ def test_the_committed_models_serve_real_answers(serving, data_dir):
 
     settings = Settings(repository=REPOSITORY, intra_op_threads=2)
     with serving(settings) as client:
-        models = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
+        models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}  # OpenAI's list, with `ready`
         assert sorted(models) == sorted(KINDS) and all(m["ready"] for m in models.values())
 
         answer = client.post("/v1/translate", json={"text": "Zwei Hunde spielen im Schnee.", "num_beams": 4})

@@ -21,12 +21,19 @@ from service.model_control import parse_version
 SUPPORTED_PARAMETERS = {"version", "unload_dependents"}  # unload_dependents: tritonclient sends it; no ensembles here
 
 
+ERRORS = {status: {"description": text, "content": {"application/json": {"example": {"error": "..."}}}}
+          for status, text in {400: "Invalid body or version, or the version failed to load (the reason)",
+                               401: "Missing or wrong API key", 403: "Model control is off (TSERVE_MODEL_CONTROL)",
+                               404: "Unknown model or version"}.items()}
+
+
 def build_router() -> APIRouter:
     router = APIRouter(tags=["model repository"])
-    router.add_api_route("/v2/repository/index", index, methods=["POST"], summary="Every model version and its state")
-    router.add_api_route("/v2/repository/models/{name}/load", load, methods=["POST"],
+    router.add_api_route("/v2/repository/index", index, methods=["POST"], responses=ERRORS,
+                         summary="Every model version and its state")
+    router.add_api_route("/v2/repository/models/{name}/load", load, methods=["POST"], responses=ERRORS,
                          summary="Load a model version (warmed, then active) without a restart")
-    router.add_api_route("/v2/repository/models/{name}/unload", unload, methods=["POST"],
+    router.add_api_route("/v2/repository/models/{name}/unload", unload, methods=["POST"], responses=ERRORS,
                          summary="Unload a model version once its requests have finished")
     return router
 
