@@ -73,5 +73,12 @@ bench-engine: $(BENCH_VENV)/.installed
 bench-http: venv
 	$(BIN)/python bench/bench_http.py $(BENCH_ARGS)
 
+# The compose stack's images, built from Debian packages and PyPI with no image registry (deploy/images.sh): a
+# Debian base (mmdebstrap), tserve:cpu and tserve:locust on it, and the nginx and Prometheus images of
+# tests/test_compose_stack.py. Needs root or sudo, mmdebstrap and a running Docker daemon.
+.PHONY: images
+images:
+	deploy/images.sh
+
 # Load testing (locust) and the static deployment checks.
 include deploy/Makefile.fragment

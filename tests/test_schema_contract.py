@@ -33,11 +33,12 @@ expected-statuses = ["2xx", "3xx", "4xx", "504"]
 # positive_data_acceptance: a request that conforms to the schema may still get, as documented,
 # - 400: what a schema cannot state (a prompt whose tokens plus max_new_tokens exceed the model's context,
 #   num_return_sequences above num_beams, base64 text that is not an image Pillow can decode);
+# - 403: the repository routes (load / unload a model version) while model control is off (the default);
 # - 404: model names are free strings, and a name that is not loaded is not found;
 # - 429 / 504: a full queue, or a deadline shorter than the work.
 # A 422 (what the schema forbids) or any 5xx other than 504 still fails the check.
 [checks.positive_data_acceptance]
-expected-statuses = ["2xx", "400", "404", "429", "504"]
+expected-statuses = ["2xx", "400", "403", "404", "429", "504"]
 """
 
 
