@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 # processes: the shared launcher's (service.launcher), re-exported for the deployment tests
@@ -54,3 +57,22 @@ def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> Path:
     conf = prefix / "nginx.conf"
     conf.write_text(text)
     return conf
+
+
+def wait_for(what: str, check, timeout: float, process: subprocess.Popen | None = None,
+             interval: float = 0.25):
+    """Poll check() until it returns a truthy value (returned) or timeout; fail early if process exits."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with {process.returncode}")
+        try:
+            result = check()
+            if result:
+                return result
+            last = result
+        except (httpx.TransportError, KeyError, IndexError, ValueError) as error:
+            last = error
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")

@@ -34,7 +34,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from deploy_support import free_port, require_tool
+from deploy_support import free_port, require_tool, wait_for
 
 from models.data import load_fashion_mnist
 from service.sse import parse_sse
@@ -94,22 +94,6 @@ def docker_problem() -> str | None:
 # test with that line instead.
 if (_PROBLEM := docker_problem()) and not required():
     pytest.skip(_PROBLEM, allow_module_level=True)
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.5):
-    """Poll check() until it returns a truthy value (returned) or timeout."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-            last = result
-        except (httpx.TransportError, KeyError, IndexError, ValueError) as error:
-            last = error
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
 
 
 @dataclass

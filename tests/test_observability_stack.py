@@ -28,7 +28,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_support import free_port, render_nginx_conf, require_tool, stop_process_group
+from deploy_support import (
+    free_port,
+    render_nginx_conf,
+    require_tool,
+    stop_process_group,
+    wait_for,
+)
 
 from models.data import load_fashion_mnist, load_multi30k
 from service.launcher import ServiceProcess
@@ -41,24 +47,6 @@ DEPLOY = ROOT / "deploy"
 
 
 
-
-
-def wait_for(what: str, check, timeout: float, process: subprocess.Popen | None = None, interval: float = 0.25):
-    """Poll check() until it returns a truthy value (returned) or timeout; fail early if process exits."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"{what}: the process exited with {process.returncode}")
-        try:
-            result = check()
-            if result:
-                return result
-            last = result
-        except (httpx.TransportError, KeyError, IndexError, ValueError) as error:
-            last = error
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
 
 
 class Process:

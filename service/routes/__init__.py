@@ -6,10 +6,13 @@ own request models, whose limits come from its settings (`service.protocol.reque
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+
+from service.sse import event as sse_event
 
 
 def with_body(handler: Callable[..., Awaitable], body_model: type[BaseModel]) -> Callable[..., Awaitable]:
@@ -21,3 +24,25 @@ def with_body(handler: Callable[..., Awaitable], body_model: type[BaseModel]) ->
     endpoint.__annotations__ = {"body": body_model, "request": Request}  # what FastAPI reads to validate
     endpoint.__name__, endpoint.__doc__ = handler.__name__, handler.__doc__
     return endpoint
+
+
+def sse_response(request: Request, chunks: AsyncIterator[bytes], events: AsyncIterator) -> StreamingResponse:
+    """Server-sent events: an API's `chunks` (rendered from the serving layer's `events`), then [DONE]. A client that
+    leaves before [DONE] is counted as cancelled (unless the stream already failed with a reason); the serving
+    events are closed either way, which cancels whatever is left of the request."""
+
+    async def body() -> AsyncIterator[bytes]:
+        delivered = False
+        try:
+            async for chunk in chunks:
+                yield chunk
+            yield sse_event("[DONE]")
+            delivered = True
+        finally:
+            if not delivered and not getattr(request.state, "failure_reason", None):  # the client went away
+                request.state.failure_reason = "cancelled"
+            await chunks.aclose()
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

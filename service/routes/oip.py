@@ -36,6 +36,7 @@ from service.oip_protocol import (
     parse_request,
 )
 from service.registry import LoadedModel
+from service.routes.text import generation_params, translation_params
 from service.serving import classify as classification_service
 from service.serving import generate as generation
 from service.serving import translate as translation
@@ -244,10 +245,7 @@ async def _translation(request: Request, loaded: LoadedModel, tensors, in_json: 
     if options.get("stream") or options.get("num_return_sequences", 1) != 1:
         raise BadInput("stream and num_return_sequences are not available here: one translation per text")
     body = _validated(request.app.state.request_models.translate, {"text": texts, **options}, "parameters")
-    params = translation.TranslationParams(
-        num_beams=body.num_beams, length_penalty=body.length_penalty, early_stopping=body.early_stopping,
-        max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens,
-        no_repeat_ngram_size=body.no_repeat_ngram_size)
+    params = translation_params(body)
     label(request, loaded, params.mode)
     results = await translation.translate(request, loaded, texts, params, deadline)
     best = [completions[0] for completions in results]
@@ -267,12 +265,7 @@ async def _gpt(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
         options = {**options, "stop": [options["stop"]]}
     bodies = [_validated(request.app.state.request_models.generate, {"prompt": p, **options}, f"PROMPT[{i}]")
               for i, p in enumerate(prompts)]
-    body = bodies[0]
-    params = generation.GenerationParams(
-        max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens, temperature=body.temperature,
-        top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
-        no_repeat_ngram_size=body.no_repeat_ngram_size, seed=body.seed, stop=tuple(body.stop),
-        num_beams=body.num_beams)
+    params = generation_params(bodies[0])
     label(request, loaded, params.mode)
     ids = [generation.encode_prompt(loaded, p, params.max_new_tokens) for p in prompts]
     results = await generation.generate(request, loaded, ids, params, deadline)

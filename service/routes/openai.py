@@ -31,7 +31,7 @@ from service.openai_protocol import (
     OpenAIRequestModels,
 )
 from service.registry import LoadedModel
-from service.routes import with_body
+from service.routes import sse_response, with_body
 from service.serving import generate as generation
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
@@ -223,31 +223,22 @@ def _stream(request: Request, events: AsyncIterator[list[Piece | Finished]],
     per choice that moved, then (with `stream_options.include_usage`) a usage chunk without choices, then [DONE].
     A choice that fails after the status was sent ends the stream with an error event, as vLLM's."""
 
-    async def body() -> AsyncIterator[bytes]:
-        delivered = False
-        try:
-            if first:
-                yield sse_event(chunk(first))
-            async for batch in events:
-                deltas, failed = _merge(batch)
-                if deltas:
-                    yield sse_event(chunk([choice_delta(delta) for delta in deltas]))
-                for event in failed:  # the middleware counts this reason
-                    request.state.failure_reason = event.error.reason
-                    yield sse_event({"error": {"message": event.error.message, "type": "server_error"
-                                         if event.error.status >= 500 else "invalid_request_error",
-                                         "param": None, "code": event.error.type}})
-            if usage is not None:
-                yield sse_event({**chunk([]), "usage": usage()})
-            yield sse_event("[DONE]")
-            delivered = True
-        finally:
-            if not delivered and not getattr(request.state, "failure_reason", None):  # the client went away
-                request.state.failure_reason = "cancelled"
-            await events.aclose()
+    async def chunks() -> AsyncIterator[bytes]:
+        if first:
+            yield sse_event(chunk(first))
+        async for batch in events:
+            deltas, failed = _merge(batch)
+            if deltas:
+                yield sse_event(chunk([choice_delta(delta) for delta in deltas]))
+            for event in failed:  # the middleware counts this reason
+                request.state.failure_reason = event.error.reason
+                yield sse_event({"error": {"message": event.error.message, "type": "server_error"
+                                           if event.error.status >= 500 else "invalid_request_error",
+                                           "param": None, "code": event.error.type}})
+        if usage is not None:
+            yield sse_event({**chunk([]), "usage": usage()})
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response(request, chunks(), events)
 
 
 # --- /v1/completions --------------------------------------------------------------------------------------------

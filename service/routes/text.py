@@ -20,7 +20,7 @@ from service.protocol import (
     Translation,
     Usage,
 )
-from service.routes import with_body
+from service.routes import sse_response, with_body
 from service.serving import generate as generation
 from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
@@ -63,40 +63,46 @@ def _native_stream(request: Request, events: AsyncIterator[list[Piece | Finished
     """This API's stream of one choice: `{"token", "index"}` per piece, a final event with `final(completion)`'s
     fields (or `{"error"}`), then [DONE]. Whatever arrived since the last write goes out as one chunk."""
 
-    async def body() -> AsyncIterator[bytes]:
-        index, delivered = 0, False
-        try:
-            async for batch in events:
-                chunk = []
-                for event in batch:
-                    if isinstance(event, Piece):
-                        chunk.append(sse_event({"token": event.text, "index": index}))
-                        index += 1
-                    elif event.error is not None:  # the status (200) is already sent: the middleware counts this
-                        request.state.failure_reason = event.error.reason
-                        chunk.append(sse_event({"error": {"type": event.error.type, "message": event.error.message}}))
-                    else:
-                        chunk.append(sse_event({"token": event.rest, "index": index, **final(event.completion)}))
-                if chunk:
-                    yield b"".join(chunk)
-            yield sse_event("[DONE]")
-            delivered = True
-        finally:
-            if not delivered and not getattr(request.state, "failure_reason", None):  # the client went away
-                request.state.failure_reason = "cancelled"
-            await events.aclose()
+    async def chunks() -> AsyncIterator[bytes]:
+        index = 0
+        async for batch in events:
+            chunk = []
+            for event in batch:
+                if isinstance(event, Piece):
+                    chunk.append(sse_event({"token": event.text, "index": index}))
+                    index += 1
+                elif event.error is not None:  # the status (200) is already sent: the middleware counts this
+                    request.state.failure_reason = event.error.reason
+                    chunk.append(sse_event({"error": {"type": event.error.type, "message": event.error.message}}))
+                else:
+                    chunk.append(sse_event({"token": event.rest, "index": index, **final(event.completion)}))
+            if chunk:
+                yield b"".join(chunk)
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response(request, chunks(), events)
+
+
+def translation_params(body) -> translation.TranslationParams:
+    """The serving parameters of a validated native translate request (also the Open Inference Protocol's)."""
+    return translation.TranslationParams(
+        num_beams=body.num_beams, length_penalty=body.length_penalty, early_stopping=body.early_stopping,
+        num_return_sequences=body.num_return_sequences, max_new_tokens=body.max_new_tokens,
+        min_new_tokens=body.min_new_tokens, no_repeat_ngram_size=body.no_repeat_ngram_size)
+
+
+def generation_params(body) -> generation.GenerationParams:
+    """The serving parameters of a validated native generate request (also the Open Inference Protocol's)."""
+    return generation.GenerationParams(
+        max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens, temperature=body.temperature,
+        top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
+        no_repeat_ngram_size=body.no_repeat_ngram_size, seed=body.seed, stop=tuple(body.stop),
+        num_beams=body.num_beams)
 
 
 async def translate(body, request: Request):
     """German -> English for one text or a list of texts; beam search, greedy, or streamed greedy."""
     loaded = resolve(request, "translation", body.model, body.version)
-    params = translation.TranslationParams(
-        num_beams=body.num_beams, length_penalty=body.length_penalty, early_stopping=body.early_stopping,
-        num_return_sequences=body.num_return_sequences, max_new_tokens=body.max_new_tokens,
-        min_new_tokens=body.min_new_tokens, no_repeat_ngram_size=body.no_repeat_ngram_size)
+    params = translation_params(body)
     label(request, loaded, params.mode)
     deadline = deadline_of(request, body.timeout_ms)
     if body.stream:
@@ -113,11 +119,7 @@ async def translate(body, request: Request):
 async def generate(body, request: Request):
     """Continue a prompt: sampling, greedy (temperature 0) or beam search; optionally streamed."""
     loaded = resolve(request, "gpt", body.model, body.version)
-    params = generation.GenerationParams(
-        max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens, temperature=body.temperature,
-        top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
-        no_repeat_ngram_size=body.no_repeat_ngram_size, seed=body.seed, stop=tuple(body.stop),
-        num_beams=body.num_beams)
+    params = generation_params(body)
     label(request, loaded, params.mode)
     deadline = deadline_of(request, body.timeout_ms)
     prompt = generation.encode_prompt(loaded, body.prompt, body.max_new_tokens)
