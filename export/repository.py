@@ -98,7 +98,11 @@ def _greedy_outputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> li
 
 
 def _model_card(name: str, version: int, config: dict, metrics: dict, run_config: dict, run_dir: Path) -> str:
-    lines = [f"# {name} version {version}", "", f"Kind: `{config['kind']}`. Data: {DATA_NOTES[config['kind']]}", ""]
+    data = DATA_NOTES[config["kind"]]
+    train_limit = run_config.get("train", {}).get("train_limit")
+    if train_limit:  # the tiny presets: the first examples only (the test fixtures, tests/fixtures)
+        data += f" This run trained on the first {train_limit:,} training examples only."
+    lines = [f"# {name} version {version}", "", f"Kind: `{config['kind']}`. Data: {data}", ""]
     lines += ["## Training", "", f"Command: `python -m models.train {run_config['task']} --preset "
               f"{run_config['preset']}` (run folder `{run_dir.name}`)", ""]
     for key in ("parameters", "steps", "epochs_completed", "train_seconds"):
