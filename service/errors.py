@@ -127,10 +127,10 @@ def _field_path(location) -> str:
     return ".".join(parts) or "body"
 
 
-def _describe_validation(error: RequestValidationError) -> str:
+def describe_validation(errors: list[dict]) -> str:
     """One line naming every invalid field. For a union (a text or a list of texts) pydantic reports each member;
     the "wrong type" of the member the value is not is dropped when the member it is has a real complaint."""
-    items = [(_field_path(item.get("loc", ())), item) for item in error.errors()]
+    items = [(_field_path(item.get("loc", ())), item) for item in errors]
     real = {path for path, item in items if not str(item.get("type", "")).endswith("_type")}
     parts = []
     for path, item in items:
@@ -149,8 +149,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         request.state.failure_reason = "bad_input"
-        first = error.errors()[0].get("loc", ()) if error.errors() else ()
-        return error_response(request, 422, "invalid_request", _describe_validation(error), param=_field_path(first))
+        errors = error.errors()
+        first = errors[0].get("loc", ()) if errors else ()
+        return error_response(request, 422, "invalid_request", describe_validation(errors), param=_field_path(first))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -58,9 +58,12 @@ WIDE_PIXEL_BYTES = 4
 COMPOSITE_COPIES = 3
 
 
-class EncodedImage(Protocol):
-    name: str  # how error messages refer to it: "images[2]" or "files[0] ('shoe.png')"
-    data: bytes | str  # file bytes, or base64 text
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image as a request sent it: file bytes, or base64 text (decoded on the pool, not the event loop)."""
+
+    name: str  # how error messages refer to it: "images[2]", "files[0] ('shoe.png')", "IMAGE[1]"
+    data: bytes | str
 
 
 class ImageEngine(Protocol):

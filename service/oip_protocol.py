@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.errors import BadInput
+from service.errors import BadInput, describe_validation
 
 HEADER_LENGTH = "inference-header-content-length"
 # datatype -> numpy dtype (little-endian); BYTES are Python bytes objects
@@ -112,7 +112,7 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[InferenceRequ
 
 def _describe(error: Exception) -> str:
     if isinstance(error, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors())
+        return describe_validation(error.errors())
     return f"the inference request is not valid JSON ({type(error).__name__})"
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -32,6 +31,7 @@ from service.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from service.imaging import EncodedImage
 from service.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
 from service.serving import classify as classification
 from service.serving.context import label, resolve
@@ -40,12 +40,6 @@ from service.settings import Settings
 ACCEPTED_TYPES = ("multipart/form-data", "application/json")
 FORM_FIELDS = ("top_k", "model", "version", "timeout_ms")
 MAX_FORM_FIELDS = 32  # plain fields a multipart body may hold (Starlette's parser stops beyond)
-
-
-@dataclass
-class _EncodedImage:
-    name: str  # how error messages refer to it: "images[2]" or "files[0] ('shoe.png')"
-    data: bytes | str  # file bytes, or base64 text (decoded off the event loop)
 
 
 @cache
@@ -168,7 +162,7 @@ def _invalid_model(error: ValidationError):
     raise RequestValidationError(error.errors(include_url=False, include_context=False))
 
 
-async def _parse(request: Request, settings: Settings) -> tuple[BaseModel, list[_EncodedImage]]:
+async def _parse(request: Request, settings: Settings) -> tuple[BaseModel, list[EncodedImage]]:
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type == "application/json":
         return await _parse_json(request, settings)
@@ -178,7 +172,7 @@ async def _parse(request: Request, settings: Settings) -> tuple[BaseModel, list[
                                f"{' or '.join(ACCEPTED_TYPES)}")
 
 
-async def _parse_json(request: Request, settings: Settings) -> tuple[BaseModel, list[_EncodedImage]]:
+async def _parse_json(request: Request, settings: Settings) -> tuple[BaseModel, list[EncodedImage]]:
     body = await request.body()
     if len(body) > settings.max_body_bytes:
         raise PayloadTooLarge(f"the body has {len(body)} bytes; the limit is {settings.max_body_bytes}")
@@ -190,10 +184,10 @@ async def _parse_json(request: Request, settings: Settings) -> tuple[BaseModel, 
         options = request.app.state.request_models.classify.model_validate(data)
     except ValidationError as error:
         _invalid_model(error)
-    return options, [_EncodedImage(f"images[{i}]", text) for i, text in enumerate(options.images)]
+    return options, [EncodedImage(f"images[{i}]", text) for i, text in enumerate(options.images)]
 
 
-async def _parse_multipart(request: Request, settings: Settings) -> tuple[BaseModel, list[_EncodedImage]]:
+async def _parse_multipart(request: Request, settings: Settings) -> tuple[BaseModel, list[EncodedImage]]:
     try:
         # one file more than allowed, so that too many files is answered by the schema's rule (422), not the parser
         async with request.form(max_files=settings.max_images + 1, max_fields=MAX_FORM_FIELDS) as form:
@@ -226,7 +220,7 @@ async def _parse_multipart(request: Request, settings: Settings) -> tuple[BaseMo
     return options, encoded
 
 
-async def _read_upload(index: int, upload: UploadFile | str, settings: Settings) -> _EncodedImage:
+async def _read_upload(index: int, upload: UploadFile | str, settings: Settings) -> EncodedImage:
     filename = upload.filename if isinstance(upload, UploadFile) else None
     name = f"files[{index}]" + (f" ({filename!r})" if filename else "")
     if not isinstance(upload, UploadFile):
@@ -236,4 +230,4 @@ async def _read_upload(index: int, upload: UploadFile | str, settings: Settings)
     data = await upload.read(settings.max_image_bytes + 1)
     if len(data) > settings.max_image_bytes:
         raise PayloadTooLarge(f"{name} has more than {settings.max_image_bytes} bytes, the limit")
-    return _EncodedImage(name, data)
+    return EncodedImage(name, data)

@@ -25,7 +25,8 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from service.errors import BadInput
+from service.errors import BadInput, describe_validation
+from service.imaging import EncodedImage
 from service.oip_protocol import (
     HEADER_LENGTH,
     RESERVED_PARAMETERS,
@@ -196,8 +197,7 @@ def _validated(model, data: dict, what: str):
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors())
-        raise BadInput(f"{what}: {problems}") from None
+        raise BadInput(f"{what}: {describe_validation(error.errors())}") from None
 
 
 async def _vit(request: Request, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
@@ -213,7 +213,7 @@ async def _vit(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
     if name == "IMAGE":
         if array.ndim != 1:
             raise BadInput(f"input 'IMAGE' has shape {list(array.shape)}; expected [N]")
-        images = [_Image(f"IMAGE[{i}]", x.decode("ascii", "replace") if name in in_json else x)
+        images = [EncodedImage(f"IMAGE[{i}]", x.decode("ascii", "replace") if name in in_json else x)
                   for i, x in enumerate(array)]
         probabilities = await classification_service.classify(request, loaded, images, deadline)
     else:
@@ -229,13 +229,6 @@ async def _vit(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
         probabilities = await classification_service.classify_pixels(request, loaded, pixels, deadline)
     labels = np.array([engine.labels[i].encode() for i in probabilities.argmax(axis=1)], dtype=object)
     return [("PROBABILITIES", "FP32", probabilities), ("LABEL", "BYTES", labels)]
-
-
-class _Image:
-    """An encoded image for `service.imaging`: bytes, or base64 text."""
-
-    def __init__(self, name: str, data: bytes | str):
-        self.name, self.data = name, data
 
 
 async def _translation(request: Request, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
