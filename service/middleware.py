@@ -47,9 +47,9 @@ def _endpoint(path: str) -> str:
 
 
 # Failures by final status (unless the route set `failure_reason`); 499 = the client went away.
-FAILURE_REASONS = {400: "bad_input", 401: "unauthorized", 404: "bad_input", 405: "bad_input", 408: "bad_input", 413: "bad_input",
-                   415: "bad_input", 422: "bad_input", 429: "queue_full", 499: "cancelled", 500: "internal",
-                   503: "unavailable", 504: "timeout"}
+FAILURE_REASONS = {400: "bad_input", 401: "unauthorized", 404: "bad_input", 405: "bad_input", 408: "bad_input",
+                   413: "bad_input", 415: "bad_input", 422: "bad_input", 429: "queue_full", 499: "cancelled",
+                   500: "internal", 503: "unavailable", 504: "timeout"}
 
 
 class RequestMiddleware:

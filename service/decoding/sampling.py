@@ -171,10 +171,11 @@ class SamplingSearch(GreedySearch):
         x = self.process_logits(row)  # (V,)
         # temperature 0 = greedy; if the processors removed every token (n-gram ban of a tiny vocabulary), where HF's
         # multinomial would fail, take the argmax like greedy decoding does
-        if self.temperature == 0.0 or x.max() == -np.inf:
+        top = None if self.temperature == 0.0 else x.max()
+        if top is None or top == -np.inf:
             tok = int(np.argmax(x))
         else:
-            p = np.exp(x - np.max(x))  # (V,) unnormalised probabilities; removed tokens are 0
+            p = np.exp(x - top)  # (V,) unnormalised probabilities; removed tokens are 0
             cum = np.cumsum(p)
             tok = int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right"))
             if tok >= x.shape[0] or p[tok] == 0.0:  # float rounding at the very top of the CDF

@@ -29,7 +29,8 @@ from service.metrics import Metrics
 DEPARTURE_SMOOTHING = 0.1
 # Before anything has left the queue there is no rate: assume this many seconds between departures.
 INITIAL_DEPARTURE_INTERVAL_S = 0.1
-# retry-after-ms is spread over [estimate, (1 + RETRY_JITTER) x estimate] (a refused burst would otherwise retry in step)
+# retry-after-ms is spread over [estimate, (1 + RETRY_JITTER) x estimate]: a refused burst would otherwise retry in
+# step
 RETRY_JITTER = 1.0
 
 
