@@ -83,6 +83,11 @@ class KVCache:
         if self.encoder_row is not None:
             self.encoder_row = merged.encoder_row
 
+    def recycle(self, rows: np.ndarray) -> None:
+        """Rows whose content no longer matters (a batch's dead rows, fed padding until the next compaction):
+        position 0, so that they never run past the positional table however long they are fed."""
+        self.positions[rows] = 0
+
     def first_used_slot(self, rows: np.ndarray | None = None) -> int:
         """The first slot any of `rows` (default: all) uses; slots before it are left padding."""
         mask = self.mask if rows is None else self.mask[rows]

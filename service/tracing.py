@@ -290,7 +290,7 @@ class JobSpans:
             else:
                 generated = _generated_tokens(job, failure)
                 attributes.update({"tserve.job": index, "tserve.mode": job.mode,
-                                   "tserve.rows": getattr(job.search, "num_beams", 1),
+                                   "tserve.rows": job.search.max_rows,
                                    "tserve.prompt_tokens": len(job.input_ids)})
                 if generated is not None:
                     attributes["tserve.generated_tokens"] = generated

@@ -11,90 +11,26 @@ resolved with the outcome it should have, and every gauge (queue depth, running 
 from __future__ import annotations
 
 import random
-import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, VOCAB, FakeBackend, alone
 
-from service.decoding import BeamSearch, GreedySearch, SamplingSearch, run_search
-from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.decoding import BeamSearch, GreedySearch, SamplingSearch
+from service.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    QueueFull,
+    ServiceError,
+    Unavailable,
+)
 from service.metrics import Metrics
-from service.scheduling import continuous
+from service.scheduling import queueing
 from service.scheduling.continuous import ContinuousBatcher, TextJob
 from service.scheduling.dynamic import DynamicBatcher, ImageJob
 
-VOCAB, EOS, POISON = 12, 0, 11  # a prompt holding POISON makes the prefill raise
 LABELS = {"model": "m", "version": "1"}
-RESULT_TIMEOUT_S = 10.0
-
-
-def extend(history: int, token: int) -> int:
-    """A row's history as a rolling hash: the same tokens, the same value (O(1) per token, any length)."""
-    return hash((history, int(token))) % 2**61
-
-
-def history_of(ids) -> int:
-    history = 0
-    for token in ids:
-        history = extend(history, token)
-    return history
-
-
-def logits_of(history: int) -> np.ndarray:
-    """The fake model: next-token logits (V,) from a row's whole history."""
-    return np.random.default_rng(history % 2**32).standard_normal(VOCAB)
-
-
-@dataclass
-class FakeState:
-    histories: list[int]
-    positions: np.ndarray  # the batcher zeroes dead rows' positions in place
-
-    @property
-    def rows(self) -> int:
-        return len(self.histories)
-
-
-class FakeBackend:
-    """`DecodingBackend` over `logits_of`. Records the rows of every step; `gate` can hold a step (to pile up a
-    queue or race `stop()`); `fail_step` makes the next step raise."""
-
-    def __init__(self):
-        self.step_rows: list[int] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.in_step = threading.Event()
-        self.fail_step = False
-
-    def prefill(self, inputs):
-        if any(POISON in ids for ids in inputs):
-            raise RuntimeError("poisoned prompt")
-        histories = [history_of(ids) for ids in inputs]
-        return np.stack([logits_of(h) for h in histories]), FakeState(histories, np.ones(len(histories), np.int64))
-
-    def step(self, state, tokens):
-        self.in_step.set()
-        assert self.gate.wait(timeout=RESULT_TIMEOUT_S), "the test never opened the gate"
-        if self.fail_step:
-            self.fail_step = False
-            raise RuntimeError("step failed")
-        self.step_rows.append(state.rows)
-        state.histories = [extend(h, t) for h, t in zip(state.histories, tokens)]
-        return np.stack([logits_of(h) for h in state.histories])
-
-    def select(self, state, rows):
-        return FakeState([state.histories[r] for r in rows], state.positions[rows].copy())
-
-    def concatenate(self, states, rows=None):
-        rows = rows or [None] * len(states)
-        histories, positions = [], []
-        for state, keep in zip(states, rows):
-            keep = np.arange(state.rows) if keep is None else keep
-            histories += [state.histories[r] for r in keep]
-            positions.append(state.positions[keep])
-        return FakeState(histories, np.concatenate(positions))
 
 
 class ExplodingSearch(GreedySearch):
@@ -105,11 +41,11 @@ class ExplodingSearch(GreedySearch):
         super().__init__(max_new_tokens, None)
         self.explode_at, self.steps = explode_at, 0
 
-    def step(self, logits):
+    def accept(self, *args):
         self.steps += 1
         if self.steps == self.explode_at:
             raise ValueError("search exploded")
-        return super().step(logits)
+        return super().accept(*args)
 
 
 def make_search(kind: str, max_new: int, prompt: list[int], seed: int = 0):
@@ -118,19 +54,6 @@ def make_search(kind: str, max_new: int, prompt: list[int], seed: int = 0):
     if kind == "beam":
         return BeamSearch(3, max_new, EOS, prefix=prompt)
     return SamplingSearch(max_new, EOS, temperature=0.9, top_k=6, seed=seed, prefix=prompt)
-
-
-def alone(prompt: list[int], search) -> list[tuple[list[int], str]]:
-    """What `search` gives for `prompt` decoded by itself (the reference driver, no scheduler)."""
-    histories = [history_of(prompt)]
-
-    def step_fn(tokens, parents):
-        nonlocal histories
-        histories = [extend(histories[p], t) for t, p in zip(tokens, parents)]
-        return np.stack([logits_of(h) for h in histories])
-
-    run_search([search], [logits_of(histories[0])], step_fn)
-    return [(h.tokens, h.finish_reason) for h in search.results()]
 
 
 def outcome(job: TextJob):
@@ -319,7 +242,7 @@ def test_retry_after_is_never_longer_than_the_request_may_wait():
 
 
 def test_stop_while_a_step_hangs_resolves_every_request(batcher, monkeypatch):
-    monkeypatch.setattr(continuous, "STOP_JOIN_S", 0.2)
+    monkeypatch.setattr(queueing, "STOP_JOIN_S", 0.2)
     b = batcher()
     running = hold(b)
     queued = [b.submit(job([i], GreedySearch(5, EOS))) for i in range(3, 6)]

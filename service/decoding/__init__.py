@@ -1,7 +1,8 @@
 """Decoding strategies (numpy only): greedy, sampling and HF-compatible beam search over KV-cache rows.
 
 See `service.decoding.base` for the row protocol shared by the searches, the batching scheduler and
-`run_search`, the reference offline driver.
+`run_search`, the reference offline driver; `step_searches` steps every search of a batch at once (the batched
+sampler for single-row searches, one log-softmax for all beam rows).
 """
 
 from .base import (
@@ -12,19 +13,19 @@ from .base import (
     TokenLogprob,
     eos_ids,
     log_softmax,
-    run_search,
     truncate_at_stop,
 )
+from .batch_step import run_search, step_searches
 from .beam import BeamSearch
 from .greedy import GreedySearch
-from .sampling import (
-    SamplingSearch,
+from .processors import (
     apply_openai_penalties,
     apply_repetition_penalty,
     apply_temperature,
     top_k_filter,
     top_p_filter,
 )
+from .sampling import SamplingSearch
 
 __all__ = [
     "BeamSearch",
@@ -41,6 +42,7 @@ __all__ = [
     "eos_ids",
     "log_softmax",
     "run_search",
+    "step_searches",
     "top_k_filter",
     "top_p_filter",
     "truncate_at_stop",

@@ -5,7 +5,7 @@ all rows of all active searches, hands each search the next-token logits of its 
 with the tokens to append and, for every new row, which of its current rows it continues (`parents`). Beam
 reordering and dropping finished rows are therefore one and the same row-selection operation on the cache.
 
-Protocol (the same for every search, see `run_search` for a complete driver):
+Protocol (the same for every search, see `batch_step.run_search` for a complete driver):
 
 1. A new search needs exactly one row, the *prefill row*: the prompt for a decoder-only model, the decoder start
    token (with the encoder output of its source) for an encoder-decoder model. The driver runs the prefill and
@@ -30,15 +30,14 @@ import numpy as np
 
 __all__ = [
     "Hypothesis",
-    "TokenLogprob",
-    "StepResult",
+    "NGramBlocker",
     "Search",
+    "StepResult",
+    "StopStrings",
+    "TokenLogprob",
+    "eos_ids",
     "log_softmax",
     "top_logprobs",
-    "run_search",
-    "eos_ids",
-    "StopStrings",
-    "NGramBlocker",
     "truncate_at_stop",
 ]
 
@@ -251,6 +250,13 @@ class Search(ABC):
     def num_rows(self) -> int:
         """Rows this search needs in the cache for its next `step` (1 before the first step, 0 once done)."""
 
+    single_row = False  # True: one row from start to end, stepped by the batched sampler (`step_searches`)
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows this search holds at once (its beam width): what a scheduler reserves for it."""
+        return 1
+
     @property
     @abstractmethod
     def done(self) -> bool:
@@ -263,45 +269,3 @@ class Search(ABC):
     @abstractmethod
     def results(self) -> list[Hypothesis]:
         """Finished hypotheses, best first (valid once `done`)."""
-
-
-StepFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
-
-
-def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray], step_fn: StepFn) -> None:
-    """Drive ``searches`` to completion offline (a reference driver; the server uses a batching scheduler).
-
-    ``first_logits[i]``: logits (V,) or (1, V) of the prefill row of ``searches[i]`` (decoder-only: at the last
-    prompt position; encoder-decoder: after feeding the decoder start token). The prefill rows form the initial
-    row set: row ``i`` belongs to ``searches[i]``.
-
-    ``step_fn(tokens, parents) -> logits``: ``tokens`` and ``parents`` are int64 arrays of shape (R,). The model
-    builds its new row ``r`` from its previous row ``parents[r]`` (a global index into the rows of the previous
-    call, or into the prefill rows on the first call) extended by ``tokens[r]``, and returns the next-token
-    logits of the new rows, shape (R, V). Rows are grouped per still-active search, in the order of
-    ``searches``, each group in the order of that search's `StepResult`. ``step_fn`` is not called once every
-    search is done (a search may finish on its prefill logits).
-    """
-    if len(searches) != len(first_logits):
-        raise ValueError("need one first_logits entry per search")
-    steps = [s.step(np.atleast_2d(np.asarray(fl))) for s, fl in zip(searches, first_logits)]
-    offsets = np.arange(len(searches), dtype=np.int64)  # first row of each search in the previous row set
-    while True:
-        tokens, parents, active, new_offsets = [], [], [], []
-        n_rows = 0
-        for search, res, off in zip(searches, steps, offsets):
-            if res.done or len(res.tokens) == 0:
-                continue
-            tokens.append(res.tokens)
-            parents.append(res.parents + off)
-            active.append(search)
-            new_offsets.append(n_rows)
-            n_rows += len(res.tokens)
-        if not active:
-            return
-        logits = np.asarray(step_fn(np.concatenate(tokens), np.concatenate(parents)))  # (n_rows, V)
-        if logits.shape[0] != n_rows:
-            raise ValueError(f"step_fn returned {logits.shape[0]} rows, expected {n_rows}")
-        steps = [s.step(logits[o : o + s.num_rows]) for s, o in zip(active, new_offsets)]
-        searches = active
-        offsets = np.asarray(new_offsets, dtype=np.int64)

@@ -104,6 +104,10 @@ class BeamSearch(Search):
         return 0 if self._done else self._rows
 
     @property
+    def max_rows(self) -> int:
+        return self.num_beams
+
+    @property
     def done(self) -> bool:
         return self._done
 
@@ -132,11 +136,15 @@ class BeamSearch(Search):
         logits = np.asarray(logits)
         if logits.ndim != 2 or logits.shape[0] != self._rows:
             raise ValueError(f"expected logits of shape ({self._rows}, V), got {logits.shape}")
+        return self.step_logprobs(log_softmax(logits))
+
+    def step_logprobs(self, lp: np.ndarray) -> StepResult:
+        """`step` on log-probs already computed: ``log_softmax(logits)`` (num_rows, V) float64, which this method
+        may modify (batched drivers compute the log-softmax of every beam row of a step in one call)."""
         nb, t, p = self.num_beams, self._t, self._p
-        vocab = logits.shape[1]
+        vocab = lp.shape[1]
 
         # b. log-probs + processors, accumulated onto the running beam scores
-        lp = log_softmax(logits)  # (R, V) float64
         if self._ngrams is not None:  # HF order: NoRepeatNGram, then MinNewTokensLength (both only mask)
             self._block_ngrams(lp)
         if t < self.min_new_tokens and self.eos.size:

@@ -8,7 +8,8 @@ of the model's log-probabilities (log-softmax of the raw logits, before any proc
 included when the sequence ends with it. With ``logprobs=N`` the search also records, per generated token (EOS
 excluded), that raw log-probability and the N most likely tokens of the same raw distribution (OpenAI
 ``logprobs`` / ``top_logprobs``, see `TokenLogprob`). `GreedySearch` is also the single-row base of
-`SamplingSearch`, which adds its own processors and swaps the token choice.
+`SamplingSearch`, which sets the processing parameters; both step through the batched sampler
+(`service.decoding.sampler`), alone or many requests at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .base import (
     finished_step,
     top_logprobs,
 )
+from .sampler import step_single_rows
 
 __all__ = ["GreedySearch"]
 
@@ -96,31 +98,39 @@ class GreedySearch(Search):
         ``logprobs`` is None). The live list, not a copy: read it, do not mutate it."""
         return self._logprobs if self._logprobs is not None else []
 
-    def _mask_eos(self, row: np.ndarray) -> np.ndarray:
-        """Apply ``min_new_tokens``: EOS logits -> -inf while fewer tokens than that have been generated."""
+    # Processing parameters: none for greedy decoding; `SamplingSearch` sets them (see `sampler.process_rows`).
+    temperature = 0.0
+    top_k = 0
+    top_p = 1.0
+    repetition_penalty = 1.0
+    presence_penalty = 0.0
+    frequency_penalty = 0.0
+    single_row = True  # steps through `sampler.step_single_rows`, many requests at once
+
+    def needs_processing(self) -> bool:
+        """Whether the next choice is more than the argmax of the raw logits."""
+        return bool(self.temperature > 0.0 or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or (self._n < self.min_new_tokens and self.eos.size)
+                    or (self._ngrams is not None and self._ngrams.banned()))
+
+    def mask_banned(self, row: np.ndarray) -> None:
+        """In place on logits (V,): -inf for tokens that would repeat an n-gram (``no_repeat_ngram_size``), then
+        for EOS while fewer than ``min_new_tokens`` tokens were generated."""
+        if self._ngrams is not None and self._ngrams.banned():
+            row[self._ngrams.banned_ids(row.shape[-1])] = -np.inf
         if self._n < self.min_new_tokens and self.eos.size:
-            row = row.copy()
             row[self.eos] = -np.inf
-        return row
-
-    def _block_ngrams(self, row: np.ndarray) -> np.ndarray:
-        """Apply ``no_repeat_ngram_size``: -inf for tokens that would repeat an n-gram (a copy if any)."""
-        return row if self._ngrams is None else self._ngrams.apply(row)
-
-    def _choose(self, row: np.ndarray) -> int:
-        """Pick the next token from raw logits (V,) float64: argmax after the n-gram ban and EOS masking."""
-        return int(np.argmax(self._mask_eos(self._block_ngrams(row))))
 
     def step(self, logits: np.ndarray) -> StepResult:
-        if self._reason is not None:
-            raise RuntimeError("step() called on a finished search")
         logits = np.asarray(logits)
         if logits.ndim != 2 or logits.shape[0] != 1:
             raise ValueError(f"expected logits of shape (1, V), got {logits.shape}")
-        row = logits[0].astype(np.float64)  # (V,)
-        tok = self._choose(row)
-        m = row.max()
-        log_z = np.log(np.sum(np.exp(row - m)))
+        return step_single_rows([self], logits)[0]
+
+    def accept(self, tok: int, row: np.ndarray, m: float, log_z: float) -> StepResult:
+        """Record the chosen token ``tok`` given the raw logits ``row`` (V,) float64, their max ``m`` and
+        log-sum-exp ``log_z`` (of ``row - m``); decides whether the sequence ends."""
+        self._note_choice(tok)
         lp = float((row[tok] - m) - log_z)  # raw log-softmax at tok, as `log_softmax` computes it
         self._score += lp
         self._n += 1
@@ -140,6 +150,9 @@ class GreedySearch(Search):
         if self._reason is not None:
             return finished_step()
         return StepResult(tokens=np.array([tok], dtype=np.int64), parents=_ZERO.copy(), done=False)
+
+    def _note_choice(self, tok: int) -> None:
+        """Hook for searches that track their tokens for the processors (`SamplingSearch`)."""
 
     def results(self) -> list[Hypothesis]:
         if self._reason is None:

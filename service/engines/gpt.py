@@ -74,6 +74,10 @@ class GPTEngine:
         return cache
 
     @staticmethod
+    def recycle(cache: KVCache, rows: np.ndarray) -> None:
+        cache.recycle(rows)
+
+    @staticmethod
     def concatenate(caches: Sequence[KVCache], rows: Sequence[np.ndarray | None] | None = None) -> KVCache:
         return KVCache.concatenate(caches, rows=rows)
 

@@ -144,6 +144,10 @@ class TranslationEngine:
         return batch
 
     @staticmethod
+    def recycle(batch: DecoderBatch, rows: np.ndarray) -> None:
+        batch.cache.recycle(rows)
+
+    @staticmethod
     def concatenate(batches: Sequence[DecoderBatch], rows: Sequence[np.ndarray | None] | None = None
                     ) -> DecoderBatch:
         """Stack (selected rows of) several batches; sources no kept row uses go at the next `select`."""

@@ -18,29 +18,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from service.errors import QueueFull, ServiceError, Unavailable
+from service.errors import ServiceError
 from service.metrics import Metrics
-from service.scheduling.queueing import (
-    RetryAfter,
-    bind_gauges,
-    fail,
-    fail_if_gone,
-    release_gauges,
-    settle,
-)
+from service.scheduling.queueing import IDLE_WAIT_S, QueuedScheduler, fail, settle
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.1  # an idle worker re-checks for expired jobs at least this often
-DRAIN_POLL_S = 0.01  # how often stop() checks whether the accepted jobs have run
-STOP_JOIN_S = 5.0  # how long stop() waits for the worker to finish a batch that is still running
+WHERE_QUEUED = "before its images were classified"  # where a request was when its deadline passed
 
 
 class ImageBackend(Protocol):
@@ -74,83 +64,22 @@ class ImageJob:
         self.cancelled.set()
 
 
-class DynamicBatcher:
+class DynamicBatcher(QueuedScheduler):
     def __init__(self, engine: ImageBackend, model: str, version: int, metrics: Metrics, max_batch_size: int = 64,
                  max_queue_delay_ms: float = 5.0, max_queue: int = 256, batching: bool = True):
-        if max_batch_size < 1 or max_queue < 1 or max_queue_delay_ms < 0:
-            raise ValueError("max_batch_size and max_queue must be >= 1 and max_queue_delay_ms >= 0")
+        if max_batch_size < 1 or max_queue_delay_ms < 0:
+            raise ValueError("max_batch_size must be >= 1 and max_queue_delay_ms >= 0")
         self.engine = engine
-        self.labels = {"model": model, "version": str(version)}
-        self.metrics = metrics
         self.max_batch_size = max_batch_size
         self.max_queue_delay = max_queue_delay_ms / 1000.0
-        self.max_queue = max_queue
         self.batching = batching
-        self._waiting: deque[ImageJob] = deque()
-        self._changed = threading.Condition()  # guards _waiting / _accepting / _stop; notified on every change
-        self._accepting = True
-        self._stop = False
-        self._active: list[ImageJob] = []  # the batch being run
-        self._retry = RetryAfter()
-        bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active),
-                    owner=self)
-        self._thread = threading.Thread(target=self._run, name=f"batcher-{model}-{version}", daemon=True)
-
-    # --- the caller's side (event loop) -------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, job: ImageJob) -> ImageJob:
-        """Queue a job; raises QueueFull (429, Retry-After) when the queue is full, Unavailable when stopping."""
-        with self._changed:
-            if not self._accepting:
-                raise Unavailable("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                may_wait = job.deadline - time.monotonic()
-                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
-                                self._retry.seconds(len(self._waiting), self.max_queue, may_wait),
-                                self._retry.milliseconds(len(self._waiting), self.max_queue, may_wait))
-            self._waiting.append(job)
-            self._changed.notify_all()
-        return job
-
-    def retry_after(self, may_wait_s: float = float("inf")) -> int:
-        """Seconds until the queue has room for one more job (see `RetryAfter`)."""
-        return self._retry.seconds(len(self._waiting), self.max_queue, may_wait_s)
+        super().__init__(model, version, metrics, max_queue)
 
     def cancel(self, job: ImageJob) -> None:
         """Drop a job that nobody waits for any more: out of the queue at once if it has not run."""
         job.cancel()
         with self._changed:
             self._changed.notify_all()
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def running(self) -> int:
-        return len(self._active)
-
-    def stop(self, timeout: float) -> None:
-        """Stop accepting; let accepted jobs run for up to `timeout` seconds; fail whatever is left with 503."""
-        with self._changed:
-            self._accepting = False
-            self._changed.notify_all()  # a batch being collected goes now: nothing more will arrive
-        deadline = time.monotonic() + timeout
-        while (self._waiting or self._active) and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(DRAIN_POLL_S)
-        with self._changed:
-            self._stop = True
-            self._changed.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout=STOP_JOIN_S)
-        with self._changed:  # a batch still running loses to these failures (first outcome wins)
-            leftovers, self._waiting, self._active = list(self._waiting) + self._active, deque(), []
-        for job in leftovers:
-            fail(job.future, Unavailable("the server shut down before this request finished"))
-        release_gauges(self.metrics, self.labels, owner=self)
 
     # --- the worker thread --------------------------------------------------------------------------------
 
@@ -178,7 +107,7 @@ class DynamicBatcher:
             while first is None:
                 if self._stop:
                     return None
-                self._purge()
+                self._leave_queue(WHERE_QUEUED)
                 first = self._pop_live()
                 if first is None:
                     self._changed.wait(timeout=self._idle_wait())
@@ -205,12 +134,6 @@ class DynamicBatcher:
             return IDLE_WAIT_S
         return max(0.0, min(IDLE_WAIT_S, min(job.deadline for job in self._waiting) - time.monotonic()))
 
-    def _purge(self) -> None:
-        """Fail every cancelled or expired job in the queue, wherever it is (not only when it reaches the head)."""
-        live = deque(job for job in self._waiting if not self._dead(job))
-        self._retry.departed(len(self._waiting) - len(live))
-        self._waiting = live
-
     def _pop_live(self, fits: int | None = None) -> ImageJob | None:
         """The oldest waiting job that can still run (holding at most `fits` images), failing dead ones on the way."""
         while self._waiting:
@@ -226,8 +149,7 @@ class DynamicBatcher:
 
     def _dead(self, job: ImageJob) -> bool:
         """Fail a job that was cancelled or expired; True if it was."""
-        return fail_if_gone(job.future, job.cancelled.is_set() or job.future.cancelled(), job.deadline,
-                            time.monotonic(), "before its images were classified")
+        return self._gone(job, time.monotonic(), WHERE_QUEUED)
 
     def _run_batch(self, batch: list[ImageJob]) -> None:
         batch = [job for job in batch if not self._dead(job)]  # may have expired during the queue delay

@@ -1,5 +1,6 @@
-"""What both schedulers need around their bounded queues: settling a request's future exactly once from any
-thread, the Retry-After estimate of a full queue, and gauges that read the scheduler's own state.
+"""What both schedulers need around their bounded queues: `QueuedScheduler` (the queue, admission, gauges and
+stop they share), settling a request's future exactly once from any thread, the Retry-After estimate of a full
+queue, and gauges that read the scheduler's own state.
 
 - `settle` / `fail`: a future may be resolved by the worker thread, by `stop()` on another thread, or cancelled
   by its caller; the first outcome wins and the others are ignored, never raised. `fail_if_gone` ends a request
@@ -18,12 +19,22 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from service.errors import Cancelled, DeadlineExceeded, ServiceError
+from service.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    QueueFull,
+    ServiceError,
+    Unavailable,
+)
 from service.metrics import Metrics
 
+IDLE_WAIT_S = 0.1  # an idle worker wakes at least this often (a submit wakes it at once)
+DRAIN_POLL_S = 0.01  # how often stop() checks whether the accepted requests have finished
+STOP_JOIN_S = 5.0  # how long stop() waits for the worker to leave a batch or step that is still running
 # Weight of the newest sample in the moving average of the time between departures from the queue: about the
 # last 10 departures count, so the estimate follows a change of load within a few batches.
 DEPARTURE_SMOOTHING = 0.1
@@ -120,3 +131,113 @@ def release_gauges(metrics: Metrics, labels: dict[str, str], owner: object, rows
     if _gauge_owners.get(key) is owner:
         bind_gauges(metrics, labels, lambda: 0, lambda: 0, (lambda: 0) if rows else None)
         del _gauge_owners[key]
+
+
+class QueuedScheduler:
+    """The skeleton both schedulers share: a bounded queue in front of one worker thread, admission (429 with
+    Retry-After when full, 503 once stopping), the gauges, and a stop that drains what was accepted.
+
+    Subclasses implement `_run` (the worker) and may widen `_in_flight` (requests that left the queue but are not
+    running yet). `_changed` guards `_waiting`, `_active`, `_accepting` and `_stop` and is notified on every
+    change the worker may wait for; `_active` is replaced, never mutated, under it.
+    """
+
+    def __init__(self, model: str, version: int, metrics: Metrics, max_queue: int,
+                 rows: Callable[[], int] | None = None):
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        self.labels = {"model": model, "version": str(version)}
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._changed = threading.Condition()
+        self._waiting: deque = deque()
+        self._active: list = []
+        self._accepting = True
+        self._stop = False
+        self._retry = RetryAfter()
+        self._counts_rows = rows is not None
+        bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active),
+                    rows=rows, owner=self)
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{model}-{version}", daemon=True)
+
+    # --- the caller's side (event loop) -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job):
+        """Queue a request; raises QueueFull (429, Retry-After) when the queue is full, Unavailable when stopping."""
+        with self._changed:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                may_wait = job.deadline - time.monotonic()
+                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
+                                self._retry.seconds(len(self._waiting), self.max_queue, may_wait),
+                                self._retry.milliseconds(len(self._waiting), self.max_queue, may_wait))
+            self._waiting.append(job)
+            self._changed.notify_all()
+        return job
+
+    def retry_after(self, may_wait_s: float = float("inf")) -> int:
+        """Seconds until the queue has room for one more request (see `RetryAfter`)."""
+        return self._retry.seconds(len(self._waiting), self.max_queue, may_wait_s)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    def stop(self, timeout: float) -> None:
+        """Stop accepting; let accepted requests finish for up to `timeout` seconds; fail whatever is left (503)."""
+        with self._changed:
+            self._accepting = False
+            self._changed.notify_all()  # a batch being collected goes now: nothing more will arrive
+        deadline = time.monotonic() + timeout
+        while (self._waiting or self._in_flight() or self._active) and time.monotonic() < deadline \
+                and self._thread.is_alive():
+            time.sleep(DRAIN_POLL_S)
+        with self._changed:
+            self._stop = True
+            self._changed.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=STOP_JOIN_S)
+        # If the join timed out the worker is inside a step: whatever it resolves later loses to these failures
+        # (first outcome wins), and it publishes nothing once stopped.
+        with self._changed:
+            leftovers = list(self._waiting) + self._in_flight() + self._active
+            self._waiting, self._active = deque(), []
+            self._forget_in_flight()
+        for job in leftovers:
+            fail(job.future, Unavailable("the server shut down before this request finished"))
+        release_gauges(self.metrics, self.labels, owner=self, rows=self._counts_rows)
+
+    # --- the worker's side --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _in_flight(self) -> list:
+        """Requests that left the queue and are not in `_active` yet (none unless a subclass says so)."""
+        return []
+
+    def _forget_in_flight(self) -> None:
+        """Called by `stop` under the lock, after `_in_flight` was failed."""
+
+    def _gone(self, job, now: float, where: str) -> bool:
+        """Fail a request whose client went away or whose deadline passed; True if it was either."""
+        return fail_if_gone(job.future, job.cancelled.is_set() or job.future.cancelled(), job.deadline, now, where)
+
+    def _leave_queue(self, where: str) -> None:
+        """With `_changed` held: fail the waiting requests that were cancelled or passed their deadline, wherever
+        they are in the queue (not only at its head)."""
+        now = time.monotonic()
+        if all(not job.cancelled.is_set() and not job.future.cancelled() and now <= job.deadline
+               for job in self._waiting):
+            return
+        kept = deque(job for job in self._waiting if not self._gone(job, now, where))
+        self._retry.departed(len(self._waiting) - len(kept), now)
+        self._waiting = kept

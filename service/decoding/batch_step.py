@@ -1,0 +1,94 @@
+"""One decoding step for all the searches of a batch at once (`step_searches`), and the offline driver built on it.
+
+A step's logits arrive as one (rows, V) array with each search's rows together, in order. Single-row searches
+(greedy, sampling) go through the batched sampler (`service.decoding.sampler`) as one group, whatever their
+parameters; beam searches share one log-softmax over all their rows, then each selects its own continuations
+(its finished set and stopping rule are its own). The batching scheduler and `run_search` both step through
+here, so offline decoding and serving make the same choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .base import Search, StepResult, log_softmax
+from .sampler import step_single_rows
+
+__all__ = ["run_search", "step_searches"]
+
+
+def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool = False
+                  ) -> list[StepResult | Exception]:
+    """Step every search: ``logits`` (sum of ``num_rows``, V), the rows of ``searches[i]`` after those of the
+    searches before it. Returns one `StepResult` per search, in order.
+
+    ``isolate``: a search that raises gets its exception in its place and the others go on (the scheduler fails
+    that request only); otherwise the first exception propagates."""
+    sizes = [s.num_rows for s in searches]
+    if logits.shape[0] != sum(sizes):
+        raise ValueError(f"expected logits for {sum(sizes)} rows, got {logits.shape[0]}")
+    starts = np.cumsum([0] + sizes[:-1]).tolist()
+    results: list[StepResult | None] = [None] * len(searches)
+    single = [i for i, s in enumerate(searches) if s.single_row]
+    if single:
+        rows = logits if len(single) == len(searches) else logits[[starts[i] for i in single]]
+        for i, result in zip(single, step_single_rows([searches[i] for i in single], rows, isolate)):
+            results[i] = result
+    if len(single) < len(searches):
+        beams = [i for i, s in enumerate(searches) if not s.single_row]
+        rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in beams])
+        lp = log_softmax(logits[rows])
+        offset = 0
+        for i in beams:
+            try:
+                results[i] = searches[i].step_logprobs(lp[offset : offset + sizes[i]])
+            except Exception as error:
+                if not isolate:
+                    raise
+                results[i] = error
+            offset += sizes[i]
+    return results
+
+
+StepFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray], step_fn: StepFn) -> None:
+    """Drive ``searches`` to completion offline (a reference driver; the server uses a batching scheduler).
+
+    ``first_logits[i]``: logits (V,) or (1, V) of the prefill row of ``searches[i]`` (decoder-only: at the last
+    prompt position; encoder-decoder: after feeding the decoder start token). The prefill rows form the initial
+    row set: row ``i`` belongs to ``searches[i]``.
+
+    ``step_fn(tokens, parents) -> logits``: ``tokens`` and ``parents`` are int64 arrays of shape (R,). The model
+    builds its new row ``r`` from its previous row ``parents[r]`` (a global index into the rows of the previous
+    call, or into the prefill rows on the first call) extended by ``tokens[r]``, and returns the next-token
+    logits of the new rows, shape (R, V). Rows are grouped per still-active search, in the order of
+    ``searches``, each group in the order of that search's `StepResult`. ``step_fn`` is not called once every
+    search is done (a search may finish on its prefill logits).
+    """
+    if len(searches) != len(first_logits):
+        raise ValueError("need one first_logits entry per search")
+    steps = step_searches(searches, np.stack([np.asarray(fl).reshape(-1) for fl in first_logits]))
+    offsets = np.arange(len(searches), dtype=np.int64)  # first row of each search in the previous row set
+    while True:
+        tokens, parents, active, new_offsets = [], [], [], []
+        n_rows = 0
+        for search, res, off in zip(searches, steps, offsets):
+            if res.done or len(res.tokens) == 0:
+                continue
+            tokens.append(res.tokens)
+            parents.append(res.parents + off)
+            active.append(search)
+            new_offsets.append(n_rows)
+            n_rows += len(res.tokens)
+        if not active:
+            return
+        logits = np.asarray(step_fn(np.concatenate(tokens), np.concatenate(parents)))  # (n_rows, V)
+        if logits.shape[0] != n_rows:
+            raise ValueError(f"step_fn returned {logits.shape[0]} rows, expected {n_rows}")
+        steps = step_searches(active, logits)
+        searches = active
+        offsets = np.asarray(new_offsets, dtype=np.int64)

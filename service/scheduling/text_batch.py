@@ -1,0 +1,148 @@
+"""The running batch of the text models: the engine's state for every row, the requests in row order, and where
+each request's rows are. After text-generation-inference's ``Batch`` (``filter``, ``concatenate``) and its
+``generate_token(batch) -> (generations, next_batch)``.
+
+- `TextBatch.prefill(backend, jobs)`: a new batch from the newcomers' prompt pass (prompt, or encoder pass and
+  decoder start token), their searches stepped on the first logits;
+- `filter(jobs)`: keep these requests. The others' rows stay in the state as dead rows (no copy of the cache for
+  a departure); they are dropped at the next compaction;
+- `TextBatch.concatenate(batches)`: one batch from several, in one copy of the caches that also drops dead rows;
+- `generate_token()`: one decoding step over every row, then every search of the batch at once
+  (`service.decoding.step_searches`); each request's outcome is handed back, a search that raised as an
+  exception that concerns that request only.
+
+If every request keeps its row count and few rows are dead, the rows stay where they are (beams reordered in
+place, dead rows fed a pad token and recycled by the engine); otherwise the batch is compacted in one gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from service.decoding import StepResult, step_searches
+
+if TYPE_CHECKING:
+    from service.scheduling.continuous import TextJob
+
+DEAD_ROWS_BEFORE_COMPACTION = 0.25  # fraction of the rows that may be dead before a step compacts the batch
+PAD_TOKEN = 0  # what a dead row is fed (its output is never read)
+
+
+class DecodingBackend(Protocol):
+    """What the batch needs from an engine (`GPTEngine`, `TranslationEngine`)."""
+
+    def prefill(self, inputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, Any]: ...
+
+    def step(self, state: Any, tokens: np.ndarray) -> np.ndarray: ...
+
+    def select(self, state: Any, rows: np.ndarray) -> Any: ...
+
+    def concatenate(self, states: Sequence[Any], rows: Sequence[np.ndarray | None] | None = None) -> Any: ...
+
+    def recycle(self, state: Any, rows: np.ndarray) -> None:
+        """Rows whose content no longer matters: keep them valid for the next steps (e.g. positions in range)."""
+
+
+Outcome = StepResult | Exception
+
+
+class TextBatch:
+    """Rows of `state` belong to `jobs` (in order) at `spans[job] = (first row, rows)`; rows of no job are dead.
+    `pending[job]` is the job's last `StepResult`: the tokens its rows are fed next and which rows they continue."""
+
+    def __init__(self, backend: DecodingBackend, state: Any, rows: int, jobs: list[TextJob],
+                 spans: dict[TextJob, tuple[int, int]], pending: dict[TextJob, StepResult]):
+        self.backend = backend
+        self.state = state
+        self.rows = rows
+        self.jobs = jobs
+        self.spans = spans
+        self.pending = pending
+
+    @classmethod
+    def prefill(cls, backend: DecodingBackend, jobs: list[TextJob]) -> tuple[TextBatch, list[Outcome]]:
+        """The newcomers' prompt pass, their searches stepped on the first logits. The returned batch holds every
+        newcomer; the caller filters out those whose outcome is done or an exception. Raises if the pass fails."""
+        logits, state = backend.prefill([job.input_ids for job in jobs])
+        batch = cls(backend, state, len(jobs), list(jobs), {job: (row, 1) for row, job in enumerate(jobs)}, {})
+        return batch, batch._step_searches(logits)
+
+    @property
+    def live_rows(self) -> int:
+        return sum(rows for _, rows in self.spans.values())
+
+    def row_indices(self) -> np.ndarray:
+        """The rows of the batch's requests, in order (everything else is dead)."""
+        if not self.jobs:
+            return np.zeros(0, np.int64)
+        return np.concatenate([np.arange(first, first + rows) for first, rows in map(self.spans.get, self.jobs)])
+
+    def filter(self, jobs: list[TextJob]) -> TextBatch:
+        """Keep `jobs` (a subset of this batch's, in order); the others' rows become dead rows."""
+        kept = set(jobs)
+        self.spans = {job: span for job, span in self.spans.items() if job in kept}
+        self.pending = {job: step for job, step in self.pending.items() if job in kept}
+        self.jobs = list(jobs)
+        return self
+
+    @staticmethod
+    def concatenate(batches: Sequence[TextBatch]) -> TextBatch:
+        """One batch holding every request of `batches`, in order: one copy of the caches, dead rows dropped."""
+        batches = [b for b in batches if b.jobs] or list(batches[-1:])
+        if len(batches) == 1 and batches[0].live_rows == batches[0].rows:
+            return batches[0]
+        first = batches[0]
+        state = first.backend.concatenate([b.state for b in batches], rows=[b.row_indices() for b in batches])
+        jobs, spans, pending, row = [], {}, {}, 0
+        for batch in batches:
+            for job in batch.jobs:
+                rows = batch.spans[job][1]
+                jobs.append(job)
+                spans[job] = (row, rows)
+                row += rows
+            pending.update(batch.pending)
+        return TextBatch(first.backend, state, row, jobs, spans, pending)
+
+    def generate_token(self) -> list[Outcome]:
+        """One decoding step: feed every request's pending tokens, then step every search. Returns one outcome
+        per job (in order): its new `StepResult`, or the exception its search raised. Raises if the engine
+        step fails (the state is unusable then)."""
+        parents, tokens = self._plan()
+        self.state = self.backend.select(self.state, parents)
+        logits = self.backend.step(self.state, tokens)  # (rows, V)
+        if self.live_rows < self.rows:
+            logits = logits[self.row_indices()]
+        return self._step_searches(logits)
+
+    def _plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """Parents and tokens of the next step's rows; moves the requests' spans when the batch is compacted."""
+        steps = [self.pending[job] for job in self.jobs]
+        dead = self.rows - self.live_rows
+        in_place = dead <= self.rows * DEAD_ROWS_BEFORE_COMPACTION and all(
+            len(step.tokens) == self.spans[job][1] for job, step in zip(self.jobs, steps))
+        if in_place:
+            parents, tokens = np.arange(self.rows), np.full(self.rows, PAD_TOKEN, np.int64)
+            for job, step in zip(self.jobs, steps):
+                first, rows = self.spans[job]
+                parents[first : first + rows], tokens[first : first + rows] = step.parents + first, step.tokens
+            if dead:
+                self.backend.recycle(self.state, np.setdiff1d(np.arange(self.rows), self.row_indices()))
+            return parents, tokens
+        parents = np.concatenate([step.parents + self.spans[job][0] for job, step in zip(self.jobs, steps)])
+        tokens = np.concatenate([step.tokens for step in steps])
+        row = 0
+        for job, step in zip(self.jobs, steps):
+            self.spans[job] = (row, len(step.tokens))
+            row += len(step.tokens)
+        self.rows = row
+        return parents, tokens
+
+    def _step_searches(self, logits: np.ndarray) -> list[Outcome]:
+        outcomes = step_searches([job.search for job in self.jobs], logits, isolate=True)
+        for job, outcome in zip(self.jobs, outcomes):
+            if isinstance(outcome, StepResult):
+                self.pending[job] = outcome
+        return outcomes
