@@ -278,7 +278,23 @@ def run_optimum_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateF
     return generate
 
 
-def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+def run_shipped_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+    """OUR ENGINE on the SHIPPED VARIANT of our graph: `run_ours_gpt`'s export rewritten as the release GPT is
+    (bench/shipped.py: fused attention, int8 weights, in-place KV cache, ...)."""
+    from shipped import shipped_variant
+
+    return run_ours_gpt(spec, runtime, workdir, shipped_variant("gpt"))
+
+
+def run_shipped_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+    """OUR ENGINE on the SHIPPED VARIANT of our translation graphs (see `run_shipped_gpt`)."""
+    from shipped import shipped_variant
+
+    return run_ours_translation(spec, runtime, workdir, shipped_variant("translation"))
+
+
+def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[str, str] | None = None
+                 ) -> GenerateFn:
     """OUR ENGINE, GPT: `service.engines.gpt.GPTEngine` + `service.decoding.GreedySearch`.
 
     Our from-scratch GPT (`models.gpt.GPT`) with random weights and the same sizes, exported by
@@ -289,7 +305,7 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     from service.decoding import GreedySearch
     from service.engines.gpt import GPTEngine
 
-    version = _ours_gpt_version(spec, workdir)
+    version = _ours_gpt_version(spec, workdir, variant)
     engine = GPTEngine(version, _ours_runtime_options(runtime))
 
     def generate(prompts: np.ndarray) -> np.ndarray:
@@ -300,14 +316,16 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     return generate
 
 
-def _ours_gpt_version(spec: GptSpec, workdir: Path):
-    """Our GPT with random weights (seed 0) at `spec`'s sizes, exported once into workdir (see `_ours_export`)."""
+def _ours_gpt_version(spec: GptSpec, workdir: Path, variant: dict[str, str] | None = None):
+    """Our GPT with random weights (seed 0) at `spec`'s sizes, exported once into workdir (see `_ours_export`),
+    its graph rewritten into `variant` if given."""
     from models.config import GPTConfig
     from models.gpt import GPT
 
     config = GPTConfig(vocab_size=spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model,
                        n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)
-    return _ours_export("gpt", lambda: GPT(config), config, _spec_dir(workdir, "ours-gpt", spec))
+    folder = _spec_dir(workdir, _variant_name("ours-gpt", variant), spec)
+    return _ours_export("gpt", lambda: GPT(config), config, folder, variant)
 
 
 def run_genai_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
@@ -357,7 +375,8 @@ def run_optimum_translation(spec: TranslationSpec, runtime: Runtime, workdir: Pa
     return generate
 
 
-def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
+                         variant: dict[str, str] | None = None) -> GenerateFn:
     """OUR ENGINE, TRANSLATION: `service.engines.translation.TranslationEngine` + `service.decoding.BeamSearch`.
 
     Our from-scratch encoder-decoder (`models.transformer.EncoderDecoderTransformer`) with random weights and the
@@ -376,7 +395,7 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path)
                                d_ff=spec.d_ff, dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID,
                                bos_id=BOS_ID, eos_id=EOS_ID)
     version = _ours_export("translation", lambda: EncoderDecoderTransformer(config), config,
-                           _spec_dir(workdir, "ours-translation", spec))
+                           _spec_dir(workdir, _variant_name("ours-translation", variant), spec), variant)
     engine = TranslationEngine(version, _ours_runtime_options(runtime))
 
     def generate(source: np.ndarray) -> np.ndarray:
@@ -388,9 +407,14 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path)
     return generate
 
 
-def _ours_export(kind: str, make_model: Callable, config, folder: Path):
-    """Export our model (random weights, seed 0) into `folder` as a model-repository version, once: the folder
-    name carries the spec, and the marker the hash of the model/export sources, so edits there re-export."""
+def _variant_name(name: str, variant: dict[str, str] | None) -> str:
+    return name + "".join(f"-{value}" for value in (variant or {}).values())
+
+
+def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant: dict[str, str] | None = None):
+    """Export our model (random weights, seed 0) into `folder` as a model-repository version, once, rewritten into
+    `variant` (`export.repository.rewrite_graphs`) if given: the folder name carries the spec, and the marker the
+    hash of the model/export sources, so edits there re-export."""
     from export.onnx_export import EXPORTERS
     from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
 
@@ -405,6 +429,10 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
         _seed_torch(0)
         described = EXPORTERS[kind](make_model().eval(), config, folder)
+        if variant:
+            from export.repository import rewrite_graphs
+
+            rewrite_graphs(folder, described, **variant)
         (folder / CONFIG_FILE).write_text(json.dumps(described, indent=2))
         # The engines load a tokenizer; generation from ids never uses it, so a one-word vocabulary will do.
         Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(folder / TOKENIZER_FILE))
@@ -419,12 +447,12 @@ def _ours_runtime_options(runtime: Runtime):
     return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin)
 
 
-SYSTEMS = ("transformers", "optimum", "genai", "ours")
+SYSTEMS = ("transformers", "optimum", "genai", "ours", "shipped")
 BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
     "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "genai": run_genai_gpt,
-            "ours": run_ours_gpt},
+            "ours": run_ours_gpt, "shipped": run_shipped_gpt},
     "translation": {"transformers": run_transformers_translation, "optimum": run_optimum_translation,
-                    "ours": run_ours_translation},
+                    "ours": run_ours_translation, "shipped": run_shipped_translation},
 }
 
 
@@ -493,9 +521,8 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
                                    "best_throughput": work / min(seconds), "seconds": [round(s, 4) for s in seconds]}
     throughput = {name: entry["throughput"] for name, entry in result["systems"].items()}
     result["ratios"] = {
-        f"ours/{other}": (throughput["ours"] / throughput[other]) if "ours" in throughput and other in throughput
-        else None
-        for other in ("transformers", "optimum", "genai")
+        f"{mine}/{other}": (throughput[mine] / throughput[other]) if {mine, other} <= throughput.keys() else None
+        for mine in ("ours", "shipped") for other in ("transformers", "optimum", "genai")
     }
     result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
                                                 if {"optimum", "transformers"} <= throughput.keys() else None)
@@ -587,35 +614,42 @@ def bench_scaling(args) -> dict:
     spec = release_gpt_spec()
     print(f"Scaling (our GPT engine vs its fp32 matmul roofline): {spec}", flush=True)
     ours = run_ours_gpt(spec, args.runtime, args.workdir)
+    shipped = run_shipped_gpt(spec, args.runtime, args.workdir)
     rows = []
     for batch in args.scaling_batches:
         prompts = make_prompts(spec, batch)
-        systems = {"ours": ours, "roofline": run_roofline_gpt(spec, batch)}
+        systems = {"ours": ours, "shipped": shipped, "roofline": run_roofline_gpt(spec, batch)}
         times, _ = measure(systems, [prompts], spec.new_tokens, args.warmup, args.repeats)
         tokens = batch * spec.new_tokens
         ours_tp = tokens / statistics.median(times["ours"])
+        shipped_tp = tokens / statistics.median(times["shipped"])
         roofline_tp = tokens / statistics.median(times["roofline"])
-        rows.append({"batch": batch, "ours_tokens_per_s": ours_tp, "roofline_tokens_per_s": roofline_tp,
-                     "fraction_of_roofline": ours_tp / roofline_tp,
+        rows.append({"batch": batch, "ours_tokens_per_s": ours_tp, "shipped_tokens_per_s": shipped_tp,
+                     "roofline_tokens_per_s": roofline_tp, "fraction_of_roofline": ours_tp / roofline_tp,
+                     "shipped_fraction_of_roofline": shipped_tp / roofline_tp,
                      "roofline_step_ms": statistics.median(times["roofline"]) / spec.new_tokens * 1000,
                      "ours_seconds": [round(t, 4) for t in times["ours"]],
+                     "shipped_seconds": [round(t, 4) for t in times["shipped"]],
                      "roofline_seconds": [round(t, 4) for t in times["roofline"]]})
-        print(f"  batch {batch:>3}: ours {ours_tp:>9.1f} tok/s   roofline {roofline_tp:>9.1f} tok/s   "
-              f"fraction {ours_tp / roofline_tp:.2f}", flush=True)
+        print(f"  batch {batch:>3}: ours {ours_tp:>9.1f} tok/s   shipped {shipped_tp:>9.1f} tok/s   roofline "
+              f"{roofline_tp:>9.1f} tok/s   fractions {ours_tp / roofline_tp:.2f} {shipped_tp / roofline_tp:.2f}",
+              flush=True)
     return {"case": f"gpt scaling, release shape, greedy {spec.prompt_tokens}+{spec.new_tokens} tokens",
             "spec": asdict(spec), "rows": rows}
 
 
 def print_scaling(scaling: dict) -> None:
-    header = f"{'batch':>5} {'ours tok/s':>12} {'roofline tok/s':>15} {'fraction':>9} {'roofline ms/step':>17}"
+    header = (f"{'batch':>5} {'ours tok/s':>12} {'shipped tok/s':>14} {'roofline tok/s':>15} {'fraction':>9} "
+              f"{'shipped fraction':>17} {'roofline ms/step':>17}")
     print(f"\n{scaling['case']} (median of {len(scaling['rows'][0]['ours_seconds']) if scaling['rows'] else 0} "
           "passes; roofline = the step's matmuls in torch, same threads)")
     print("=" * len(header))
     print(header)
     print("-" * len(header))
     for row in scaling["rows"]:
-        print(f"{row['batch']:>5} {row['ours_tokens_per_s']:>12.1f} {row['roofline_tokens_per_s']:>15.1f} "
-              f"{row['fraction_of_roofline']:>9.2f} {row['roofline_step_ms']:>17.3f}")
+        print(f"{row['batch']:>5} {row['ours_tokens_per_s']:>12.1f} {row['shipped_tokens_per_s']:>14.1f} "
+              f"{row['roofline_tokens_per_s']:>15.1f} {row['fraction_of_roofline']:>9.2f} "
+              f"{row['shipped_fraction_of_roofline']:>17.2f} {row['roofline_step_ms']:>17.3f}")
     print("=" * len(header))
 
 
@@ -648,7 +682,8 @@ def print_result(result: dict) -> None:
 
 def print_table(results: list[dict]) -> None:
     header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ours':>10} " \
-             f"{'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} {'optimum/transf.':>15}"
+             f"{'shipped':>10} {'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} " \
+             f"{'shipped/optimum':>15} {'shipped/genai':>13}"
     print("=" * len(header))
     print(header)
     print("-" * len(header))
@@ -656,9 +691,9 @@ def print_table(results: list[dict]) -> None:
         tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
         ratios = r["ratios"]
         print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['genai']:>10} "
-              f"{tp['ours']:>10} {_fmt(ratios['ours/transformers'], '.2f'):>12} "
+              f"{tp['ours']:>10} {tp['shipped']:>10} {_fmt(ratios['ours/transformers'], '.2f'):>12} "
               f"{_fmt(ratios['ours/optimum'], '.2f'):>12} {_fmt(ratios['ours/genai'], '.2f'):>10} "
-              f"{_fmt(ratios['optimum/transformers'], '.2f'):>15}")
+              f"{_fmt(ratios['shipped/optimum'], '.2f'):>15} {_fmt(ratios['shipped/genai'], '.2f'):>13}")
     print("=" * len(header))
 
 
@@ -679,7 +714,8 @@ def environment(runtime: Runtime) -> dict:
             versions[distribution] = None
     return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
             "threads": runtime.threads, "spin": runtime.spin,
-            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(), "executable": sys.executable, "versions": versions}
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(),
+            "executable": sys.executable, "versions": versions}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -698,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="scaling table batch sizes (default 1,8,16,32,64,128)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated: transformers,optimum,genai,ours (the scaling task always runs ours)")
+                        help="comma-separated: transformers,optimum,genai,ours,shipped (the scaling task always runs "
+                             "ours and shipped)")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_engine.json"), help="JSON results")
     parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_engine"),
                         help="where exported models are kept between runs (default .cache/bench_engine)")

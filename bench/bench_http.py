@@ -94,6 +94,7 @@ from httpbench.report import (
     describe_round,
     environment,
     evaluate_goals,
+    gpt_roofline,
     print_goals,
     print_tables,
 )
@@ -275,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note ({summary['case']}): {note}")
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
-    goals = evaluate_goals(summaries)
+    roofline = None
+    if any(s["case"] == "gpt c=32" for s in summaries):  # the servers are down: nothing else shares the cores
+        roofline = gpt_roofline(gpt_architecture, 32, args.threads)
+        print(f"\nfp32 matmul roofline of the GPT's step at batch 32: {roofline['throughput']:.0f} tokens/s")
+    goals = evaluate_goals(summaries + ([roofline] if roofline else []))
     print_goals(goals)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "servers": [{"name": s.name, "command": s.command, "ready_s": s.ready_seconds, "log": str(s.log_path),
                      "env": {k: v for k, v in s.environment.items() if k.startswith(("TSERVE_", "OMP_"))}}
                     for s in servers.values()],
-        "cases": summaries, "goals": goals, "skipped": skipped,
+        "cases": summaries, "roofline": roofline, "goals": goals, "skipped": skipped,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

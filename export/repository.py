@@ -2,14 +2,21 @@
 
 The version folder is built in a temporary sibling and renamed into place only after every parity check has
 passed, so a serving process never sees a half-written or unchecked version.
+
+Graph variants (`rewrite_graphs`, shared with `export.convert`): weights stored as fp32, fp16 (`export.compress`)
+or int8 (`export.quantize`), attention as exported ("plain") or fused into contrib MultiHeadAttention ("mha",
+`export.attention_fusion`). A variant other than fp32/plain must stay within `TOLERANCES` of the float32 model's
+quality on the card's data (`check_quality`), int8 and mha included; fp16 records its figures only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +26,7 @@ from PIL import Image
 from export import checks
 from export.compress import store_weights_as_fp16
 from export.onnx_export import EXPORTERS, OPSET
+from export.quantize import quantize_int8
 from models import data
 from service.decoding import GreedySearch
 from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
@@ -28,6 +36,25 @@ DATA_NOTES = {
     "gpt": "tinyshakespeare: first 90% of the 1,115,394 characters for training, last 10% for validation.",
     "vit": "Fashion-MNIST: 60,000 training images, 10,000 test images, 28x28 grey, 10 classes.",
 }
+
+
+WEIGHTS = ("fp32", "fp16", "int8")
+ATTENTION = ("plain", "mha")
+KV_CACHE = ("concat", "inplace")  # inplace: a step graph writing the new slot into fixed buffers (export.kv_inplace)
+KV_INPLACE_NOTE = ("decoding steps run an in-place step graph (`decoder_step.onnx`, `export.kv_inplace`): the "
+                   "KV cache is fixed-capacity buffers written in place, not a copy of the past every step")
+WEIGHT_STORAGE = {
+    "fp16": "float16, cast to float32 when the session loads",
+    "int8": "MatMul weights int8 (ONNX Runtime MatMulNBits: 8-bit symmetric blocks of 32, one scale each; int8 "
+            "activations per row); the other large weights float16, cast to float32 when the session loads",
+}
+# The card's figure of each kind, and how far a graph variant may move it: the loss may rise by 0.002 nats, BLEU
+# and accuracy (percent) may move by 0.3 and 0.2 either way.
+QUALITY_METRIC = {"gpt": "val_loss", "translation": "bleu", "vit": "test_accuracy"}
+TOLERANCES = {"val_loss": 0.002, "bleu": 0.3, "test_accuracy": 0.2}
+QUALITY_DATA = {"val_loss": "tinyshakespeare validation tokens ({} of them)",
+                "bleu": "sacreBLEU (cased, 13a), beam 4, through the service, Multi30k test_2016_flickr ({} sentences)",
+                "test_accuracy": "Fashion-MNIST test images ({} of them)"}
 
 
 def _engine_and_inputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> tuple[Any, dict[str, Any]]:
@@ -63,27 +90,126 @@ def _parity(kind: str, model, version: ModelVersion, tokenizer, data_dir) -> dic
 def _served_quality(kind: str, version: ModelVersion, tokenizer, metrics: dict, data_dir) -> dict[str, Any]:
     """The exported graph's own figure next to the PyTorch one, on the data the card was measured on (GPT: val
     loss over the card's `val_tokens`; ViT: accuracy over its `test_images`). Translation BLEU through the
-    server is `export.verify_served`'s job (it needs beam search and batching, i.e. the service)."""
-    from service.engines.gpt import GPTEngine
-    from service.engines.vit import ViTEngine
-
-    root = data.resolve_data_dir(data_dir)
+    server is `export.verify_served`'s job (it needs beam search and batching, i.e. the service), or
+    `check_quality`'s for a graph variant."""
     if kind == "gpt" and "val_loss" in metrics:
-        _, val_text = data.load_shakespeare(root)
-        ids = np.asarray(tokenizer.encode(val_text).ids, dtype=np.int64)[: metrics.get("val_tokens")]
-        served = checks.gpt_validation_loss(GPTEngine(version), ids)
-        return {"onnx_val_loss": round(served, 4),
+        served = measure_quality(kind, version, tokenizer, metrics, data_dir)
+        return {"onnx_val_loss": served,
                 "onnx_val_loss_minus_pytorch": round(served - metrics["val_loss"], 4) + 0.0}  # + 0.0: no "-0.0"
     if kind == "vit" and "test_accuracy" in metrics:
-        images, labels = data.load_fashion_mnist(root, "test")
-        count = metrics.get("test_images", len(labels))
-        served = checks.vit_test_accuracy(ViTEngine(version), images[:count], labels[:count])
-        return {"onnx_test_accuracy": round(served, 2),
+        served = measure_quality(kind, version, tokenizer, metrics, data_dir)
+        return {"onnx_test_accuracy": served,
                 "onnx_test_accuracy_minus_pytorch": round(served - metrics["test_accuracy"], 2) + 0.0}
     return {}
 
 
-def _greedy_outputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> list:
+def _quality_count(kind: str, card: dict) -> int | None:
+    """How many tokens / sentences / images the card's figure was measured on (None: the whole split)."""
+    return card.get({"gpt": "val_tokens", "translation": "test_2016_flickr_sentences", "vit": "test_images"}[kind])
+
+
+@contextlib.contextmanager
+def _translation_service(version: ModelVersion) -> Iterator[str]:
+    """URL of `python -m service` serving this one version folder (as `translation`, the name the BLEU check asks
+    for), from a temporary repository that links to it."""
+    from service.launcher import ServiceProcess
+
+    with tempfile.TemporaryDirectory(prefix="quality-") as scratch:
+        (Path(scratch) / "translation").mkdir()
+        (Path(scratch) / "translation" / str(version.version)).symlink_to(version.path.resolve())
+        with ServiceProcess("quality", scratch, models='["translation"]', log_level="WARNING",
+                            drain_delay_s=0) as server:
+            yield server.url
+
+
+def measure_quality(kind: str, version: ModelVersion, tokenizer, card: dict, data_dir) -> float:
+    """The graph's figure on the data `card` was measured on: GPT validation loss (nats, 4 places), ViT test accuracy
+    (percent, 2 places), translation BLEU through the service as `export.verify_served` measures it."""
+    from service.engines.gpt import GPTEngine
+    from service.engines.vit import ViTEngine
+
+    root = data.resolve_data_dir(data_dir)
+    count = _quality_count(kind, card)
+    if kind == "gpt":
+        _, val_text = data.load_shakespeare(root)
+        ids = np.asarray(tokenizer.encode(val_text).ids, dtype=np.int64)[:count]
+        return round(checks.gpt_validation_loss(GPTEngine(version), ids), 4)
+    if kind == "vit":
+        images, labels = data.load_fashion_mnist(root, "test")
+        return round(checks.vit_test_accuracy(ViTEngine(version), images[:count], labels[:count]), 2)
+    from export.verify_served import verify_translation
+
+    with _translation_service(version) as url:
+        return verify_translation(url, card, root)["served"]
+
+
+def check_quality(kind: str, version: ModelVersion, tokenizer, card: dict, data_dir,
+                  tolerances: dict[str, float] = TOLERANCES) -> dict[str, Any]:
+    """Measure the graph on the card's data and compare with the card's float32 figure; raises
+    `checks.ExportCheckError` outside the tolerance, else returns what was measured."""
+    metric = QUALITY_METRIC[kind]
+    measured = measure_quality(kind, version, tokenizer, card, data_dir)
+    reference = card[metric]
+    delta = round(measured - reference, 4) + 0.0
+    tolerance = tolerances[metric]
+    ok = delta <= tolerance if metric == "val_loss" else abs(delta) <= tolerance
+    count = _quality_count(kind, card)
+    result = {"metric": metric, "data": QUALITY_DATA[metric].format(f"{count:,}" if count else "all"),
+              "measured": measured, "reference": reference, "delta": delta, "tolerance": tolerance}
+    if not ok:
+        raise checks.ExportCheckError(f"{version.name}: {metric} {measured} vs {reference} (delta {delta}) is "
+                                      f"outside the tolerance {tolerance}; nothing written")
+    return result
+
+
+def rewrite_graphs(folder: Path, config: dict, weights: str = "fp32", attention: str = "plain",
+                   kv_cache: str = "concat") -> dict[str, Any]:
+    """Rewrite the version folder's graphs in place: attention fusion first (mha), then the weight storage (fp16 or
+    int8), then (kv_cache "inplace") the decoder's in-place step graph beside it (`export.kv_inplace`); records
+    the variant in `config` and returns what was done (fused nodes, file sizes, rewritten layers)."""
+    if weights not in WEIGHTS or attention not in ATTENTION or kv_cache not in KV_CACHE:
+        raise ValueError(f"weights must be one of {WEIGHTS}, attention one of {ATTENTION} and kv_cache one of "
+                         f"{KV_CACHE}")
+    done: dict[str, Any] = {}
+    for file in config["files"].values():
+        path = folder / file
+        before = path.stat().st_size
+        if attention == "mha":
+            from export.attention_fusion import fuse_attention
+
+            done[f"{file}_fused_attention_nodes"] = fuse_attention(path)
+        if weights == "fp16":
+            store_weights_as_fp16(path)
+        elif weights == "int8":
+            quantize_int8(path)
+        done[f"{file}_bytes"] = f"{before:,} -> {path.stat().st_size:,}"
+    if kv_cache == "inplace":
+        from export.kv_inplace import add_step_graph
+
+        done["decoder_step_layers"] = add_step_graph(folder, config)
+    config.update({"weights": weights, "attention": attention, "kv_cache": kv_cache})
+    if weights in WEIGHT_STORAGE:
+        config["weights_storage"] = WEIGHT_STORAGE[weights]
+    return done
+
+
+def variant_label(weights: str, attention: str, kv_cache: str = "concat") -> str:
+    """The variant's name in the card's check names: int8_weights, fp32_weights_mha_attention, ..."""
+    return (f"{weights}_weights" + ("_mha_attention" if attention == "mha" else "")
+            + ("_inplace_kv_cache" if kv_cache == "inplace" else ""))
+
+
+def _describe_check(quality: dict[str, Any]) -> str:
+    return (f"{quality['measured']} vs {quality['reference']} (delta {quality['delta']:+}, tolerance "
+            f"{quality['tolerance']}) on {quality['data']}")
+
+
+def same_outputs(reference: list, outputs: list) -> str:
+    """How many greedy outputs (or argmax labels) agree, as "n/N"."""
+    return f"{sum(a == b for a, b in zip(reference, outputs))}/{len(reference)}"
+
+
+def greedy_outputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> list:
     """Greedy tokens (text models) or argmax labels (ViT) of the check inputs, from the ONNX Runtime engine."""
     engine, inputs = _engine_and_inputs(kind, version, tokenizer, data_dir)
     if kind == "vit":
@@ -103,8 +229,8 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
     if train_limit:  # the tiny presets: the first examples only (the test fixtures, tests/fixtures)
         data += f" This run trained on the first {train_limit:,} training examples only."
     lines = [f"# {name} version {version}", "", f"Kind: `{config['kind']}`. Data: {data}", ""]
-    lines += ["## Training", "", f"Command: `python -m models.train {run_config['task']} --preset "
-              f"{run_config['preset']}` (run folder `{run_dir.name}`)", ""]
+    command = f"python -m models.train {run_config['task']} --preset {run_config['preset']}"
+    lines += ["## Training", "", f"Command: `{command}` (run folder `{run_dir.name}`)", ""]
     for key in ("parameters", "steps", "epochs_completed", "train_seconds"):
         if key in metrics:
             lines.append(f"- {key.replace('_', ' ')}: {metrics[key]:,}" if isinstance(metrics[key], int)
@@ -114,6 +240,10 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
                      "loss (`keep_best`); the metrics below are those weights'")
     if "weights_storage" in config:
         lines.append(f"- weights stored as {config['weights_storage']}")
+    if config.get("attention") == "mha":
+        lines.append("- attention fused into ONNX Runtime's contrib MultiHeadAttention (`--attention mha`)")
+    if config.get("kv_cache") == "inplace":
+        lines.append(f"- {KV_INPLACE_NOTE} (`--kv-cache inplace`)")
     lines += ["", "## Metrics", "", "| metric | value |", "| --- | --- |"]
     for key, value in metrics.items():
         if key not in ("export_checks", "task", "preset") and isinstance(value, (int, float)):
@@ -127,8 +257,10 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
 
 
 def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = None, version: int | None = None,
-               data_dir: str | None = None, weights: str = "fp32") -> Path:
-    """Export, check, and (weights="fp16") store the weights as float16, recording the agreement with float32."""
+               data_dir: str | None = None, weights: str = "fp32", attention: str = "plain",
+               kv_cache: str = "concat") -> Path:
+    """Export and check; a variant (`rewrite_graphs`) records its agreement with the float32 graph, and int8 or
+    mha must keep the quality within `TOLERANCES` of the PyTorch model's figure on the card's data."""
     from models.runs import load_trained
 
     task, model, model_config, tokenizer, run_config = load_trained(run_dir)
@@ -156,16 +288,19 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
         staged = ModelVersion(name, version, staging, config)
         metrics["export_checks"] = _parity(kind, model, staged, tokenizer, data_dir)
-        if weights == "fp16":
-            reference = _greedy_outputs(kind, staged, tokenizer, data_dir)
-            for file in config["files"].values():
-                store_weights_as_fp16(staging / file)
-            compressed = _greedy_outputs(kind, staged, tokenizer, data_dir)
-            same = sum(a == b for a, b in zip(reference, compressed))
+        if (weights, attention, kv_cache) != ("fp32", "plain", "concat"):
+            reference = greedy_outputs(kind, staged, tokenizer, data_dir)
+            metrics["export_checks"].update(rewrite_graphs(staging, config, weights, attention, kv_cache))
             output = "argmax" if kind == "vit" else "greedy_output"
-            metrics["export_checks"][f"fp16_weights_same_{output}_as_fp32"] = f"{same}/{len(reference)}"
-            config["weights_storage"] = "float16, cast to float32 when the session loads"
-            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+            label = variant_label(weights, attention, kv_cache)
+            metrics["export_checks"][f"{label}_same_{output}_as_fp32"] = same_outputs(
+                reference, greedy_outputs(kind, staged, tokenizer, data_dir))
+            if (weights, attention, kv_cache) != ("fp16", "plain", "concat"):  # fp16 storage: not held to them
+                quality = check_quality(kind, staged, tokenizer, metrics, data_dir)
+                metrics["export_checks"][f"{quality['metric']}_within_tolerance"] = _describe_check(quality)
+        else:
+            config.update({"weights": weights, "attention": attention, "kv_cache": kv_cache})
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         metrics["export_checks"].update(_served_quality(kind, staged, tokenizer, metrics, data_dir))
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if (run_dir / "curves.png").exists():

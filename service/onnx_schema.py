@@ -12,6 +12,10 @@ Graphs per model kind:
   `encoder_row[r]` says which encoded source row r decodes: the cross-attention keys/values are computed once
   per source and shared by its beams by index, never recomputed per beam or per step.
 - vit: `model.onnx` (pixel_values) -> logits
+- gpt and translation may add `decoder_step.onnx` (config `files["decoder_step"]`): the decoder rewritten by
+  `export.kv_inplace` for one-token steps over fixed-capacity caches: one more input, `cache_slot` (int64
+  scalar, the slot the new token's keys/values are written to); past, present and attention_mask all span the
+  capacity, and the present outputs are meant to be bound to the past buffers themselves.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from dataclasses import dataclass
 
 # file names inside a model version folder
 GPT_DECODER_FILE = "decoder.onnx"
+DECODER_STEP_FILE = "decoder_step.onnx"  # optional: the in-place one-token step graph (export.kv_inplace)
 ENCODER_FILE = "encoder.onnx"
 DECODER_FILE = "decoder.onnx"
+DECODER_STEP_FILE = "decoder_step.onnx"  # optional: the in-place one-token step graph (export.kv_inplace)
 VIT_FILE = "model.onnx"
 
 INPUT_IDS = "input_ids"
@@ -29,10 +35,12 @@ POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"
 ENCODER_ATTENTION_MASK = "encoder_attention_mask"
 ENCODER_ROW = "encoder_row"
+CACHE_SLOT = "cache_slot"
 LOGITS = "logits"
 PIXEL_VALUES = "pixel_values"
 
-BATCH, SEQUENCE, PAST, TOTAL, SOURCE, SOURCES = "batch", "sequence", "past_sequence", "total_sequence", "source", "sources"
+BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
+SOURCE, SOURCES = "source", "sources"
 
 
 def past_names(layer: int) -> tuple[str, str]:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from service.kv_cache import KVCache
+from service.kv_cache import CAPACITY_STEP, KVCache, capacity_for
 
 
 def cache(rows, length, start=0, encoder_row=None):
@@ -70,3 +70,49 @@ def test_a_same_size_reordering_moves_only_the_changed_rows_in_place():
 def test_bad_row_indices_are_an_error():
     with pytest.raises(IndexError):
         cache(2, 2).select(np.array([0, 5, 1]))
+
+
+# --- capacity buffers (in-place step graphs) -----------------------------------------------------------------
+
+def buffered(rows, length, start=0):
+    c = cache(rows, length, start)
+    c.reserve(1)
+    return c
+
+
+def test_reserve_switches_to_buffers_and_grows_with_headroom():
+    c = cache(2, 3)
+    c.reserve(1)
+    assert c.buffered and c.length == 3 and c.capacity == CAPACITY_STEP
+    assert c.mask[:, 3:].sum() == 0 and c.keys[0][:, 0, :3, 0].tolist() == [[0, 1, 2], [3, 4, 5]]
+    keys, positions = c.keys[0], c.positions
+    for _ in range(CAPACITY_STEP - 3):
+        assert c.open_slot() == c.length
+        c.advance()
+        assert c.keys[0] is keys and c.positions is positions  # room left: the same buffers, written in place
+    assert c.length == CAPACITY_STEP and c.positions.tolist() == [CAPACITY_STEP] * 2
+    c.open_slot()
+    assert c.capacity == capacity_for(CAPACITY_STEP + 1) > CAPACITY_STEP and c.keys[0] is not keys
+    assert c.keys[0][:, 0, :3, 0].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_capacity_leaves_a_quarter_of_headroom_in_whole_steps():
+    for slots in (0, 1, 15, 16, 17, 100, 144, 500):
+        capacity = capacity_for(slots)
+        assert capacity % CAPACITY_STEP == 0 and capacity >= max(slots, 1)
+        assert capacity <= max(CAPACITY_STEP, 1.25 * slots + CAPACITY_STEP)
+
+
+def test_buffers_select_and_concatenate_like_exact_storage():
+    exact = KVCache.concatenate([cache(1, 2), cache(2, 4, start=10)])
+    merged = KVCache.concatenate([buffered(1, 2), buffered(2, 4, start=10)])
+    assert merged.buffered and merged.length == exact.length and merged.capacity > merged.length
+    assert merged.mask[:, : merged.length].tolist() == exact.mask.tolist()
+    assert merged.keys[0][:, :, : merged.length].tolist() == exact.keys[0].tolist()
+    for rows in ([2, 2, 0], [1, 2]):  # in place, then a gather that drops the longest rows' leading slots
+        exact.select(np.array(rows))
+        merged.select(np.array(rows))
+        assert merged.buffered and merged.length == exact.length
+        assert merged.keys[0][:, :, : merged.length].tolist() == exact.keys[0].tolist()
+        assert merged.mask[:, : merged.length].tolist() == exact.mask.tolist()
+        assert merged.first_used_slot() == exact.first_used_slot()

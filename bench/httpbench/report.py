@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import time
 from collections import Counter
 
 from .load import Result, percentiles
@@ -14,7 +15,34 @@ GOALS = (  # (key, description, numerator case, denominator case, threshold)
     ("vit_batching", "ViT images/s, dynamic batching on / off", "vit batching=on", "vit batching=off", 3.0),
     ("gpt_vs_baseline", "GPT tokens/s, ours 32 streams / baseline 32 clients", "gpt c=32", "baseline c=32", 5.0),
     ("gpt_scaling", "GPT tokens/s, ours 32 streams / ours 1 stream", "gpt c=32", "gpt c=1", 4.0),
+    ("gpt_roofline", "GPT tokens/s, ours 32 streams / fp32 matmul roofline at batch 32", "gpt c=32",
+     "roofline b=32", 0.4),
 )
+ROOFLINE_STEPS = 64  # decoding steps per timed pass of the roofline
+ROOFLINE_REPEATS = 5
+
+
+def gpt_roofline(architecture: dict, batch: int, threads: int) -> dict:
+    """The fp32 matmul roofline of one decoding step of the served GPT's shape at `batch` rows (bench_engine.py's
+    `run_roofline_gpt`: the step's matmuls in torch, same threads), as a pseudo-case for `evaluate_goals`."""
+    import statistics
+
+    import torch
+    from bench_engine import GptSpec, run_roofline_gpt
+
+    torch.set_num_threads(threads)
+    spec = GptSpec(vocab_size=architecture["vocab_size"], d_model=architecture["d_model"],
+                   n_layers=architecture["n_layers"], n_heads=architecture["n_heads"], d_ff=architecture["d_ff"],
+                   context_length=architecture["context_length"], new_tokens=ROOFLINE_STEPS)
+    generate = run_roofline_gpt(spec, batch)
+    generate(None)  # warm-up
+    seconds = []
+    for _ in range(ROOFLINE_REPEATS):
+        started = time.perf_counter()
+        generate(None)
+        seconds.append(time.perf_counter() - started)
+    return {"case": f"roofline b={batch}", "unit": "tokens/s", "errors": 0, "work_per_server_cpu_s": None,
+            "throughput": batch * ROOFLINE_STEPS / statistics.median(seconds), "seconds": seconds}
 
 
 def _fmt(value, pattern: str) -> str:
@@ -81,7 +109,7 @@ def evaluate_goals(cases: list[dict]) -> list[dict]:
 def print_goals(goals: list[dict]) -> None:
     print("\nGoals (ratios of throughputs measured in this run):")
     for g in goals:
-        print(f"  {g['status']:<7} {g['description']}: {_fmt(g['ratio'], '.2f')}x (goal >= {g['threshold']:.0f}x)"
+        print(f"  {g['status']:<7} {g['description']}: {_fmt(g['ratio'], '.2f')}x (goal >= {g['threshold']:g}x)"
               f"   [per server CPU-second: {_fmt(g['ratio_per_server_cpu_s'], '.2f')}x]"
               + (f"  [errors in these cases: {g['errors_in_cases']}]" if g["errors_in_cases"] else ""))
 

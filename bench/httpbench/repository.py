@@ -1,5 +1,6 @@
 """The benchmark's model repository: gpt/1, translation/1 and vit/1 at the release presets' sizes with random
-weights (seed 0), exported with the project's exporter, built once per source digest."""
+weights (seed 0), exported with the project's exporter and rewritten into the graph variant the release models are
+served in (bench/shipped.py: int8 weights, fused attention, ...), built once per source digest."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ def _source_digest(extra: dict) -> str:
 
 
 def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
-    """A repository with gpt/1, translation/1 and vit/1 (release sizes, random weights), built once per source
-    digest into workdir/repository-<digest>; built in a staging folder and renamed into place when complete."""
+    """A repository with gpt/1, translation/1 and vit/1 (release sizes, random weights, the shipped graph variant),
+    built once per source digest into workdir/repository-<digest>; built in a staging folder and renamed into place
+    when complete."""
+    from shipped import shipped_variant
+
     from models.config import get_preset
 
     presets = {kind: get_preset(kind, "release")[0] for kind in ("gpt", "translation", "vit")}
+    variants = {kind: shipped_variant(kind) for kind in presets}
     key = _source_digest({"presets": {k: repr(v) for k, v in presets.items()}, "seed": 0,
-                          "tokenizer_pairs": TRANSLATION_TOKENIZER_PAIRS})
+                          "tokenizer_pairs": TRANSLATION_TOKENIZER_PAIRS, "variants": variants})
     final = workdir / f"repository-{key}"
     if final.is_dir():
         return final
@@ -41,6 +46,7 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
     import torch
 
     from export.onnx_export import EXPORTERS, OPSET
+    from export.repository import rewrite_graphs
     from models import data
     from models.gpt import GPT
     from models.tokenization import build_byte_tokenizer, train_translation_tokenizer
@@ -69,6 +75,8 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
                 tokenizer.save(str(folder / TOKENIZER_FILE))
             if kind != "vit":
                 described["tokenizer"] = TOKENIZER_FILE
+            if variants[kind]:
+                rewrite_graphs(folder, described, **variants[kind])
             (folder / CONFIG_FILE).write_text(json.dumps(described, indent=2))
             print(f"  exported {kind} ({sum(p.stat().st_size for p in folder.iterdir()) / 1e6:.1f} MB)", flush=True)
         staging.rename(final)

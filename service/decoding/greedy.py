@@ -65,6 +65,7 @@ class GreedySearch(Search):
             raise ValueError("logprobs must be None or >= 0")
         self.max_new_tokens = int(max_new_tokens)
         self.eos = eos_ids(eos_token_id)  # (n_eos,)
+        self._eos_set = frozenset(self.eos.tolist())  # `in` on a set, not on an array, every step
         self.min_new_tokens = int(min_new_tokens)
         self.stop_checker = stop_checker
         self.no_repeat_ngram_size = int(no_repeat_ngram_size)
@@ -134,7 +135,7 @@ class GreedySearch(Search):
         lp = float((row[tok] - m) - log_z)  # raw log-softmax at tok, as `log_softmax` computes it
         self._score += lp
         self._n += 1
-        if tok in self.eos:
+        if tok in self._eos_set:
             self._reason = "eos"
         else:
             self._tokens[self._n - 1] = tok

@@ -2,6 +2,9 @@
 
 One graph serves both: prefill feeds the left-padded prompts with an empty cache, each step feeds one token per
 row with the cache. Rows of different lengths share a batch through explicit positions and the slot mask.
+A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs the steps on
+it instead: the cache becomes fixed-capacity buffers, bound through IO binding as the graph's past and present,
+so a step writes its slot without copying the past.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from tokenizers import Tokenizer
 
 from service import onnx_schema as schema
 from service.decoding import Search, run_search
-from service.kv_cache import KVCache
+from service.kv_cache import InPlaceStep, KVCache
 from service.repository import TOKENIZER_FILE, ModelVersion
 from service.runtime import RuntimeOptions, active_provider, create_session
 
@@ -25,9 +28,12 @@ class GPTEngine:
         self.tokenizer = Tokenizer.from_file(str(model.path / TOKENIZER_FILE))
         self.session = create_session(model.path / config["files"]["decoder"], options)
         self.provider = active_provider(self.session)
+        step_file = config["files"].get("decoder_step")
+        self.step_session = create_session(model.path / step_file, options) if step_file else None
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
+        self._in_place = InPlaceStep(self.step_session, self.vocab_size) if self.step_session else None
         self.context_length = config["context_length"]
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = 0
@@ -65,8 +71,10 @@ class GPTEngine:
         R = cache.rows
         if int(cache.positions.max(initial=0)) >= self.context_length:
             raise ValueError(f"a row reached the context length {self.context_length}")
-        return self._run(cache, tokens.reshape(R, 1).astype(np.int64), cache.positions.reshape(R, 1),
-                         np.ones((R, 1), np.int64))
+        ids = tokens.reshape(R, 1).astype(np.int64)
+        if self.step_session is not None:
+            return self._in_place.run(cache, ids[:, 0])
+        return self._run(cache, ids, cache.positions.reshape(R, 1), np.ones((R, 1), np.int64))
 
     @staticmethod
     def select(cache: KVCache, rows: np.ndarray) -> KVCache:

@@ -3,6 +3,9 @@
 The encoder graph returns each decoder layer's cross-attention keys/values; they are kept once per source in
 `EncodedSources`, and every decoding row (a beam, or a request's single greedy row) points at its source through
 the cache's `encoder_row`: beams share their source's keys/values by index, nothing is recomputed per beam or step.
+A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs every decoder
+call on it: the cache is fixed-capacity buffers, bound through IO binding as the graph's past and present, so a
+step writes its slot without copying the past.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from tokenizers import Tokenizer
 
 from service import onnx_schema as schema
 from service.decoding import Search, run_search
-from service.kv_cache import KVCache
+from service.kv_cache import InPlaceStep, KVCache
 from service.repository import TOKENIZER_FILE, ModelVersion
 from service.runtime import RuntimeOptions, active_provider, create_session
 
@@ -74,9 +77,12 @@ class TranslationEngine:
         self.encoder = create_session(model.path / config["files"]["encoder"], options)
         self.decoder = create_session(model.path / config["files"]["decoder"], options)
         self.provider = active_provider(self.decoder)
+        step_file = config["files"].get("decoder_step")
+        self.step_decoder = create_session(model.path / step_file, options) if step_file else None
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_decoder_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
+        self._in_place = InPlaceStep(self.step_decoder, self.vocab_size) if self.step_decoder else None
         special = config["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
         self.max_source_length = config["max_source_length"]
@@ -100,6 +106,8 @@ class TranslationEngine:
         return EncodedSources(cross, mask)
 
     def _run(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
+        if self.step_decoder is not None:
+            return self._run_in_place(cache, encoded, tokens)
         R = cache.rows
         new_mask = np.ones((R, 1), np.int64)
         feeds = {
@@ -116,6 +124,13 @@ class TranslationEngine:
         logits, *presents = self.decoder.run(None, feeds)
         cache.append(presents, new_mask, cache.positions + 1)
         return logits[:, -1]
+
+    def _run_in_place(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
+        """One token per row (R,) written into the cache buffers by the in-place graph; returns logits (R, V)."""
+        inputs = {schema.ENCODER_ATTENTION_MASK: encoded.mask, schema.ENCODER_ROW: cache.encoder_row}
+        for i in range(self.n_layers):
+            inputs.update(zip(schema.cross_names(i), encoded.cross[2 * i : 2 * i + 2]))
+        return self._in_place.run(cache, tokens, inputs)
 
     def start(self, encoded: EncodedSources) -> tuple[np.ndarray, DecoderBatch]:
         """Feed the decoder start token for every source -> first logits (N, V) and a batch of one row each."""
