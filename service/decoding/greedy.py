@@ -32,7 +32,8 @@ from .sampler import step_single_rows
 
 __all__ = ["GreedySearch"]
 
-_ZERO = np.zeros(1, dtype=np.int64)
+_ZERO = np.zeros(1, dtype=np.int64)  # every single-row step continues row 0: one shared, read-only array
+_ZERO.flags.writeable = False
 
 
 class GreedySearch(Search):
@@ -66,6 +67,7 @@ class GreedySearch(Search):
         self.max_new_tokens = int(max_new_tokens)
         self.eos = eos_ids(eos_token_id)  # (n_eos,)
         self._eos_set = frozenset(self.eos.tolist())  # `in` on a set, not on an array, every step
+        self.always_processed = False  # every choice processed (sampling, penalties): `SamplingSearch` sets it
         self.min_new_tokens = int(min_new_tokens)
         self.stop_checker = stop_checker
         self.no_repeat_ngram_size = int(no_repeat_ngram_size)
@@ -110,9 +112,8 @@ class GreedySearch(Search):
 
     def needs_processing(self) -> bool:
         """Whether the next choice is more than the argmax of the raw logits."""
-        return bool(self.temperature > 0.0 or self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or (self._n < self.min_new_tokens and self.eos.size)
-                    or (self._ngrams is not None and self._ngrams.banned()))
+        return (self.always_processed or (self._n < self.min_new_tokens and bool(self._eos_set))
+                or (self._ngrams is not None and bool(self._ngrams.banned())))
 
     def mask_banned(self, row: np.ndarray) -> None:
         """In place on logits (V,): -inf for tokens that would repeat an n-gram (``no_repeat_ngram_size``), then
@@ -128,11 +129,11 @@ class GreedySearch(Search):
             raise ValueError(f"expected logits of shape (1, V), got {logits.shape}")
         return step_single_rows([self], logits)[0]
 
-    def accept(self, tok: int, row: np.ndarray, m: float, log_z: float) -> StepResult:
-        """Record the chosen token ``tok`` given the raw logits ``row`` (V,) float64, their max ``m`` and
-        log-sum-exp ``log_z`` (of ``row - m``); decides whether the sequence ends."""
+    def accept(self, tok: int, lp: float, row: np.ndarray, m: float, log_z: float) -> StepResult:
+        """Record the chosen token ``tok`` and its raw log-probability ``lp`` (``(row[tok] - m) - log_z``, as
+        `log_softmax` computes it) given the raw logits ``row`` (V,) float64, their max ``m`` and log-sum-exp
+        ``log_z`` (of ``row - m``; read only for ``logprobs``); decides whether the sequence ends."""
         self._note_choice(tok)
-        lp = float((row[tok] - m) - log_z)  # raw log-softmax at tok, as `log_softmax` computes it
         self._score += lp
         self._n += 1
         if tok in self._eos_set:
@@ -150,7 +151,7 @@ class GreedySearch(Search):
                 self._reason = "length"
         if self._reason is not None:
             return finished_step()
-        return StepResult(tokens=np.array([tok], dtype=np.int64), parents=_ZERO.copy(), done=False)
+        return StepResult(tokens=np.array([tok], dtype=np.int64), parents=_ZERO, done=False)
 
     def _note_choice(self, tok: int) -> None:
         """Hook for searches that track their tokens for the processors (`SamplingSearch`)."""

@@ -38,6 +38,10 @@ def process_rows(searches: Sequence[GreedySearch], x: np.ndarray) -> np.ndarray:
     """Raw logits (rows, V) float64 of `searches` (one row each) -> processed logits (-inf = removed) for the
     next choice, given the tokens so far. Modifies and returns `x`."""
     vocab = x.shape[1]
+    if not any(s.always_processed for s in searches):  # greedy rows: only bans (n-grams, early EOS) to apply
+        for row, search in enumerate(searches):
+            search.mask_banned(x[row])
+        return x
     penalty = np.array([s.repetition_penalty for s in searches])
     penalised = np.flatnonzero(penalty != 1.0)
     if penalised.size:
@@ -74,7 +78,8 @@ def _draw(searches: Sequence[GreedySearch], x: np.ndarray) -> np.ndarray:
     live = np.flatnonzero(top != -np.inf)
     if live.size == 0:
         return tokens
-    p = np.exp(x[live] - top[live, None])  # unnormalised probabilities; removed tokens are 0
+    p = np.subtract(x[live], top[live, None])
+    np.exp(p, out=p)  # unnormalised probabilities; removed tokens are 0
     cum = np.cumsum(p, axis=1)
     target = np.array([searches[i].draw_uniform() for i in live]) * cum[:, -1]
     chosen = np.count_nonzero(cum <= target[:, None], axis=1)  # np.searchsorted(cum, target, side="right")
@@ -105,8 +110,7 @@ def step_single_rows(searches: Sequence[GreedySearch], logits: np.ndarray, isola
         if len(searches) == 1:
             raise
         return [_isolated(_step_one, search, x[row]) for row, search in enumerate(searches)]
-    return [_isolated(search.accept, token, x[row], float(peak[row]), float(log_z[row]))
-            for row, (search, token) in enumerate(zip(searches, tokens.tolist()))]
+    return [_isolated(search.accept, *chosen) for search, chosen in zip(searches, _chosen(x, tokens, peak, log_z))]
 
 
 def _isolated(function, *arguments) -> StepResult | Exception:
@@ -123,14 +127,22 @@ def _step_one(search: GreedySearch, row: np.ndarray) -> StepResult:
 
 def _step(searches: Sequence[GreedySearch], x: np.ndarray) -> list[StepResult]:
     tokens, peak, log_z = _choose(searches, x)
-    return [search.accept(token, x[row], float(peak[row]), float(log_z[row]))
-            for row, (search, token) in enumerate(zip(searches, tokens.tolist()))]
+    return [search.accept(*chosen) for search, chosen in zip(searches, _chosen(x, tokens, peak, log_z))]
+
+
+def _chosen(x: np.ndarray, tokens: np.ndarray, peak: np.ndarray, log_z: np.ndarray):
+    """`accept`'s arguments for each row: token, its raw log-probability (computed for all rows at once, the
+    same float64 operations as `log_softmax`), the raw row, its max and log-sum-exp."""
+    logprobs = ((x[np.arange(len(tokens)), tokens] - peak) - log_z).tolist()
+    return zip(tokens.tolist(), logprobs, x, peak.tolist(), log_z.tolist())
 
 
 def _choose(searches: Sequence[GreedySearch], x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The next token of every row, with each row's max and log-sum-exp of the raw logits ``x`` (left as is)."""
     peak = x.max(axis=1)
-    log_z = np.log(np.sum(np.exp(x - peak[:, None]), axis=1))
+    shifted = np.subtract(x, peak[:, None])
+    np.exp(shifted, out=shifted)  # in place: a fresh temporary of this size costs more than the exp (page faults)
+    log_z = np.log(shifted.sum(axis=1))
     processed = [i for i, s in enumerate(searches) if s.needs_processing()]
     if len(processed) < len(searches):
         tokens = np.argmax(x, axis=1)

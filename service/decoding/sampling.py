@@ -103,6 +103,8 @@ class SamplingSearch(GreedySearch):
         # (V,) int64: how often each token was generated (prefix excluded), built on the first step; None when the
         # OpenAI penalties are off
         self._counts: np.ndarray | None = None
+        self.always_processed = bool(self.temperature > 0.0 or self.repetition_penalty != 1.0
+                                     or self.presence_penalty or self.frequency_penalty)
 
     def seen_tokens(self, vocab: int) -> np.ndarray:
         """(V,) bool: the tokens of prefix + generated so far (the repetition penalty's set), built on first use."""
