@@ -57,20 +57,30 @@ def unfold_fp16_storage(model: onnx.ModelProto) -> int:
     return len(folds)
 
 
+def _quantizer_class():
+    """ONNX Runtime's `MatMulNBitsQuantizer` (needs onnx-ir), imported without the `logging.basicConfig(level=INFO)`
+    its module runs on import: that would configure the root logger of whoever exports (every node it visits
+    logged at INFO, in the CLI and in the benchmarks' servers alike)."""
+    root = logging.getLogger()
+    placeholder = None if root.handlers else logging.NullHandler()  # basicConfig does nothing once one exists
+    if placeholder is not None:
+        root.addHandler(placeholder)
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        if placeholder is not None:
+            root.removeHandler(placeholder)
+    return MatMulNBitsQuantizer
+
+
 def quantize_int8(path: Path) -> tuple[int, int]:
     """Rewrite the ONNX file at `path` in place with 8-bit MatMul weights; returns (bytes before, bytes after)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # needs onnx-ir
-
     before = path.stat().st_size
     model = onnx.load(str(path))
     unfold_fp16_storage(model)
-    logging.disable(logging.INFO)  # the quantizer logs every node it visits
-    try:
-        quantizer = MatMulNBitsQuantizer(model, bits=BITS, block_size=BLOCK_SIZE, is_symmetric=True,
-                                         accuracy_level=ACCURACY_LEVEL)
-        quantizer.process()
-    finally:
-        logging.disable(logging.NOTSET)
+    quantizer = _quantizer_class()(model, bits=BITS, block_size=BLOCK_SIZE, is_symmetric=True,
+                                   accuracy_level=ACCURACY_LEVEL)
+    quantizer.process()
     onnx.save(quantizer.model.model, str(path))
     store_weights_as_fp16(path)  # the embeddings and biases left in float32; runs onnx.checker (full check)
     return before, path.stat().st_size
