@@ -42,7 +42,8 @@ def _require(condition: bool, message: str) -> None:
         raise ExportCheckError(message)
 
 
-def _left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompts of different lengths as one left-padded batch: (ids, mask, positions), each (B, longest)."""
     longest = max(len(p) for p in prompts)
     ids, mask, positions = (np.zeros((len(prompts), longest), np.int64) for _ in range(3))
     for row, prompt in enumerate(prompts):
@@ -54,7 +55,7 @@ def _left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.n
 @torch.no_grad()
 def check_gpt(model, engine: GPTEngine, prompts: list[list[int]], max_new_tokens: int = 24) -> dict[str, Any]:
     """`prompts`: real validation prompts of different lengths (token ids)."""
-    ids, mask, positions = _left_padded(prompts[:8])
+    ids, mask, positions = left_padded(prompts[:8])
     empty = {name: np.zeros((len(ids), engine.n_heads, 0, engine.head_dim), np.float32)
              for i in range(engine.n_layers) for name in schema.past_names(i)}
     feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **empty}

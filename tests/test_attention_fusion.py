@@ -10,6 +10,7 @@ import onnx
 import pytest
 
 from export.attention_fusion import FUSED_OP, fuse_attention
+from export.checks import left_padded
 from service import onnx_schema as schema
 from service.decoding import BeamSearch, GreedySearch
 from service.engines.gpt import GPTEngine
@@ -88,20 +89,11 @@ def test_a_fused_graph_is_left_alone(repositories, tmp_path):
     assert fuse_attention(path) == 0
 
 
-def _left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    longest = max(len(p) for p in prompts)
-    ids, mask, positions = (np.zeros((len(prompts), longest), np.int64) for _ in range(3))
-    for row, prompt in enumerate(prompts):
-        n = len(prompt)
-        ids[row, longest - n :], mask[row, longest - n :], positions[row, longest - n :] = prompt, 1, np.arange(n)
-    return ids, mask, positions
-
-
 def test_gpt_logits_and_presents_match(repositories):
     plain, fused = _sessions(repositories, "gpt", schema.GPT_DECODER_FILE)
     engine = GPTEngine(repositories[0].get("gpt"))
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
-    ids, mask, positions = _left_padded(prompts)
+    ids, mask, positions = left_padded(prompts)
     B = len(prompts)
     empty = {name: np.zeros((B, engine.n_heads, 0, engine.head_dim), np.float32)
              for i in range(engine.n_layers) for name in schema.past_names(i)}
