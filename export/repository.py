@@ -228,6 +228,10 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
     train_limit = run_config.get("train", {}).get("train_limit")
     if train_limit:  # the tiny presets: the first examples only (the test fixtures, tests/fixtures)
         data += f" This run trained on the first {train_limit:,} training examples only."
+    held_out = run_config.get("train", {}).get("validation_size")
+    if held_out:  # the ViT: choices on a validation split, the test set measured once
+        data += (f" The last {held_out:,} of those training images were held out as the validation split: every "
+                 "choice (the kept epoch) was made on them, and the test set was measured once, at the end.")
     lines = [f"# {name} version {version}", "", f"Kind: `{config['kind']}`. Data: {data}", ""]
     command = f"python -m models.train {run_config['task']} --preset {run_config['preset']}"
     lines += ["## Training", "", f"Command: `{command}` (run folder `{run_dir.name}`)", ""]

@@ -38,6 +38,9 @@ def test_card_records_the_exported_graphs_own_quality(tiny_repository):
     vit = json.loads((tiny_repository / "vit" / "1" / "metrics.json").read_text())
     assert vit["export_checks"]["onnx_test_accuracy"] == vit["test_accuracy"]
     assert vit["export_checks"]["onnx_test_accuracy_minus_pytorch"] == 0
+    # the ViT's choices were made on a validation split held out of the training images, and the card says so
+    assert vit["val_images"] == 100 and 0 <= vit["val_accuracy"] <= 100
+    assert "held out as the validation split" in (tiny_repository / "vit" / "1" / "README.md").read_text()
 
 
 def test_config_describes_the_models(tiny_repository):

@@ -1,6 +1,7 @@
 """ViT training task: Fashion-MNIST images standardised by the model config's mean/std, optional augmentation
 (pad 2 + random crop, and a horizontal flip unless `augment_flip` is off), label-smoothed cross-entropy;
-evaluation is top-1 test accuracy."""
+choices (the curve, `keep_best`) on a validation split held out of the training images, and top-1 test accuracy
+measured once, at the end."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ def augment(batch: torch.Tensor, generator: torch.Generator, pad: int = 2, flip:
 
 
 class ViTTask:
+    """Fashion-MNIST training. With `validation_size` N, the LAST N training images (after `train_limit`) are held
+    out as the validation split: the validation loss (the curve, `keep_best`) is measured on them, and the test set
+    is only measured by `evaluate`, once, at the end. Without it the validation loss is the test set's (none of the
+    presets does that any more)."""
+
     def __init__(self, config: ViTConfig, train_cfg: TrainConfig, train: tuple[np.ndarray, np.ndarray],
                  test: tuple[np.ndarray, np.ndarray]):
         self.config = config
@@ -48,11 +54,19 @@ class ViTTask:
         images, labels = train
         if train_cfg.train_limit is not None:
             images, labels = images[: train_cfg.train_limit], labels[: train_cfg.train_limit]
+        held_out = train_cfg.validation_size or 0
+        if not 0 <= held_out < len(images):
+            raise ValueError(f"validation_size {held_out} must leave training images (there are {len(images)})")
         test_images, test_labels = test
         if train_cfg.eval_limit is not None:
             test_images, test_labels = test_images[: train_cfg.eval_limit], test_labels[: train_cfg.eval_limit]
+        val_images, val_labels = (images[-held_out:], labels[-held_out:]) if held_out else (test_images, test_labels)
+        if held_out:
+            images, labels = images[:-held_out], labels[:-held_out]
         self.train_x, self.train_y = normalise(images, config), torch.as_tensor(labels, dtype=torch.long)
+        self.val_x, self.val_y = normalise(val_images, config), torch.as_tensor(val_labels, dtype=torch.long)
         self.test_x, self.test_y = normalise(test_images, config), torch.as_tensor(test_labels, dtype=torch.long)
+        self.held_out = held_out
 
     def steps_per_epoch(self) -> int:
         return len(self.train_x) // self.train_cfg.batch_size  # drop the last partial batch
@@ -73,18 +87,20 @@ class ViTTask:
         return F.cross_entropy(model(x), y, label_smoothing=self.train_cfg.label_smoothing), len(y)
 
     @torch.no_grad()
-    def _test_logits(self, model: ViT, batch_size: int = 500) -> torch.Tensor:
+    def _logits(self, model: ViT, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
         model.eval()
-        return torch.cat([model(self.test_x[i : i + batch_size]) for i in range(0, len(self.test_x), batch_size)])
+        return torch.cat([model(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
 
     def validation_loss(self, model: ViT) -> float:
-        return F.cross_entropy(self._test_logits(model), self.test_y).item()
+        return F.cross_entropy(self._logits(model, self.val_x), self.val_y).item()
 
     def evaluate(self, model: ViT) -> dict[str, float]:
-        logits = self._test_logits(model)
-        accuracy = (logits.argmax(-1) == self.test_y).float().mean().item()
-        return {
-            "test_accuracy": round(100.0 * accuracy, 2),
-            "test_loss": round(F.cross_entropy(logits, self.test_y).item(), 4),
-            "test_images": int(len(self.test_y)),
-        }
+        """Validation and test accuracy and loss of `model` (the test set's only use)."""
+        metrics: dict[str, float] = {}
+        splits = [("val", self.val_x, self.val_y)] if self.held_out else []
+        for split, images, labels in splits + [("test", self.test_x, self.test_y)]:
+            logits = self._logits(model, images)
+            metrics[f"{split}_accuracy"] = round(100.0 * (logits.argmax(-1) == labels).float().mean().item(), 2)
+            metrics[f"{split}_loss"] = round(F.cross_entropy(logits, labels).item(), 4)
+            metrics[f"{split}_images"] = int(len(labels))
+        return metrics
