@@ -102,5 +102,5 @@ class ViTTask:
             logits = self._logits(model, images)
             metrics[f"{split}_accuracy"] = round(100.0 * (logits.argmax(-1) == labels).float().mean().item(), 2)
             metrics[f"{split}_loss"] = round(F.cross_entropy(logits, labels).item(), 4)
-            metrics[f"{split}_images"] = int(len(labels))
+            metrics[f"{split}_images"] = len(labels)
         return metrics
