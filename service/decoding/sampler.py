@@ -37,11 +37,19 @@ __all__ = ["process_rows", "step_single_rows"]
 def process_rows(searches: Sequence[GreedySearch], x: np.ndarray) -> np.ndarray:
     """Raw logits (rows, V) float64 of `searches` (one row each) -> processed logits (-inf = removed) for the
     next choice, given the tokens so far. Modifies and returns `x`."""
+    processed_always = any(s.always_processed for s in searches)  # else greedy rows: only bans to apply
+    if processed_always:
+        _penalise(searches, x)
+    for row, search in enumerate(searches):
+        search.mask_banned(x[row])
+    if processed_always:
+        _warp(searches, x)
+    return x
+
+
+def _penalise(searches: Sequence[GreedySearch], x: np.ndarray) -> None:
+    """In place: the repetition penalty, then OpenAI's presence/frequency penalties, on the rows that have them."""
     vocab = x.shape[1]
-    if not any(s.always_processed for s in searches):  # greedy rows: only bans (n-grams, early EOS) to apply
-        for row, search in enumerate(searches):
-            search.mask_banned(x[row])
-        return x
     penalty = np.array([s.repetition_penalty for s in searches])
     penalised = np.flatnonzero(penalty != 1.0)
     if penalised.size:
@@ -53,12 +61,14 @@ def process_rows(searches: Sequence[GreedySearch], x: np.ndarray) -> np.ndarray:
     if counted.size:
         counts = np.stack([searches[i].token_counts(vocab) for i in counted])
         x[counted] = apply_openai_penalties(x[counted], counts, presence[counted, None], frequency[counted, None])
-    for row, search in enumerate(searches):
-        search.mask_banned(x[row])
+
+
+def _warp(searches: Sequence[GreedySearch], x: np.ndarray) -> None:
+    """In place, on the sampling rows only: temperature, then top-k and top-p."""
     temperature = np.array([s.temperature for s in searches])
     sampled = np.flatnonzero(temperature > 0.0)
     if sampled.size == 0:
-        return x
+        return
     x[sampled] = x[sampled] / temperature[sampled, None]  # x / 1.0 is x exactly: no need to skip those rows
     for values, apply in (([s.top_k for s in searches], top_k_filter), ([s.top_p for s in searches], top_p_filter)):
         values = np.asarray(values)[sampled]
@@ -66,7 +76,6 @@ def process_rows(searches: Sequence[GreedySearch], x: np.ndarray) -> np.ndarray:
             if (value > 0) if apply is top_k_filter else (value < 1.0):
                 rows = sampled[values == value]
                 x[rows] = apply(x[rows], value)
-    return x
 
 
 def _draw(searches: Sequence[GreedySearch], x: np.ndarray) -> np.ndarray:

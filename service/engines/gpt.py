@@ -29,11 +29,12 @@ class GPTEngine:
         self.session = create_session(model.path / config["files"]["decoder"], options)
         self.provider = active_provider(self.session)
         step_file = config["files"].get("decoder_step")
-        self.step_session = create_session(model.path / step_file, options) if step_file else None
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
-        self._in_place = InPlaceStep(self.step_session, self.vocab_size) if self.step_session else None
+        # the in-place step graph (`export.kv_inplace`), when the version has one
+        self._in_place = InPlaceStep(create_session(model.path / step_file, options), self.vocab_size) \
+            if step_file else None
         self.context_length = config["context_length"]
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = 0
@@ -72,7 +73,7 @@ class GPTEngine:
         if int(cache.positions.max(initial=0)) >= self.context_length:
             raise ValueError(f"a row reached the context length {self.context_length}")
         ids = tokens.reshape(R, 1).astype(np.int64)
-        if self.step_session is not None:
+        if self._in_place is not None:
             return self._in_place.run(cache, ids[:, 0])
         return self._run(cache, ids, cache.positions.reshape(R, 1), np.ones((R, 1), np.int64))
 

@@ -78,11 +78,12 @@ class TranslationEngine:
         self.decoder = create_session(model.path / config["files"]["decoder"], options)
         self.provider = active_provider(self.decoder)
         step_file = config["files"].get("decoder_step")
-        self.step_decoder = create_session(model.path / step_file, options) if step_file else None
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_decoder_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
-        self._in_place = InPlaceStep(self.step_decoder, self.vocab_size) if self.step_decoder else None
+        # the in-place step graph (`export.kv_inplace`), when the version has one: every decoder call runs on it
+        self._in_place = InPlaceStep(create_session(model.path / step_file, options), self.vocab_size) \
+            if step_file else None
         special = config["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
         self.max_source_length = config["max_source_length"]
@@ -106,7 +107,7 @@ class TranslationEngine:
         return EncodedSources(cross, mask)
 
     def _run(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
-        if self.step_decoder is not None:
+        if self._in_place is not None:
             return self._run_in_place(cache, encoded, tokens)
         R = cache.rows
         new_mask = np.ones((R, 1), np.int64)
