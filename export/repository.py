@@ -239,6 +239,10 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
         if key in metrics:
             lines.append(f"- {key.replace('_', ' ')}: {metrics[key]:,}" if isinstance(metrics[key], int)
                          else f"- {key.replace('_', ' ')}: {metrics[key]}")
+    ema_decay = run_config.get("train", {}).get("ema_decay")
+    if ema_decay:
+        lines.append(f"- weights: the exponential moving average of the training weights (decay {ema_decay}, "
+                     "updated every step), which is also what the validation curve measured")
     if "kept_step" in metrics:
         lines.append(f"- kept weights: step {metrics['kept_step']:,}, the evaluation with the lowest validation "
                      "loss (`keep_best`); the metrics below are those weights'")
@@ -287,9 +291,11 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
         if tokenizer is not None:
             shutil.copy(run_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
             config["tokenizer"] = TOKENIZER_FILE
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         metrics_path = run_dir / "metrics.json"
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+        if "length_penalty" in metrics:  # chosen on validation by models.evaluate: the served default
+            config["generation"] = {"length_penalty": metrics["length_penalty"]}
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         staged = ModelVersion(name, version, staging, config)
         metrics["export_checks"] = _parity(kind, model, staged, tokenizer, data_dir)
         if (weights, attention, kv_cache) != ("fp32", "plain", "concat"):

@@ -44,6 +44,7 @@ class GPTConfig:
     dropout: float = 0.1
     activation: str = "gelu"
     eos_id: int = 256
+    attention_dropout: float | None = None  # dropout on the attention weights; None: the same as `dropout`
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class TrainConfig:
     augment: bool = False  # ViT: pad + random crop (+ horizontal flip when augment_flip)
     augment_flip: bool = True
     keep_best: bool = False  # end with the weights of the evaluation that had the lowest validation loss
+    ema_decay: float | None = None  # evaluate and keep an exponential moving average of the weights (per step)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,10 +115,13 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
                         eval_limit=100, checkpoint_every=1000),
         ),
         "release": (
+            # Version 1: 12 epochs, its validation loss still falling at the end (BLEU 36.94). Version 3: 15
+            # epochs (~55 min alone) and the weights' moving average (decay 0.995: the last ~200 of 1,815
+            # steps), the continuous form of averaging the last checkpoints.
             TranslationConfig(vocab_size=8000, d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
                               d_ff=1024, dropout=0.1, max_positions=256),
-            TrainConfig(epochs=12, batch_tokens=4000, lr=1e-3, warmup_steps=250, schedule="inverse_sqrt",
-                        weight_decay=0.0, label_smoothing=0.1, checkpoint_every=200),
+            TrainConfig(epochs=15, batch_tokens=4000, lr=1e-3, warmup_steps=250, schedule="inverse_sqrt",
+                        weight_decay=0.0, label_smoothing=0.1, checkpoint_every=200, ema_decay=0.995),
         ),
     },
     "gpt": {
@@ -126,9 +131,15 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
                         betas=(0.9, 0.99), eval_every=100, eval_limit=20_000, checkpoint_every=1000),
         ),
         "release": (
-            GPTConfig(context_length=256, d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.0),
-            TrainConfig(epochs=1000, max_steps=5400, batch_size=16, lr=1.5e-3, warmup_steps=100, weight_decay=0.1,
-                        betas=(0.9, 0.99), eval_every=300, checkpoint_every=300, keep_best=True),
+            # Version 1 (no dropout, 5,400 steps) overfit after ~13 passes over the text (best 1.5291 at step
+            # 3,300). Version 3: dropout 0.1 on the residual branches and embeddings but not on the attention
+            # weights (that one made a step 17% slower still: 0.76 vs 0.65 s; none: 0.55 s), a cosine schedule
+            # that ends at the budget, and the weights' moving average evaluated and kept. 4,800 steps, ~55 min.
+            GPTConfig(context_length=256, d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.1,
+                      attention_dropout=0.0),
+            TrainConfig(epochs=1000, max_steps=4800, batch_size=16, lr=1.5e-3, warmup_steps=100, weight_decay=0.1,
+                        betas=(0.9, 0.99), min_lr_ratio=0.0, eval_every=300, checkpoint_every=300, keep_best=True,
+                        ema_decay=0.998),
         ),
     },
     "vit": {

@@ -24,7 +24,7 @@ class GPT(nn.Module):
         self.position_embedding = nn.Embedding(config.context_length, d)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d, config.n_heads, config.d_ff, config.dropout, config.activation)
+            TransformerBlock(d, config.n_heads, config.d_ff, config.dropout, config.activation, config.attention_dropout)
             for _ in range(config.n_layers)
         )
         self.norm = nn.LayerNorm(d)

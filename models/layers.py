@@ -131,10 +131,18 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-LN self-attention block: the encoder layer, and (with a causal mask) the GPT / ViT block."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, activation: str = "relu"):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.0,
+        activation: str = "relu",
+        attention_dropout: float | None = None,  # on the attention weights; None: the same as `dropout`
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.attn = MultiHeadAttention(d_model, n_heads, dropout if attention_dropout is None else attention_dropout)
         self.norm2 = nn.LayerNorm(d_model)
         self.ff = FeedForward(d_model, d_ff, dropout, activation)
         self.dropout = nn.Dropout(dropout)

@@ -5,7 +5,9 @@ with the task-specific parts behind a small `TrainingTask` protocol: batches for
 and a validation loss for the curve. Everything a resumed run needs (weights, optimiser, position in the epoch,
 RNG state, history) is in one checkpoint file, written atomically. With `keep_best` the weights of the
 evaluation with the lowest validation loss are kept in `best.pt` and restored at the end (nanoGPT keeps its
-best-validation checkpoint the same way).
+best-validation checkpoint the same way). With `ema_decay` an exponential moving average of the weights
+(`torch.optim.swa_utils`, updated every step) is what is evaluated, kept and returned: the continuous form of
+averaging the last checkpoints (Vaswani et al.).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm import tqdm
 
 from models.config import TrainConfig
@@ -83,9 +86,17 @@ def _save_atomically(obj: Any, path: Path) -> None:
     tmp.replace(path)
 
 
-def _save_checkpoint(path: Path, model, optimizer, state: TrainState) -> None:
+def _save_checkpoint(path: Path, model, optimizer, state: TrainState, average: AveragedModel | None) -> None:
     _save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state),
-                      "rng": torch.get_rng_state()}, path)
+                      "rng": torch.get_rng_state(),
+                      "average": average.state_dict() if average is not None else None}, path)
+
+
+def weight_average(model: nn.Module, cfg: TrainConfig) -> AveragedModel | None:
+    """The moving average of `model`'s parameters that `cfg.ema_decay` asks for, or None."""
+    if cfg.ema_decay is None:
+        return None
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay))
 
 
 def train(
@@ -101,11 +112,15 @@ def train(
     checkpoint_path = out_dir / CHECKPOINT_NAME
     torch.manual_seed(cfg.seed)
     optimizer = build_optimizer(model, cfg)
+    average = weight_average(model, cfg)
+    evaluated = model if average is None else average.module  # the weights the curve, keep_best and the end use
     state = TrainState()
     if resume and checkpoint_path.exists():
         saved = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
+        if average is not None and saved.get("average") is not None:
+            average.load_state_dict(saved["average"])
         state = TrainState(**saved["state"])
         torch.set_rng_state(saved["rng"])
         if progress:
@@ -130,6 +145,8 @@ def train(
             if cfg.grad_clip:
                 nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
+            if average is not None:
+                average.update_parameters(model)
             elapsed = time.perf_counter() - started
             state.seconds += elapsed
             state.step += 1
@@ -142,26 +159,28 @@ def train(
 
             last = state.step >= total
             if state.step % eval_every == 0 or last:
-                val = task.validation_loss(model)
+                val = task.validation_loss(evaluated)
                 model.train()
                 state.history["val_loss"].append([state.step, val])
                 bar.write(f"step {state.step}: train loss {smoothed:.4f}, validation loss {val:.4f}")
                 if cfg.keep_best and (state.best_val_loss is None or val < state.best_val_loss):
-                    _save_atomically(model.state_dict(), out_dir / BEST_NAME)
+                    _save_atomically(evaluated.state_dict(), out_dir / BEST_NAME)
                     state.best_val_loss, state.best_step = val, state.step
             if last and state.batch_in_epoch == per_epoch:  # the budget ended exactly with an epoch
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             if state.step % cfg.checkpoint_every == 0 or last:
-                _save_checkpoint(checkpoint_path, model, optimizer, state)
+                _save_checkpoint(checkpoint_path, model, optimizer, state, average)
             if last:
                 break
         else:
             state.epoch += 1
             state.batch_in_epoch = 0
-            _save_checkpoint(checkpoint_path, model, optimizer, state)
+            _save_checkpoint(checkpoint_path, model, optimizer, state, average)
             continue
         break
     bar.close()
+    if average is not None:
+        model.load_state_dict(average.module.state_dict())
     if cfg.keep_best and state.best_step is not None:
         model.load_state_dict(torch.load(out_dir / BEST_NAME, map_location="cpu", weights_only=True))
         if progress:

@@ -99,8 +99,10 @@ def request_models(settings: Settings) -> RequestModels:
             f"up to {s.max_text_chars} characters (TSERVE_MAX_TEXT_CHARS).", examples=["Ein Mann fährt Fahrrad."])
         num_beams: Beams = Field(min(4, s.max_num_beams), description="Beam width; 1 = greedy decoding.",
                                  examples=[min(4, s.max_num_beams)])
-        length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, examples=[1.0],
-                                      description="Beam score = sum of log-probs / generated_length ** length_penalty.")
+        length_penalty: float | None = Field(
+            None, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, examples=[1.0],
+            description="Beam score = sum of log-probs / generated_length ** length_penalty. Default: the model's, "
+            "chosen on validation when it was trained (`generation` in its config.json; 1.0 without one).")
         early_stopping: StrictBool | Literal["never"] = Field(
             False, description='Beam stopping rule, as in transformers: true, false or "never".', examples=[False])
         num_return_sequences: Beams = Field(1, description="Size of the n-best list per sentence (<= num_beams; more "

@@ -69,10 +69,14 @@ def full_data_dir() -> Path:
 
 
 def _cache_key() -> str:
-    """Fingerprint of what the cached tiny runs depend on: the tiny presets and the fixture files."""
+    """Fingerprint of what the cached tiny runs depend on: the tiny presets, the fixture files, and the code that
+    trains, evaluates and exports them (models/, export/)."""
     from models.config import PRESETS
 
     digest = hashlib.sha256()
+    for folder in ("models", "export"):
+        for path in sorted((PROJECT_ROOT / folder).rglob("*.py")):
+            digest.update(path.relative_to(PROJECT_ROOT).as_posix().encode() + path.read_bytes())
     for task in ("translation", "gpt", "vit"):
         model_cfg, train_cfg = PRESETS[task]["tiny"]
         digest.update(json.dumps([task, dataclasses.asdict(model_cfg), dataclasses.asdict(train_cfg)],

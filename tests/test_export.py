@@ -43,6 +43,19 @@ def test_card_records_the_exported_graphs_own_quality(tiny_repository):
     assert "held out as the validation split" in (tiny_repository / "vit" / "1" / "README.md").read_text()
 
 
+def test_the_length_penalty_is_chosen_on_validation_and_served_by_default(tiny_repository):
+    from models.evaluate import LENGTH_PENALTIES
+
+    card = json.loads((tiny_repository / "translation" / "1" / "metrics.json").read_text())
+    by_penalty = card["val_bleu_beam4_by_length_penalty"]
+    assert [float(p) for p in by_penalty] == list(LENGTH_PENALTIES)
+    chosen = card["length_penalty"]
+    assert by_penalty[str(chosen)] == max(by_penalty.values()) == card["val_bleu"]
+    assert chosen == next(p for p in LENGTH_PENALTIES if by_penalty[str(p)] == max(by_penalty.values()))
+    config = json.loads((tiny_repository / "translation" / "1" / "config.json").read_text())
+    assert config["generation"] == {"length_penalty": chosen}
+
+
 def test_config_describes_the_models(tiny_repository):
     repo = ModelRepository(tiny_repository)
     translation = repo.get("translation").config

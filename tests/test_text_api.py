@@ -109,9 +109,24 @@ def test_translate_matches_the_engine(client, engines):
     assert body["model"] == "translation" and body["version"] == 1
     source = translation.source_ids("Zwei Hunde spielen im Schnee.")
     max_new = translation.default_max_new_tokens(len(source))
-    best = translation.translate_ids([source], lambda _: BeamSearch(4, max_new, translation.eos_id,
-                                                                    prefix=[translation.bos_id]))[0].results()[0]
+    best = translation.translate_ids([source], lambda _: BeamSearch(
+        4, max_new, translation.eos_id, length_penalty=translation.length_penalty, prefix=[translation.bos_id]
+    ))[0].results()[0]
     assert body["translations"] == [[{"text": translation.tokenizer.decode(best.tokens), "score": best.score}]]
+
+
+def test_the_default_length_penalty_is_the_models(client, engines, monkeypatch):
+    translation, _ = engines
+    assert translation.length_penalty == translation.model.config["generation"]["length_penalty"]
+
+    def scores(**options):
+        body = client.post("/v1/translate", json={"text": "Ein Mann fährt Fahrrad.", "num_beams": 4,
+                                                  "num_return_sequences": 4, **options}).json()
+        return [h["score"] for h in body["translations"][0]]
+
+    monkeypatch.setattr(translation, "length_penalty", 2.0)
+    assert scores() == scores(length_penalty=2.0) != scores(length_penalty=1.0)
+    assert scores(length_penalty=None) == scores(length_penalty=2.0)  # an explicit null is the default too
 
 
 def test_translate_batch_and_n_best(client, engines):

@@ -108,9 +108,11 @@ def _toy_task(config, cfg, text):
     return GPTTask(config, cfg, ids[:split], ids[split:])
 
 
-def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
+@pytest.mark.parametrize("ema_decay", [None, 0.9])
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path, ema_decay):
     config = GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.1)
-    cfg = TrainConfig(epochs=3, batch_size=8, lr=3e-3, warmup_steps=5, checkpoint_every=4, eval_every=50)
+    cfg = TrainConfig(epochs=3, batch_size=8, lr=3e-3, warmup_steps=5, checkpoint_every=4, eval_every=50,
+                      ema_decay=ema_decay)
     text = "".join(random.Random(0).choice("abcd ") for _ in range(3000))
 
     torch.manual_seed(0)
@@ -162,6 +164,58 @@ def test_keep_best_ends_with_the_weights_of_the_lowest_validation_loss(tmp_path)
     train(ten_steps, _toy_task(config, short, text), short, tmp_path / "ten", progress=False)
     for (name, a), b in zip(ten_steps.state_dict().items(), kept.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+class RecordingWeights:
+    """Wraps a task; keeps a copy of the model's parameters each time a step starts (= after the previous step)."""
+
+    def __init__(self, task):
+        self.task, self.snapshots = task, []
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def loss(self, model, batch):
+        self.snapshots.append([p.detach().clone() for p in model.parameters()])
+        return self.task.loss(model, batch)
+
+
+def test_the_moving_average_is_what_training_evaluates_and_returns(tmp_path):
+    config = GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.0)
+    text = "".join(random.Random(0).choice("abcd ") for _ in range(3000))
+    cfg = TrainConfig(epochs=100, max_steps=12, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=100,
+                      checkpoint_every=100)
+    torch.manual_seed(0)
+    raw = GPT(config)
+    recorder = RecordingWeights(_toy_task(config, cfg, text))
+    train(raw, recorder, cfg, tmp_path / "raw", progress=False)
+    trajectory = recorder.snapshots[1:] + [[p.detach() for p in raw.parameters()]]  # after steps 1..12
+
+    decay = 0.8
+    expected = trajectory[0]
+    for weights in trajectory[1:]:
+        expected = [decay * a + (1 - decay) * w for a, w in zip(expected, weights)]
+    torch.manual_seed(0)
+    averaged = GPT(config)
+    with_average = TrainConfig(**{**cfg.__dict__, "ema_decay": decay})
+    scripted = ScriptedValidation(_toy_task(config, with_average, text), [])
+    evaluated = []
+    scripted.validation_loss = lambda model: evaluated.append([p.detach().clone() for p in model.parameters()]) or 1.0
+    train(averaged, scripted, with_average, tmp_path / "averaged", progress=False)
+    for a, b in zip(expected, averaged.parameters()):
+        torch.testing.assert_close(b.detach(), a)
+    for a, b in zip(expected, evaluated[-1]):  # the curve's last point measured the average, not the raw weights
+        torch.testing.assert_close(b, a)
+    assert not torch.equal(trajectory[-1][0], expected[0])
+
+
+def test_attention_dropout_is_separate_from_the_residual_dropout():
+    model = GPT(GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=2, d_ff=64,
+                          dropout=0.1, attention_dropout=0.0))
+    assert [block.attn.dropout.p for block in model.blocks] == [0.0, 0.0]
+    assert [block.dropout.p for block in model.blocks] == [0.1, 0.1] and model.dropout.p == 0.1
+    same = GPT(GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.1))
+    assert same.blocks[0].attn.dropout.p == 0.1
 
 
 # --- the seed's toy language --------------------------------------------------------------------------------

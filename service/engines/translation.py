@@ -22,6 +22,8 @@ from service.kv_cache import InPlaceStep, KVCache
 from service.repository import TOKENIZER_FILE, ModelVersion
 from service.runtime import RuntimeOptions, active_provider, create_session
 
+DEFAULT_LENGTH_PENALTY = 1.0  # beam search's, for a version whose config.json does not choose one (transformers')
+
 
 @dataclass
 class EncodedSources:
@@ -88,6 +90,8 @@ class TranslationEngine:
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
         self.max_source_length = config["max_source_length"]
         self.max_target_length = config["max_target_length"]
+        # beam search's default length penalty: the one chosen on validation (export, from models.evaluate)
+        self.length_penalty = float(config.get("generation", {}).get("length_penalty", DEFAULT_LENGTH_PENALTY))
 
     def source_ids(self, text: str) -> list[int]:
         """Tokenise a German sentence: ids + EOS, truncated to the longest source the model accepts."""

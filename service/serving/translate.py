@@ -27,7 +27,7 @@ from service.serving.streaming import (
 @dataclass(frozen=True)
 class TranslationParams:
     num_beams: int = 4
-    length_penalty: float = 1.0
+    length_penalty: float | None = None  # None: the model's (its config.json `generation`, chosen on validation)
     early_stopping: bool | str = False
     num_return_sequences: int = 1
     max_new_tokens: int | None = None  # default: twice the source length + 10, within the model's maximum
@@ -54,7 +54,8 @@ def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, 
             search = GreedySearch(max_new, engine.eos_id, min_new_tokens=params.min_new_tokens,
                                   no_repeat_ngram_size=params.no_repeat_ngram_size, prefix=[engine.bos_id])
         else:
-            search = BeamSearch(params.num_beams, max_new, engine.eos_id, length_penalty=params.length_penalty,
+            length_penalty = engine.length_penalty if params.length_penalty is None else params.length_penalty
+            search = BeamSearch(params.num_beams, max_new, engine.eos_id, length_penalty=length_penalty,
                                 early_stopping=params.early_stopping,
                                 num_return_sequences=params.num_return_sequences,
                                 no_repeat_ngram_size=params.no_repeat_ngram_size,
