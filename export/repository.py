@@ -308,6 +308,9 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
             if (weights, attention, kv_cache) != ("fp16", "plain", "concat"):  # fp16 storage: not held to them
                 quality = check_quality(kind, staged, tokenizer, metrics, data_dir)
                 metrics["export_checks"][f"{quality['metric']}_within_tolerance"] = _describe_check(quality)
+                if kind == "translation":  # through the service, as export.verify_served measures it
+                    metrics["export_checks"].update({"served_bleu": quality["measured"],
+                                                     "served_bleu_minus_pytorch": quality["delta"]})
         else:
             config.update({"weights": weights, "attention": attention, "kv_cache": kv_cache})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))

@@ -4,7 +4,8 @@
 
 Starts `python -m service` on the repository with default settings (service.launcher: no inherited TSERVE_*
 variable, no .env file), or uses --url, then
-- translation: sacreBLEU (cased, 13a) of `POST /v1/translate` (beam 4) on Multi30k test_2016_flickr, compared with
+- translation: sacreBLEU (cased, 13a) of `POST /v1/translate` (beam 4, the model's default length penalty: the
+  one its evaluation chose on val) on Multi30k test_2016_flickr, compared with
   the PyTorch model's `bleu` in metrics.json: must be within 0.2;
 - vit: accuracy of `POST /v1/classify` on the 10,000 Fashion-MNIST test images (sent as PNG files), compared with
   the PyTorch model's `test_accuracy`: must be within 0.1 (percentage points).

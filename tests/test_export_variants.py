@@ -142,6 +142,18 @@ def test_export_with_int8_weights_records_the_check(tiny_runs, data_dir, tmp_pat
     assert "int8" in (folder / "README.md").read_text()
 
 
+def test_a_translation_exported_into_a_variant_records_its_bleu_through_the_service(tiny_runs, data_dir, tmp_path):
+    assert export_main(["translation", "--checkpoint", str(tiny_runs["translation"]), "--repository",
+                        str(tmp_path), "--data-dir", str(data_dir), "--weights", "fp16", "--attention", "mha"]) == 0
+    folder = tmp_path / "translation" / "1"
+    metrics = json.loads((folder / "metrics.json").read_text())
+    checks = metrics["export_checks"]
+    assert checks["served_bleu_minus_pytorch"] == pytest.approx(checks["served_bleu"] - metrics["bleu"], abs=0.01)
+    assert f"{checks['served_bleu']} vs {metrics['bleu']}" in checks["bleu_within_tolerance"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["generation"] == {"length_penalty": metrics["length_penalty"]}  # what the service decoded with
+
+
 def test_mha_attention_with_int8_weights(tiny_repository, data_dir, tmp_path):
     repository = _copy(tiny_repository, tmp_path, "gpt")
     assert _convert(repository, "gpt", data_dir, "--attention", "mha", "--weights", "int8") == 0

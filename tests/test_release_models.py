@@ -20,10 +20,13 @@ KINDS = ("translation", "gpt", "vit")
 
 
 VERSIONS = [(kind, version) for kind in KINDS for version in ModelRepository(REPOSITORY).versions(kind)]
-# The release targets, for the PyTorch model and for every committed graph of it (each version's own measurement).
-# The ViT's: 91.5%, since its choices are made on a validation split held out of the training images (version 3:
-# 91.69% test, chosen on validation; version 1's 92.15% was chosen on the test set).
-TARGETS = {"bleu": 35, "val_loss": 1.55, "test_accuracy": 91.5}
+# What every committed version (each graph's own measurement and its PyTorch model's) must reach: the first release's
+# targets. Versions kept for comparison (gpt/1: 1.5291) meet these.
+FLOORS = {"bleu": 35, "val_loss": 1.55, "test_accuracy": 91.5}
+# The served (highest) versions, issue 16's release v2: GPT <= 1.50 nats/char (version 3: 1.4709). The ViT's: 91.5%,
+# since its choices are made on a validation split held out of the training images (version 3: 91.69% test, chosen
+# on validation; the 93% target was missed; version 1's 92.15% was chosen on the test set).
+TARGETS = {"bleu": 35, "val_loss": 1.50, "test_accuracy": 91.5}
 
 
 def _version_dir(kind: str, version: int) -> Path:
@@ -34,8 +37,8 @@ def _card(kind: str, version: int) -> dict:
     return json.loads((_version_dir(kind, version) / "metrics.json").read_text())
 
 
-def _meets(metric: str, value: float) -> bool:
-    return value <= TARGETS[metric] if metric == "val_loss" else value >= TARGETS[metric]
+def _meets(metric: str, value: float, bounds: dict[str, float] = FLOORS) -> bool:
+    return value <= bounds[metric] if metric == "val_loss" else value >= bounds[metric]
 
 
 @pytest.mark.parametrize("kind, version", VERSIONS)
@@ -112,6 +115,19 @@ def test_the_committed_models_serve_real_answers(serving, data_dir):
 
 
 SERVED = [(kind, max(v for k, v in VERSIONS if k == kind)) for kind in KINDS]  # the highest version of each
+
+
+@pytest.mark.parametrize("kind, version", SERVED)
+def test_served_versions_meet_the_release_v2_targets(kind, version):
+    """The PyTorch model's figure on the card and the served graph's own measurement of it, both."""
+    card = _card(kind, version)
+    metric = {"translation": "bleu", "gpt": "val_loss", "vit": "test_accuracy"}[kind]
+    measured = {"translation": card["export_checks"].get("served_bleu",
+                                                         card.get("conversion", {}).get("quality", {}).get("measured")),
+                "gpt": card["export_checks"].get("onnx_val_loss"),
+                "vit": card["export_checks"].get("onnx_test_accuracy")}[kind]
+    assert measured is not None
+    assert _meets(metric, card[metric], TARGETS) and _meets(metric, measured, TARGETS), (card[metric], measured)
 
 
 @pytest.mark.parametrize("kind, version", SERVED)
