@@ -197,7 +197,9 @@ class _ChoiceDelta:
 
 
 def _merge(batch: Sequence[Piece | Finished]) -> tuple[list[_ChoiceDelta], list[Finished]]:
-    """The batch's events per choice, in order of first appearance; and the choices that failed."""
+    """The batch's events per choice, in order of first appearance; and the choices that failed. A choice whose
+    events carry nothing to send (tokens held back as a possible stop string, no log-probabilities asked for)
+    has no delta: an empty `content` chunk would only cost the client a parse."""
     deltas: dict[int, _ChoiceDelta] = {}
     failed = []
     for event in batch:
@@ -213,7 +215,8 @@ def _merge(batch: Sequence[Piece | Finished]) -> tuple[list[_ChoiceDelta], list[
         else:
             delta.text += event.rest
             delta.completion = event.completion
-    return list(deltas.values()), failed
+    moved = [d for d in deltas.values() if d.text or d.logprobs or d.completion is not None]
+    return moved, failed
 
 
 def _stream(request: Request, events: AsyncIterator[list[Piece | Finished]],
