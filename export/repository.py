@@ -87,20 +87,24 @@ def _parity(kind: str, model, version: ModelVersion, tokenizer, data_dir) -> dic
         model, engine, **inputs)
 
 
-def _served_quality(kind: str, version: ModelVersion, tokenizer, metrics: dict, data_dir) -> dict[str, Any]:
+# The card's name for the exported graph's own quality figure, and its decimal places.
+SERVED_FIGURE = {"gpt": ("onnx_val_loss", 4), "vit": ("onnx_test_accuracy", 2), "translation": ("served_bleu", 2)}
+
+
+def _served_quality(kind: str, version: ModelVersion, tokenizer, metrics: dict, data_dir,
+                    checked: dict[str, Any] | None = None) -> dict[str, Any]:
     """The exported graph's own figure next to the PyTorch one, on the data the card was measured on (GPT: val
-    loss over the card's `val_tokens`; ViT: accuracy over its `test_images`). Translation BLEU through the
-    server is `export.verify_served`'s job (it needs beam search and batching, i.e. the service), or
-    `check_quality`'s for a graph variant."""
-    if kind == "gpt" and "val_loss" in metrics:
-        served = measure_quality(kind, version, tokenizer, metrics, data_dir)
-        return {"onnx_val_loss": served,
-                "onnx_val_loss_minus_pytorch": round(served - metrics["val_loss"], 4) + 0.0}  # + 0.0: no "-0.0"
-    if kind == "vit" and "test_accuracy" in metrics:
-        served = measure_quality(kind, version, tokenizer, metrics, data_dir)
-        return {"onnx_test_accuracy": served,
-                "onnx_test_accuracy_minus_pytorch": round(served - metrics["test_accuracy"], 2) + 0.0}
-    return {}
+    loss over the card's `val_tokens`; ViT: accuracy over its `test_images`; translation: BLEU through the
+    service). `checked`, a `check_quality` result for this graph, is used as it is rather than measured again.
+    Without one, translation BLEU is `export.verify_served`'s job (it needs beam search and batching, i.e. the
+    service)."""
+    metric = QUALITY_METRIC[kind]
+    if metric not in metrics or (checked is None and kind == "translation"):
+        return {}
+    served = checked["measured"] if checked is not None else measure_quality(kind, version, tokenizer, metrics,
+                                                                             data_dir)
+    name, places = SERVED_FIGURE[kind]
+    return {name: served, f"{name}_minus_pytorch": round(served - metrics[metric], places) + 0.0}  # no "-0.0"
 
 
 def _quality_count(kind: str, card: dict) -> int | None:
@@ -225,10 +229,11 @@ def greedy_outputs(kind: str, version: ModelVersion, tokenizer, data_dir) -> lis
 
 def _model_card(name: str, version: int, config: dict, metrics: dict, run_config: dict, run_dir: Path) -> str:
     data = DATA_NOTES[config["kind"]]
-    train_limit = run_config.get("train", {}).get("train_limit")
+    training = run_config.get("train", {})
+    train_limit = training.get("train_limit")
     if train_limit:  # the tiny presets: the first examples only (the test fixtures, tests/fixtures)
         data += f" This run trained on the first {train_limit:,} training examples only."
-    held_out = run_config.get("train", {}).get("validation_size")
+    held_out = training.get("validation_size")
     if held_out:  # the ViT: choices on a validation split, the test set measured once
         data += (f" The last {held_out:,} of those training images were held out as the validation split: every "
                  "choice (the kept epoch) was made on them, and the test set was measured once, at the end.")
@@ -239,7 +244,7 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
         if key in metrics:
             lines.append(f"- {key.replace('_', ' ')}: {metrics[key]:,}" if isinstance(metrics[key], int)
                          else f"- {key.replace('_', ' ')}: {metrics[key]}")
-    ema_decay = run_config.get("train", {}).get("ema_decay")
+    ema_decay = training.get("ema_decay")
     if ema_decay:
         lines.append(f"- weights: the exponential moving average of the training weights (decay {ema_decay}, "
                      "updated every step), which is also what the validation curve measured")
@@ -298,6 +303,7 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         staged = ModelVersion(name, version, staging, config)
         metrics["export_checks"] = _parity(kind, model, staged, tokenizer, data_dir)
+        quality = None  # a variant's check against the PyTorch figure, when it has one
         if (weights, attention, kv_cache) != ("fp32", "plain", "concat"):
             reference = greedy_outputs(kind, staged, tokenizer, data_dir)
             metrics["export_checks"].update(rewrite_graphs(staging, config, weights, attention, kv_cache))
@@ -308,13 +314,10 @@ def export_run(kind: str, run_dir: Path, repository: Path, name: str | None = No
             if (weights, attention, kv_cache) != ("fp16", "plain", "concat"):  # fp16 storage: not held to them
                 quality = check_quality(kind, staged, tokenizer, metrics, data_dir)
                 metrics["export_checks"][f"{quality['metric']}_within_tolerance"] = _describe_check(quality)
-                if kind == "translation":  # through the service, as export.verify_served measures it
-                    metrics["export_checks"].update({"served_bleu": quality["measured"],
-                                                     "served_bleu_minus_pytorch": quality["delta"]})
         else:
             config.update({"weights": weights, "attention": attention, "kv_cache": kv_cache})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        metrics["export_checks"].update(_served_quality(kind, staged, tokenizer, metrics, data_dir))
+        metrics["export_checks"].update(_served_quality(kind, staged, tokenizer, metrics, data_dir, quality))
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if (run_dir / "curves.png").exists():
             shutil.copy(run_dir / "curves.png", staging / "curves.png")

@@ -38,20 +38,22 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
 def evaluate_translation(model: nn.Module, task: Any, tokenizer: Tokenizer, data_dir: Path, limit: int | None,
                          progress: bool = False) -> dict[str, Any]:
     metrics: dict[str, Any] = {"val_loss": round(task.validation_loss(model), 4)}
-    splits = {split: data.load_multi30k(data_dir, split)[:limit] for split in BLEU_SPLITS}
+    splits = {}  # split -> (German sources, English references)
+    for split in BLEU_SPLITS:
+        pairs = data.load_multi30k(data_dir, split)[:limit]
+        splits[split] = [de for de, _ in pairs], [en for _, en in pairs]
 
     def beam_bleu(split: str, length_penalty: float) -> float:
-        sources, references = [de for de, _ in splits[split]], [en for _, en in splits[split]]
+        sources, references = splits[split]
         return bleu(translate(model, tokenizer, sources, num_beams=BEAMS, length_penalty=length_penalty,
                               progress=progress), references)
 
     by_penalty = {penalty: beam_bleu("val", penalty) for penalty in LENGTH_PENALTIES}
     chosen = max(LENGTH_PENALTIES, key=by_penalty.__getitem__)  # the first of the best: 1.0 on a tie
-    for split, pairs in splits.items():
-        sources, references = [de for de, _ in pairs], [en for _, en in pairs]
+    for split, (sources, references) in splits.items():
         metrics[f"bleu_{split}_greedy"] = bleu(translate(model, tokenizer, sources, progress=progress), references)
         metrics[f"bleu_{split}_beam4"] = by_penalty[chosen] if split == "val" else beam_bleu(split, chosen)
-        metrics[f"{split}_sentences"] = len(pairs)
+        metrics[f"{split}_sentences"] = len(sources)
     metrics["length_penalty"] = chosen
     metrics["val_bleu_beam4_by_length_penalty"] = {str(penalty): value for penalty, value in by_penalty.items()}
     # The names the model card and release targets use.
