@@ -5,8 +5,9 @@
 
 Writes DIR/<name>/<version>/ (name defaults to the kind; version to one above the highest present) with the ONNX
 graph(s), tokenizer.json, config.json and the model card (metrics.json, README.md, curves.png). The parity checks
-of `export.checks` must pass, and an int8 or mha variant must keep the quality within `export.repository`'s
-TOLERANCES, or nothing is written. Exit status: 0 written, 1 a check failed, 2 bad arguments or inputs.
+of `export.checks` must pass, and an int8 or mha variant must keep the quality within `export.tolerances` (an
+accuracy: by the sample's binomial standard error), or nothing is written. Exit status: 0 written, 1 a check
+failed, 2 bad arguments or inputs.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Copies DIR/NAME/<from>/, rewrites its graphs as `python -m export` does (`export
 attention fusion first, then the weight storage, then the in-place step graph), and measures the new graphs on
 the data the source card was measured on (the full sets for the release models; `export.repository.check_quality`):
 GPT validation loss, ViT test accuracy, translation sacreBLEU with beam 4 through the service. Each must stay
-within `TOLERANCES` of the source card's float32 (PyTorch) figure. The greedy outputs (ViT: argmax) on the parity
+within `export.tolerances` of the source card's float32 (PyTorch) figure. The greedy outputs (ViT: argmax) on the parity
 inputs are compared with the source version's and recorded as "n/N identical". The version is built in a
 temporary sibling and renamed into place only when every check passed, with config.json (`weights`, `attention`,
 `kv_cache`, `derived_from`) and a model card saying what was measured, against what, by which command. Exit
@@ -33,13 +33,13 @@ from export.repository import (
     ATTENTION,
     KV_CACHE,
     KV_INPLACE_NOTE,
-    TOLERANCES,
     WEIGHTS,
     check_quality,
     greedy_outputs,
     rewrite_graphs,
     same_outputs,
 )
+from export.tolerances import TOLERANCES
 from models.data import DataError
 from service.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 

@@ -32,9 +32,10 @@ TIMEOUTS_MS = (150, 600, 3_000)
 KNOBS = {"max_queue_size": 4, "gpt_max_batch_rows": 4, "translation_max_batch_rows": 8, "vit_max_batch_size": 8,
          "max_new_tokens": 60}
 # A 504 is answered at the deadline: how late it may be, measured by the server (access log), on 2 shared cores
-# with 48 client threads in the same machine. The tail is the machine's (one CI run saw a single 0.30 s among
-# 20 ms-late ones); the max stays below the 1 s backstop that used to answer them (1.29 s late then).
-LATE_504_P50_S, LATE_504_P95_S, LATE_504_MAX_S = 0.05, 0.3, 1.0
+# with 48 client threads in the same machine. Seen: p50 20-40 ms, max 130 ms with two CPU-bound processes beside
+# it, one CI run a single 0.30 s tail. The bounds leave room for a busier machine and still tell a server that
+# answers at its 1 s backstop (1.29 s late then) from one that answers at the deadline.
+LATE_504_P50_S, LATE_504_P95_S, LATE_504_MAX_S = 0.1, 0.5, 1.0
 RSS_GROWTH_LIMIT = 300 * 2**20  # measured: see the README's operations section
 
 

@@ -68,7 +68,7 @@ def test_derived_versions_passed_their_conversion_checks(kind, version):
     (the version-3 models were exported straight into their variants); version 2 measured GPT val loss 1.5291 vs
     1.5291, BLEU 36.95 vs 36.94, ViT 92.14% vs 92.15% (git history has them). The source's card figures are kept
     in the derived card."""
-    from export.repository import TOLERANCES
+    from export.tolerances import quality_tolerance, within
 
     config = json.loads((_version_dir(kind, version) / "config.json").read_text())
     assert config["derived_from"] < version and config["version"] == version
@@ -77,9 +77,10 @@ def test_derived_versions_passed_their_conversion_checks(kind, version):
     assert (conversion["weights"], conversion["attention"], conversion["kv_cache"]) == (
         config["weights"], config["attention"], config["kv_cache"])
     quality = conversion["quality"]
-    assert quality["reference"] == card[quality["metric"]] and quality["tolerance"] == TOLERANCES[quality["metric"]]
-    assert (quality["delta"] <= quality["tolerance"] if quality["metric"] == "val_loss"
-            else abs(quality["delta"]) <= quality["tolerance"])
+    count = card.get({"gpt": "val_tokens", "translation": "test_2016_flickr_sentences", "vit": "test_images"}[kind])
+    assert quality["reference"] == card[quality["metric"]]
+    assert quality["tolerance"] == quality_tolerance(quality["metric"], quality["reference"], count)
+    assert within(quality["metric"], quality["delta"], quality["tolerance"])
     assert _meets(quality["metric"], quality["measured"])
     assert conversion["command"].startswith("python -m export.convert")
 
