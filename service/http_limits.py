@@ -18,6 +18,18 @@ the socket is closed: closing a socket with unread data sends a TCP reset, which
 before the client reads it. If a response is in progress on the connection (pipelining), no second response is
 written into it: the connection is closed once that response completes. `on_reject(reason)` is called once per
 rejected connection (the metrics), and a warning is logged on `tserve.http` with the peer and the reason.
+
+Two more places where closing at once would turn an answer into a TCP reset:
+
+- A response sent before its request's body has arrived (a 413 for a body over the limit, chunked or not, a 408)
+  ends with `connection: close`; uvicorn would close the socket while the client is still sending, and the reset
+  destroys the 413 before the client reads it. The connection is half-closed instead and what the client still
+  sends is read and discarded, as nginx's lingering close does: until the client closes, or `LINGER_S` passes
+  without a byte, or `LINGER_MAX_S` in all.
+- At shutdown uvicorn closes idle keep-alive connections at once, racing a request the client is sending on one
+  (with `TSERVE_DRAIN_DELAY_S=0`, 6 of 762 such requests got a reset). An idle connection is kept for
+  `SHUTDOWN_IDLE_GRACE_S` instead: a request that arrives is answered (503 while draining) with `connection:
+  close`, and the connection closes after that response or at the end of the grace.
 """
 
 from __future__ import annotations
@@ -34,7 +46,14 @@ from service.settings import Settings
 
 log = logging.getLogger("tserve.http")
 
-LINGER_S = 2.0  # after a rejection: how long the rest of what the client sends is read and discarded
+# A lingering close (after a rejection, or a response sent before its body arrived) discards what the client still
+# sends until it closes, or LINGER_S passes without a byte (nginx's lingering_timeout), or LINGER_MAX_S in all
+# (nginx's lingering_time): bounded, so a client cannot hold the connection by sending forever.
+LINGER_S = 2.0
+LINGER_MAX_S = 30.0
+# At shutdown, how long an idle keep-alive connection stays open for a request already on its way: well above a
+# request's transit time, well below Kubernetes' 30 s termination grace.
+SHUTDOWN_IDLE_GRACE_S = 1.0
 HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS = "header_timeout", "headers_too_large", "too_many_headers"
 REJECT_REASONS = (HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS)
 # bytes of a head that httptools' callbacks do not report: "<method> <url> HTTP/1.1\r\n" spaces and version,
@@ -61,6 +80,10 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
             self._head_size = 0  # the head's size as the parser callbacks report it (url, headers)
             self._header_count = 0
             self._chunk_other = 0  # bytes of the chunk being parsed that belong to other messages (bodies, heads)
+            self._lingering = False  # half-closed: what arrives is discarded until the client closes
+            self._linger_ends = 0.0  # loop time at which a lingering close closes whatever the client does
+            self._shutting_down = False  # the server is stopping: no more keep-alive on this connection
+            self._grace: asyncio.TimerHandle | None = None  # an idle connection's close at the end of the grace
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -68,11 +91,30 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_timer()
+            if self._grace is not None:
+                self._grace.cancel()
             super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            # uvicorn's shutdown closes an idle connection at once; keep it for the grace (module docstring)
+            self._shutting_down = True
+            if self.cycle is None or self.cycle.response_complete:
+                self._grace = self.loop.call_later(SHUTDOWN_IDLE_GRACE_S, self._close_if_idle)
+            else:
+                self.cycle.keep_alive = False
+
+        def _close_if_idle(self) -> None:
+            self._grace = None
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not (self._in_head and self._head_bytes) and not self.transport.is_closing():
+                self.transport.close()  # else a request is arriving or running: it closes after its response
 
         def data_received(self, data: bytes) -> None:
             # uvicorn's data_received, plus: rejections raised from the callbacks end parsing quietly, and the
             # bytes of an incomplete head are counted as they arrive
+            if self._lingering:
+                self._linger_for_more()
+                return  # answered already: discard until the connection closes
             if self._rejected:
                 return  # answered already: discard until the connection closes
             self._unset_keepalive_if_required()
@@ -134,6 +176,11 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
             self._cancel_timer()
             self._chunk_other += self._head_size
             super().on_headers_complete()
+            if self._shutting_down:
+                self.cycle.keep_alive = False
+            # uvicorn's cycle closes the transport after a `connection: close` response; route that close through
+            # the lingering close in case the request's body is still arriving
+            self.cycle.transport = _LingeringClose(self.transport, self.cycle, self._linger)
 
         def on_body(self, body: bytes) -> None:
             self._chunk_other += len(body)
@@ -177,10 +224,43 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
             self.transport.write(b"".join([STATUS_LINE[status], *(k + b": " + v + b"\r\n" for k, v in headers),
                                            b"\r\n", body]))
-            if self.transport.can_write_eof():
-                self.transport.write_eof()  # then discard what the client still sends, for at most LINGER_S
-                self._timer = self.loop.call_later(LINGER_S, self.transport.close)
-            else:
+            self._linger()
+
+        def _linger(self) -> None:
+            """Half-close, then discard what the client still sends (the bounds: module docstring)."""
+            if self.transport.is_closing():
+                return
+            if not self.transport.can_write_eof():
                 self.transport.close()
+                return
+            self.transport.write_eof()
+            self.flow.resume_reading()  # uvicorn pauses reading while a body waits for the app
+            self._lingering = True
+            self._linger_ends = self.loop.time() + LINGER_MAX_S
+            self._cancel_timer()
+            self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+        def _linger_for_more(self) -> None:
+            """A chunk arrived while lingering: wait LINGER_S more for the next, within LINGER_MAX_S in all."""
+            self._cancel_timer()
+            self._unset_keepalive_if_required()  # uvicorn's keep-alive timer, armed after the response
+            self._timer = self.loop.call_at(min(self.loop.time() + LINGER_S, self._linger_ends), self.transport.close)
 
     return LimitedHttpToolsProtocol
+
+
+class _LingeringClose:
+    """The transport as a request's cycle sees it: `close()` lingers (`linger`) while the request's body is still
+    arriving, and closes at once otherwise; everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport, cycle, linger: Callable[[], None]) -> None:
+        self._transport, self._cycle, self._linger = transport, cycle, linger
+
+    def close(self) -> None:
+        if self._cycle.more_body:
+            self._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
