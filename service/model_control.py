@@ -1,14 +1,17 @@
 """Loading and unloading model versions while the server runs (Triton's explicit model-control mode), without
 interrupting traffic:
 
-- load: the version's sessions are created and warmed with one real inference in a worker thread, and only then
-  does it take requests; it becomes the model's active version (requests that name no version move to it). A
-  version that fails to load leaves what is serving untouched, and the index says why.
+- load: the version's sessions are created and warmed with one real inference in a worker thread (its outputs
+  checked, `service.registry`), and only then does it take requests; it becomes the model's active version
+  (requests that name no version move to it). A version that fails to load, or whose folder is not a valid model
+  (a missing or unreadable `config.json`), answers 400 with the reason and leaves what is serving untouched; the
+  index says why.
 - unload: the version leaves routing at once (new requests go to the model's other loaded versions, or get 404);
   its in-flight requests finish (the server waits until no request holds a lease on it and its scheduler is idle,
   at most `TSERVE_DRAIN_TIMEOUT_S`), then its scheduler stops and its sessions are freed.
 
-Off unless `TSERVE_MODEL_CONTROL=true`; loads and unloads run one at a time.
+Off unless `TSERVE_MODEL_CONTROL=true` (refused before anything of the request is read); loads and unloads run one
+at a time. The index lists the folders the repository skips (`ModelRepository.problems`) as UNAVAILABLE, with why.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from starlette.concurrency import run_in_threadpool
 
 from service.errors import BadInput, NotFound, ServiceError
 from service.registry import LoadedModel, ModelRegistry
-from service.repository import RepositoryError
+from service.repository import MAX_VERSION, RepositoryError, VersionNotFound
+from service.repository import parse_version as parse_version_text
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +50,13 @@ class ModelControl:
         self.loading: set[tuple[str, int]] = set()
         self._lock = asyncio.Lock()
 
-    def _check(self) -> None:
+    def check_enabled(self) -> None:
         if not self.enabled:
             raise ModelControlDisabled("model control is off; start the server with TSERVE_MODEL_CONTROL=true")
 
     def index(self) -> list[dict]:
-        """Every version of every model in the repository (and every loaded one), with its state."""
+        """Every version of every model in the repository (and every loaded one), with its state; every folder the
+        repository skips too, UNAVAILABLE with the reason (`version` is the folder's name, "" for a model folder)."""
         registry = self.registry
         entries = []
         names = sorted(set(registry.repository.model_names()) | {n for n, _ in registry.loaded})
@@ -66,20 +71,27 @@ class ModelControl:
                 else:
                     state, reason = "UNAVAILABLE", self.failures.get(key, "not loaded")
                 entries.append({"name": name, "version": str(version), "state": state, "reason": reason})
-        return entries
+        listed = {(e["name"], e["version"]) for e in entries}
+        entries += [{"name": p.name, "version": p.version, "state": "UNAVAILABLE", "reason": p.reason}
+                    for p in registry.repository.problems() if (p.name, p.version) not in listed]
+        return sorted(entries, key=lambda e: (e["name"], len(e["version"]), e["version"]))
 
     async def load(self, name: str, version: int | None) -> LoadedModel:
-        self._check()
+        self.check_enabled()
         try:
             model = self.registry.repository.get(name, version)
-        except RepositoryError as error:
+        except VersionNotFound as error:
             raise NotFound(str(error)) from None
+        except RepositoryError as error:  # the folder is there, but not a valid model: the operator's to fix
+            if version is not None:
+                self.failures[(name, version)] = f"failed to load: {error}"
+            raise LoadFailed(f"model {name!r} failed to load: {error}") from None
         key = (model.name, model.version)
         async with self._lock:
             previous = self.registry.loaded.get(key)
             self.loading.add(key)
             try:
-                loaded = await run_in_threadpool(self.registry.load, model.name, model.version, True)
+                loaded = await run_in_threadpool(self.registry.load, model.name, model.version)
             except Exception as error:  # a broken version: what is serving stays as it is
                 log.exception("could not load %s version %d", *key)
                 self.failures[key] = f"failed to load: {error}"
@@ -93,7 +105,7 @@ class ModelControl:
             return loaded
 
     async def unload(self, name: str, version: int | None) -> list[int]:
-        self._check()
+        self.check_enabled()
         async with self._lock:
             versions = [version] if version is not None else sorted(v for n, v in self.registry.loaded if n == name)
             if not versions:
@@ -116,11 +128,13 @@ class ModelControl:
 
 
 def parse_version(value) -> int | None:
-    """A version from a request: None, a positive int, or its string (as the protocol writes versions)."""
+    """A version from a request: None, a positive int, or its string (as the protocol writes versions: ASCII
+    digits, no leading zero; `"²"` or `"03"` is not a version)."""
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_VERSION:
         return value
-    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
-        return int(value)
-    raise BadInput(f"version {value!r} is not a positive integer")
+    if isinstance(value, str) and (number := parse_version_text(value)) is not None:
+        return number
+    raise BadInput(f"version {value!r} is not a version number (a positive integer up to {MAX_VERSION}, "
+                   "written without leading zeros)")

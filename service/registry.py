@@ -2,7 +2,13 @@
 request, readiness, and stopping their schedulers on shutdown.
 
 Models load in a background thread after the server starts, so `/health/live` answers at once and
-`/health/ready` says 503, with reasons, until every configured model is loaded (Kubernetes' startup pattern).
+`/health/ready` says 503, with reasons, until every configured model is loaded (Kubernetes' startup pattern), and
+again whenever a configured model has no loaded version (every version unloaded through model control).
+
+Every version is warmed with one real inference before it takes a request, and the warm-up checks what it got: the
+ViT's normalisation is finite with `std > 0`, its outputs are one score per label, a text model's logits cover its
+tokenizer's vocabulary, and every output is finite. A version that fails these is not loaded (a model-control load
+answers 400 with the reason), so a version that loads serves.
 
 Each model has an active version, the one a request that names no version gets: the version loaded last (at start,
 the highest). A request holds a lease on the model version it resolved until its response has ended, so that a
@@ -19,7 +25,7 @@ from typing import Any
 
 from service.errors import NotFound, Unavailable
 from service.metrics import Metrics
-from service.repository import ModelRepository, RepositoryError
+from service.repository import ModelRepository, RepositoryError, parse_version
 from service.runtime import RuntimeOptions
 from service.settings import Settings
 
@@ -53,12 +59,20 @@ class LoadedModel:
             return self._released.wait_for(lambda: self.leases <= 0, timeout=timeout)
 
 
+WARM_UP_GREY = 0.5  # the ViT's warm-up image: mid-grey, scaled to [0, 1] as a decoded image is before normalising
+
+
+class WarmUpFailed(RuntimeError):
+    """A version whose sessions load but whose warm-up inference shows it cannot serve (the reason in the message)."""
+
+
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
     """'gpt' -> ('gpt', None); 'gpt:3' -> ('gpt', 3)."""
-    name, _, version = spec.partition(":")
-    if version and not version.isdigit():
-        raise ValueError(f"bad model spec {spec!r}: expected NAME or NAME:VERSION")
-    return name, int(version) if version else None
+    name, colon, version = spec.partition(":")
+    number = parse_version(version)
+    if not name or (colon and number is None):
+        raise ValueError(f"bad model spec {spec!r}: expected NAME or NAME:VERSION (a positive integer)")
+    return name, number
 
 
 class ModelRegistry:
@@ -70,17 +84,21 @@ class ModelRegistry:
         self.active: dict[str, int] = {}  # model name -> the version requests that name none get
         self.pending: list[str] = []
         self.errors: dict[str, str] = {}
+        self.expected: list[str] = []  # the models configured at start: readiness needs a loaded version of each
         self.draining = False
         self._loader: threading.Thread | None = None
 
     # --- loading ------------------------------------------------------------------------------------------
 
     def configured(self) -> list[tuple[str, int | None]]:
-        specs = self.settings.models or self.repository.model_names()
-        return [parse_model_spec(spec) for spec in specs]
+        if self.settings.models:
+            return [parse_model_spec(spec) for spec in self.settings.models]
+        return [(name, None) for name in self.repository.model_names()]
 
     def start_loading(self) -> None:
-        self.pending = [f"{n}:{v}" if v else n for n, v in self.configured()]
+        configured = self.configured()
+        self.expected = sorted({name for name, _ in configured})
+        self.pending = [f"{n}:{v}" if v else n for n, v in configured]
         if not self.pending:
             self.errors["repository"] = f"no models found in {self.repository.root}"
         self._loader = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
@@ -97,9 +115,9 @@ class ModelRegistry:
             finally:
                 self.pending.remove(label)
 
-    def load(self, name: str, version: int | None = None, warm_up: bool = False) -> LoadedModel:
-        """Load a version (default: the highest) and make it the active one; with `warm_up`, one real inference runs
-        before any request can reach it."""
+    def load(self, name: str, version: int | None = None) -> LoadedModel:
+        """Load a version (default: the highest), warm it up (`_warm_up`: one real inference, checked) before any
+        request can reach it, and make it the active one."""
         from service.engines.gpt import GPTEngine
         from service.engines.translation import TranslationEngine
         from service.engines.vit import ViTEngine
@@ -121,14 +139,15 @@ class ModelRegistry:
             max_rows = s.translation_max_batch_rows if model.kind == "translation" else s.gpt_max_batch_rows
             scheduler = ContinuousBatcher(engine, model.name, model.version, self.metrics, max_rows=max_rows,
                                           max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size)
-        if warm_up:
-            _warm_up(model.kind, engine)
+        _warm_up(model.kind, engine)
         scheduler.start()
         seconds = time.perf_counter() - started
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds)
         previous = self.loaded.get((model.name, model.version))
         self.loaded[(model.name, model.version)] = loaded
         self.active[model.name] = model.version
+        # a failure at start is over once a version of the model serves (a new dict: readers may be iterating)
+        self.errors = {spec: m for spec, m in self.errors.items() if spec.partition(":")[0] != model.name}
         if previous is not None:  # the same version loaded again: the old copy is retired by its caller
             log.info("replaced %s version %d", model.name, model.version)
         labels = {"model": model.name, "version": str(model.version)}
@@ -152,11 +171,15 @@ class ModelRegistry:
         if not versions:
             if any(spec.partition(":")[0] == name for spec in self.pending):
                 raise Unavailable(f"model {name!r} is still loading")
-            if name in self.repository.model_names():
-                failed = [f"{spec}: {message}" for spec, message in self.errors.items()
-                          if spec.partition(":")[0] == name]
-                raise Unavailable(f"model {name!r} is not loaded: "
-                                  f"{'; '.join(failed) if failed else 'not configured (TSERVE_MODELS)'}")
+            failed = [f"{spec}: {message}" for spec, message in dict(self.errors).items()
+                      if spec.partition(":")[0] == name]
+            if failed:
+                raise Unavailable(f"model {name!r} is not loaded: {'; '.join(failed)}")
+            if available := self.repository.versions(name):
+                why = "every version was unloaded" if name in self.expected else "it is not in TSERVE_MODELS"
+                how = f"; load one with POST /v2/repository/models/{name}/load" if self.settings.model_control else ""
+                raise NotFound(f"model {name!r} has no loaded version ({why}; versions in the repository: "
+                               f"{available}{how})")
             known = sorted({n for n, _ in self.loaded})
             raise NotFound(f"model {name!r} not found (loaded models: {', '.join(known) or 'none'})")
         if version is None:
@@ -169,8 +192,13 @@ class ModelRegistry:
         return loaded
 
     def readiness(self) -> tuple[bool, list[str]]:
-        reasons = [f"loading {spec}" for spec in self.pending]
-        reasons += [f"failed to load {spec}: {message}" for spec, message in self.errors.items()]
+        errors, pending = dict(self.errors), list(self.pending)  # the loader thread changes them
+        reasons = [f"loading {spec}" for spec in pending]
+        reasons += [f"failed to load {spec}: {message}" for spec, message in errors.items()]
+        explained = {spec.partition(":")[0] for spec in [*errors, *pending]}
+        loaded = {n for n, _ in self.loaded}
+        reasons += [f"model {name} has no loaded version (every version was unloaded)"
+                    for name in self.expected if name not in loaded and name not in explained]
         if self.draining:
             reasons.append("draining: the server is shutting down")
         ready = not reasons and bool(self.loaded)
@@ -178,17 +206,29 @@ class ModelRegistry:
         return ready, reasons
 
     def status(self) -> list[dict]:
+        """Every model with a valid version in the repository or a loaded one (folders the repository skips are not
+        here; the repository index reports them), with `created`: the Unix time its active (else highest) version's
+        folder was last changed, 0 if that folder is gone."""
         names = sorted(set(self.repository.model_names()) | {n for n, _ in self.loaded})
         out = []
         for name in names:
             loaded = sorted(v for (n, v) in self.loaded if n == name)
-            try:
-                kind = self.repository.get(name).kind
-            except RepositoryError:
-                kind = self.loaded[(name, loaded[-1])].kind
+            versions = self.repository.versions(name)
             active_version = self.active.get(name) if self.active.get(name) in loaded else (loaded or [None])[-1]
             active = self.loaded[(name, active_version)] if loaded else None
-            out.append({"name": name, "kind": kind, "versions": self.repository.versions(name),
+            if active is not None:
+                kind, shown = active.kind, active.version
+            else:
+                try:
+                    model = self.repository.get(name)
+                except RepositoryError:  # changed since it was listed: the next listing shows what is there
+                    continue
+                kind, shown = model.kind, model.version
+            try:
+                created = int((self.repository.root / name / str(shown)).stat().st_mtime)
+            except OSError:
+                created = 0
+            out.append({"name": name, "kind": kind, "versions": versions, "created": created,
                         "active_version": active.version if active else None, "loaded_versions": loaded,
                         "provider": active.provider if active else None, "ready": bool(loaded)})
         return out
@@ -216,14 +256,40 @@ class ModelRegistry:
 
 def _warm_up(kind: str, engine) -> None:
     """One real inference through a freshly loaded engine (sessions initialised, first-run allocations made), so
-    that the first request does not pay for it and a broken model fails here, before it takes requests."""
+    that the first request does not pay for it, and its outputs checked, so that a version that would answer every
+    request with an error or a non-finite number fails here (`WarmUpFailed`), before it takes requests."""
     import numpy as np
 
     from service.decoding import GreedySearch
 
     if kind == "vit":
-        engine.logits(np.zeros((1, engine.channels, engine.size, engine.size), np.float32))
-    elif kind == "translation":
-        engine.translate_ids([engine.source_ids("Hallo.")], lambda _: GreedySearch(2, None))
+        labels = engine.labels
+        if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
+            raise WarmUpFailed(f"config labels must be a non-empty list of strings, got {labels!r}")
+        if not (np.isfinite(engine.mean) and np.isfinite(engine.std) and engine.std > 0):
+            raise WarmUpFailed(f"config image normalisation must be finite with std > 0, got mean {engine.mean}, "
+                               f"std {engine.std}")
+        grey = np.full((1, engine.channels, engine.size, engine.size), WARM_UP_GREY, np.float32)  # (B, C, H, W)
+        _check_logits(engine.logits(engine.normalize(grey)), len(labels), "the config's labels", True, "a grey image")
+        return
+    if kind == "translation":
+        prompt = engine.source_ids("Hallo.")
+        logits, _ = engine.prefill([prompt])
+        engine.translate_ids([prompt], lambda _: GreedySearch(2, None))
     else:
-        engine.generate([engine.tokenizer.encode("A").ids], lambda _: GreedySearch(2, None))
+        prompt = engine.tokenizer.encode("A").ids
+        logits, _ = engine.prefill([prompt])
+        engine.generate([prompt], lambda _: GreedySearch(2, None))
+    _check_logits(logits, engine.tokenizer.get_vocab_size(), "the tokenizer's vocabulary", False, "a short prompt")
+
+
+def _check_logits(logits, size: int, what: str, exact: bool, probe: str) -> None:
+    """Warm-up outputs (1, V) for `probe`: V equal to `size` (exact) or covering it, every value finite."""
+    import numpy as np
+
+    width = logits.shape[-1] if logits.ndim == 2 and logits.shape[0] == 1 else None
+    if width is None or (width != size if exact else width < size):
+        raise WarmUpFailed(f"the model outputs shape {list(logits.shape)}, which does not match {what} ({size}"
+                           f"{'' if exact else ' or more'} per input)")
+    if not np.isfinite(logits).all():
+        raise WarmUpFailed(f"the model's outputs for {probe} hold NaN or infinite values")

@@ -1,23 +1,48 @@
 """The model repository, in Triton's shape: `ROOT/<model-name>/<version>/` with the ONNX file(s), `config.json`,
 `tokenizer.json` for text models and a model card (`metrics.json`, `README.md`).
 
-The loader takes the highest version unless told otherwise. Nothing here imports torch.
+The loader takes the highest version unless told otherwise. The repository is read live (operators copy versions
+into it while the server runs), so what is in it is never trusted: a model folder whose name a request or
+`TSERVE_MODELS` could not name, a version folder whose name is not a canonical version number (`03`, `²`,
+`latest`), or a version whose `config.json` is missing, half-written or of an unknown kind is skipped, logged once
+and reported by `problems()` (the repository index shows it as UNAVAILABLE with the reason), never an error for
+the listing. Hidden folders (the exporter's staging copies) are ignored. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 KINDS = ("translation", "gpt", "vit")
+# A version as a folder name or as a request writes it: ASCII digits without a leading zero (so `03` cannot stand
+# beside `3` as a second copy of it), at most 9 of them (every such number fits an int32, as Triton's versions do).
+VERSION_DIGITS = 9
+MAX_VERSION = 10**VERSION_DIGITS - 1
+VERSION_PATTERN = re.compile(rf"[1-9][0-9]{{0,{VERSION_DIGITS - 1}}}")
+# A model name: what a URL path segment and a `TSERVE_MODELS` spec (`name:version`) can carry unchanged.
+MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 class RepositoryError(Exception):
     """A model or version that does not exist, or a version folder that is not a valid model."""
+
+
+class VersionNotFound(RepositoryError):
+    """No such model, or no such version of it, in the repository (as opposed to one that is there but broken)."""
+
+
+def parse_version(text: str) -> int | None:
+    """A canonical version number written as text -> the int; anything else (`03`, `²`, `-1`, `1.0`) -> None."""
+    return int(text) if VERSION_PATTERN.fullmatch(text) else None
 
 
 @dataclass(frozen=True)
@@ -32,40 +57,102 @@ class ModelVersion:
         return self.config["kind"]
 
 
+@dataclass(frozen=True)
+class Problem:
+    """A folder in the repository that is not a usable model or version: `version` is the folder's name under
+    the model ("" when the model folder itself is the problem)."""
+    name: str
+    version: str
+    reason: str
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The `config.json` of a version folder, checked to be a JSON object of a known kind; RepositoryError else."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise RepositoryError(f"{file} does not exist")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise RepositoryError(f"{file} is not a readable JSON model config: {error}") from error
+    if not isinstance(config, dict) or config.get("kind") not in KINDS:
+        kind = config.get("kind") if isinstance(config, dict) else config
+        raise RepositoryError(f"{file}: kind must be one of {KINDS}, got {kind!r}")
+    return config
+
+
 class ModelRepository:
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self._reported: set[Problem] = set()  # problems already logged: the repository is read on every listing
+
+    def _folders(self, path: Path) -> list[Path]:
+        try:
+            return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:  # gone or unreadable since it was listed
+            return []
+
+    def _report(self, problem: Problem) -> Problem:
+        if problem not in self._reported:
+            self._reported.add(problem)
+            where = f"{problem.name}/{problem.version}" if problem.version else problem.name
+            log.warning("model repository %s: skipping %s: %s", self.root, where, problem.reason)
+        return problem
+
+    def _scan(self, name: str) -> tuple[dict[int, dict[str, Any]], list[Problem]]:
+        """The valid versions of a model (version -> config) and the version folders that are not valid."""
+        configs, problems = {}, []
+        if not MODEL_NAME_PATTERN.fullmatch(name):
+            return configs, problems
+        for path in self._folders(self.root / name):
+            version = parse_version(path.name)
+            if version is None:
+                problems.append(self._report(Problem(name, path.name, "not a version: a version folder is named "
+                                                                      "by a positive integer without leading zeros")))
+                continue
+            try:
+                configs[version] = read_config(path)
+            except RepositoryError as error:
+                problems.append(self._report(Problem(name, path.name, str(error))))
+        return configs, problems
 
     def model_names(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and self.versions(p.name))
+        return sorted(p.name for p in self._folders(self.root)
+                      if MODEL_NAME_PATTERN.fullmatch(p.name) and self._scan(p.name)[0])
 
     def versions(self, name: str) -> list[int]:
-        folder = self.root / name
-        if not folder.is_dir():
-            return []
-        return sorted(int(p.name) for p in folder.iterdir()
-                      if p.is_dir() and p.name.isdigit() and (p / CONFIG_FILE).is_file())
+        return sorted(self._scan(name)[0])
+
+    def problems(self) -> list[Problem]:
+        """Every folder of the repository that is skipped, and why."""
+        problems = []
+        for path in self._folders(self.root):
+            if not MODEL_NAME_PATTERN.fullmatch(path.name):
+                problems.append(self._report(Problem(path.name, "", "not a model name: letters, digits, '_', '.' "
+                                                                    "and '-', starting with a letter or digit")))
+            else:
+                problems += self._scan(path.name)[1]
+        return problems
 
     def get(self, name: str, version: int | None = None) -> ModelVersion:
-        versions = self.versions(name)
-        if not versions:
+        """A valid version (default: the highest); VersionNotFound when there is none such, RepositoryError (with
+        the reason) when its folder is there but not a valid model."""
+        configs, problems = self._scan(name)
+        if version is not None and (broken := [p for p in problems if p.version == str(version)]):
+            raise RepositoryError(f"model {name!r} version {version} is not a valid model: {broken[0].reason}")
+        if version is None and not configs and problems:
+            reasons = "; ".join(f"{p.version}: {p.reason}" for p in problems)
+            raise RepositoryError(f"model {name!r} has no valid version in {self.root} ({reasons})")
+        if not configs and not problems:
             known = ", ".join(self.model_names()) or "none"
-            raise RepositoryError(f"model {name!r} not found in {self.root} (models: {known})")
+            raise VersionNotFound(f"model {name!r} not found in {self.root} (models: {known})")
         if version is None:
-            version = versions[-1]
-        elif version not in versions:
-            raise RepositoryError(f"model {name!r} has no version {version} (versions: {versions})")
-        path = self.root / name / str(version)
-        try:
-            config = json.loads((path / CONFIG_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise RepositoryError(f"{path / CONFIG_FILE} is not a readable JSON model config: {error}") from error
-        if config.get("kind") not in KINDS:
-            raise RepositoryError(f"{path / CONFIG_FILE}: kind must be one of {KINDS}, got {config.get('kind')!r}")
-        return ModelVersion(name, version, path, config)
+            version = max(configs)
+        elif version not in configs:
+            raise VersionNotFound(f"model {name!r} has no version {version} (versions: {sorted(configs)})")
+        return ModelVersion(name, version, self.root / name / str(version), configs[version])
 
     def next_version(self, name: str) -> int:
-        versions = self.versions(name)
-        return versions[-1] + 1 if versions else 1
+        """One above every version folder, valid or not (a broken version's number is not reused)."""
+        taken = [parse_version(p.name) for p in self._folders(self.root / name)]
+        return max((v for v in taken if v is not None), default=0) + 1

@@ -100,7 +100,7 @@ def test_rolling_a_version_under_load_loses_no_request(repository, tmp_path):
         assert index[("gpt", "3")]["state"] == "UNAVAILABLE" and "failed" in index[("gpt", "3")]["reason"]
         client.unload_model("gpt")  # every loaded version
         response = httpx.post(f"{server.url}/v1/generate", json=BODY)
-        assert response.status_code == 503 and "not loaded" in response.json()["error"]["message"]
+        assert response.status_code == 404 and "no loaded version" in response.json()["error"]["message"]
         client.close()
     finally:
         server.stop()

@@ -1,9 +1,11 @@
 """Triton's model repository extension of the Open Inference Protocol, for loading and unloading model versions
 without a restart (`service.model_control`; off unless `TSERVE_MODEL_CONTROL=true`, guarded by the API keys):
 
-- `POST /v2/repository/index`: every version of every model with its state (READY, LOADING, UNAVAILABLE) and why;
+- `POST /v2/repository/index`: every version of every model with its state (READY, LOADING, UNAVAILABLE) and why,
+  and every folder the repository skips (a bad version folder name, an unreadable `config.json`) with why;
 - `POST /v2/repository/models/{name}/load`: load a version (body `{"parameters": {"version": "2"}}`; default: the
-  highest in the repository), warmed before it takes requests, then the model's active version;
+  highest valid one in the repository), warmed and checked before it takes requests, then the model's active
+  version;
 - `POST /v2/repository/models/{name}/unload`: unload a version (default: every loaded one) once its in-flight
   requests have finished.
 """
@@ -58,12 +60,14 @@ async def index(request: Request) -> list[dict]:
 
 
 async def load(request: Request, name: str) -> dict:
+    request.app.state.model_control.check_enabled()  # 403 before anything of the request is read
     version = parse_version((await _parameters(request)).get("version"))
     loaded = await request.app.state.model_control.load(name, version)
     return {"name": loaded.name, "version": str(loaded.version), "state": "READY"}
 
 
 async def unload(request: Request, name: str) -> dict:
+    request.app.state.model_control.check_enabled()  # 403 before anything of the request is read
     version = parse_version((await _parameters(request)).get("version"))
     versions = await request.app.state.model_control.unload(name, version)
     return {"name": name, "versions": [str(v) for v in versions], "state": "UNAVAILABLE"}
