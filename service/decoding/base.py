@@ -154,20 +154,30 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text, False) if cut < 0 else (text[:cut], True)
 
 
+# Tokens decoded beyond the longest stop string's bytes: slack for a tail that starts inside a character (its
+# first bytes decode to U+FFFD) and for tokens that decode to nothing; costs a few bytes of decoding per step.
+STOP_TAIL_SLACK_TOKENS = 8
+
+
 class StopStrings:
-    """Stop-string checker for `GreedySearch`/`SamplingSearch`: ``checker(generated_tokens) -> bool``.
+    """Stop strings of one request: the search's checker (``checker(generated_tokens) -> bool``) and a stream's
+    hold-back (`held_back`).
 
     ``decode`` maps token ids to text (the search itself never sees a tokenizer). The search calls the checker
     after every appended token, so a new occurrence must end in the newest tokens: only the last
-    ``tail_tokens`` tokens are decoded (default: the longest stop string in characters + 8, which assumes a
-    token decodes to at least one character; pass ``tail_tokens=None`` to decode everything each step). The
-    caller cuts the final text with `truncate_at_stop`.
+    ``tail_tokens`` tokens are decoded (default: the longest stop string in UTF-8 bytes + STOP_TAIL_SLACK_TOKENS,
+    which assumes a token decodes to at least one byte, as a byte-level token does even when it is a fraction of a
+    character; pass ``tail_tokens=None`` to decode everything each step). The caller cuts the final text with
+    `truncate_at_stop`.
     """
 
     def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str], tail_tokens: int | None = -1):
         self.stops = [s for s in stops if s]
         self.decode = decode
-        self.tail_tokens = max((len(s) for s in self.stops), default=0) + 8 if tail_tokens == -1 else tail_tokens
+        self.longest = max((len(s) for s in self.stops), default=0)  # in characters
+        longest_bytes = max((len(s.encode("utf-8", "surrogatepass")) for s in self.stops), default=0)
+        self.tail_tokens = longest_bytes + STOP_TAIL_SLACK_TOKENS if tail_tokens == -1 else tail_tokens
+        self._prefixes: frozenset[str] | None = None  # built by the first `held_back`
 
     def __call__(self, generated: np.ndarray) -> bool:
         if not self.stops:
@@ -175,6 +185,22 @@ class StopStrings:
         tail = generated if self.tail_tokens is None else generated[-self.tail_tokens :]
         text = self.decode([int(t) for t in tail])
         return any(s in text for s in self.stops)
+
+    def held_back(self, text: str) -> int:
+        """How many characters at the end of ``text`` could still become a stop string: the length of the longest
+        suffix of ``text`` that is a proper prefix of some stop string (0 when none is).
+
+        A stream releases everything before them: no stop string can start in released text. Only the last
+        ``longest - 1`` characters are looked at (one set lookup per suffix length, longest first), so the cost
+        is bounded by the stop strings' lengths, whatever the length of ``text``. ``text`` must hold no complete
+        stop string (the caller cuts at one first, with `truncate_at_stop`).
+        """
+        if self._prefixes is None:
+            self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
+        for k in range(min(len(text), self.longest - 1), 0, -1):
+            if text[-k:] in self._prefixes:
+                return k
+        return 0
 
 
 class NGramBlocker:

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from service import tracing
-from service.decoding import truncate_at_stop
+from service.decoding import StopStrings, truncate_at_stop
 from service.errors import ServiceError
 from service.handoff import mailbox_for
 from service.scheduling.continuous import TextJob
@@ -47,28 +47,32 @@ class Finished:
 
 
 class IncrementalText:
-    """Token ids -> text pieces whose concatenation is the final text, decoding each token once."""
+    """Token ids -> text pieces whose concatenation is the final text, decoding each token once.
+
+    Only the text that can still become a stop string is held back: the longest end of the text so far that is
+    the start of a stop string (`StopStrings.held_back`). Released text therefore never holds the start of a stop
+    string, so an occurrence lies wholly in the held-back text plus the newest tokens' text (`pending`), shorter
+    than the longest stop string plus the new text: each `add` looks at that window only, never at the whole
+    text, and cuts where `truncate_at_stop` cuts the final text (the earliest occurrence of any stop string)."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.decoder = DecodeStream(skip_special_tokens=True)
-        self.stops = [s for s in stops if s]
-        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.stops = StopStrings(stops, tokenizer.decode)
         self.pending = ""  # decoded, not released (may still be the start of a stop string)
         self.released = 0  # characters released so far
         self.stopped = False
 
     def add(self, ids: Sequence[int]) -> str:
-        """Decode the new tokens; the text that is now final."""
-        for token in ids:
-            piece = self.decoder.step(self.tokenizer, token)
-            if piece:
-                self.pending += piece
+        """Decode the new tokens; the text that is now final (nothing more once a stop string was found)."""
         if self.stopped:
             return ""
-        # a stop string cannot start in released text (the last holdback characters are never released)
-        cut, hit = truncate_at_stop(self.pending, self.stops)
-        stable = len(cut) if hit else max(0, len(self.pending) - self.holdback)
+        for token in ids:
+            piece = self.decoder.step(self.tokenizer, token)  # None while the token ends in half a character
+            if piece:
+                self.pending += piece
+        cut, hit = truncate_at_stop(self.pending, self.stops.stops)
+        stable = len(cut) if hit else len(self.pending) - self.stops.held_back(self.pending)
         piece, self.pending = self.pending[:stable], self.pending[stable:]
         self.stopped = hit
         self.released += len(piece)
