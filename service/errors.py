@@ -6,13 +6,17 @@ the schema is a 400 there, as OpenAI answers it.
 
 Bad input is 400/413/415/422 and never a 500; 404 unknown model or version; 408 a body that did not arrive in time;
 429 (with Retry-After) full queue; 503 not ready or draining; 504 deadline expired; 499 (never read) the client went
-away. Each error carries the failure reason that the metrics count. Unexpected exceptions become a JSON 500 in the
-request middleware (`service.middleware`), which keeps the connection usable.
+away; 500 `ModelOutputError` when a model computes what no response may hold (NaN or infinite scores). An error
+message that echoes a client's text is written with its lone surrogates escaped (`printable`), so rendering an
+error never fails. Each error carries the failure reason that the metrics count. Unexpected exceptions become a
+JSON 500 in the request middleware (`service.middleware`), which keeps the connection usable.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -73,6 +77,13 @@ class Cancelled(ServiceError):
     status, type, reason = 499, "cancelled", "cancelled"  # the client went away; nobody reads this response
 
 
+class ModelOutputError(ServiceError):
+    """The model computed something that cannot be served (NaN or infinite scores): a fault of the model version,
+    not of the request, answered as an explicit error instead of a response no JSON parser reads."""
+
+    status, type, reason = 500, "model_output_error", "internal"
+
+
 class ClientBodyError(StarletteHTTPException):
     """Raised inside the ASGI receive channel by the request middleware: a body over the size limit (413) or one
     that did not arrive in time (408). An HTTPException, because FastAPI's body parsing re-raises those as they are
@@ -92,20 +103,47 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403:
                  503: "service_unavailable_error", 504: "timeout_error"}
 
 
+def openai_error_type(status: int) -> str:
+    """OpenAI's error type for a status: the one mapping for every OpenAI error, streamed or not."""
+    return _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 can carry it: a lone surrogate (which a client can send as a JSON escape) is written as its
+    escape, so that echoing what a client sent can never fail to render."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def json_error_reason(error: Exception) -> str:
+    """Why a body is not JSON that can be read, for error messages: the parser's own reason, or what made Python's
+    `json.loads` raise something else (bytes that are not UTF-8, nesting past the recursion limit, an integer of
+    more digits than Python converts)."""
+    if isinstance(error, UnicodeDecodeError):
+        return "it is not UTF-8"
+    if isinstance(error, RecursionError):
+        return "it is nested too deeply"
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} (character {error.pos})"
+    if isinstance(error, ValueError) and "digits" in str(error):  # Python's int(str) limit (no class of its own)
+        return f"a number has more than {sys.get_int_max_str_digits()} digits"
+    return type(error).__name__
+
+
 def error_body(error_type: str, message: str) -> dict:
     return {"error": {"type": error_type, "message": message}}
 
 
 def error_payload(path: str, status: int, error_type: str, message: str, param: str | None = None) -> tuple[int, dict]:
     """(status, body) of an error in the shape of the API at `path`."""
+    message = printable(message)
     if path == "/v2" or path.startswith("/v2/"):  # the Open Inference Protocol's: {"error": "..."}, 400 if invalid
         return (400 if status == 422 else status), {"error": message}
     if path not in OPENAI_PATHS:
         return status, error_body(error_type, message)
     if status == 422:  # OpenAI answers a malformed request with 400
         status = 400
-    return status, {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"), "param": param,
-                              "code": error_type}}
+    return status, {"error": {"message": message, "type": openai_error_type(status),
+                              "param": None if param is None else printable(param), "code": error_type}}
 
 
 def error_response(request: Request, status: int, error_type: str, message: str, headers: dict | None = None,
@@ -157,10 +195,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         if isinstance(error.__cause__, ClientDisconnect):  # FastAPI's body parsing wraps it in a 400
             return await client_gone(request, error.__cause__)
-        if isinstance(error.__cause__, (UnicodeDecodeError, RecursionError)):  # the same wrapping: not JSON at all
+        if isinstance(error.__cause__, (ValueError, RecursionError)):  # the same wrapping: JSON that cannot be read
             request.state.failure_reason = "bad_input"
-            reason = "is not UTF-8" if isinstance(error.__cause__, UnicodeDecodeError) else "is nested too deeply"
-            return error_response(request, 422, "invalid_request", f"body: not valid JSON (it {reason})")
+            return error_response(request, 422, "invalid_request",
+                                  f"body: not valid JSON ({json_error_reason(error.__cause__)})")
         kind = getattr(error, "type", None) or {404: "not_found", 405: "method_not_allowed"}.get(
             error.status_code, "http_error")
         return error_response(request, error.status_code, kind, str(error.detail), getattr(error, "headers", None))

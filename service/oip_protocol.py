@@ -7,18 +7,26 @@ the raw data of the outputs asked for in binary (`outputs[].parameters.binary_da
 all), each output's JSON saying its `binary_data_size`. Raw data is little-endian; a BYTES element is a 4-byte
 little-endian length and its bytes. Triton's classification extension: an output asked for with
 `parameters.classification: k` is the top k of its scores per row, as BYTES "score:index:label".
+
+Everything a request says is checked before any work, 400 naming what is wrong: every string valid Unicode
+(`service.protocol.ValidUnicode`), the header length in ASCII digits, shapes against the data actually sent (with
+Python's integers: a product past int64 is just too large), and the protocol's parameters of their types (`timeout`,
+`classification`, `binary_data_size` integers, `binary_data` / `binary_data_output` booleans: JSON's true is not 1).
+A response never holds a NaN or an infinity (`ModelOutputError` instead).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.errors import BadInput, describe_validation
+from service.errors import BadInput, ModelOutputError, describe_validation, json_error_reason
+from service.protocol import ValidUnicode, ascii_digits
 
 HEADER_LENGTH = "inference-header-content-length"
 # datatype -> numpy dtype (little-endian); BYTES are Python bytes objects
@@ -29,7 +37,6 @@ Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16
                    "FP32", "FP64", "BYTES"]
 # request parameters that belong to the protocol, not to the model
 RESERVED_PARAMETERS = ("timeout", "binary_data_output", "priority", "sequence_id", "sequence_start", "sequence_end")
-MAX_DIMENSION = 2**31
 
 
 class _Message(BaseModel):
@@ -49,7 +56,7 @@ class RequestOutput(_Message):
     parameters: dict[str, Any] = Field(default_factory=dict)
 
 
-class InferenceRequest(_Message):
+class InferenceRequest(_Message, ValidUnicode):
     id: str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     inputs: list[RequestInput] = Field(..., min_length=1)
@@ -80,30 +87,34 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[InferenceRequ
     """The request, its input tensors by name (BYTES: object arrays of bytes), and the names of the inputs that came
     as JSON data (a BYTES element in JSON is text, so an image sent that way is base64 text)."""
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
-            raise BadInput(f"Inference-Header-Content-Length {header_length!r} does not fit a body of {len(body)} "
-                           "bytes")
-        split = int(header_length)
+        # ASCII digits, no more of them than the body's length has (int() of 5,000 digits raises, of "²" too)
+        digits = header_length.lstrip("0") or "0"
+        if not ascii_digits(header_length) or len(digits) > len(str(len(body))) or int(digits) > len(body):
+            raise BadInput(f"Inference-Header-Content-Length {header_length[:40]!r} is not a length in ASCII digits "
+                           f"that fits a body of {len(body)} bytes")
+        split = int(digits)
     else:
         split = len(body)
     try:
         request = InferenceRequest.model_validate(json.loads(body[:split]))
     except (ValueError, RecursionError) as error:  # invalid JSON, or not the protocol's shape
         raise BadInput(_describe(error)) from None
+    _check_parameters(request)
     raw, offset, tensors, in_json = body[split:], 0, {}, set()
     for tensor in request.inputs:
         if tensor.name in tensors:
             raise BadInput(f"input {tensor.name!r} given twice")
         size = tensor.parameters.get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(raw):
+            integer_parameter(size, f"input {tensor.name!r}: binary_data_size", 0)
+            if offset + size > len(raw):
                 raise BadInput(f"input {tensor.name!r}: binary_data_size {size!r} exceeds the binary data sent")
-            tensors[tensor.name] = _from_bytes(tensor, raw[offset : offset + size])
+            tensors[tensor.name] = _from_bytes(tensor, raw[offset : offset + size], len(body))
             offset += size
         elif tensor.data is None:
             raise BadInput(f"input {tensor.name!r} has neither data nor binary_data_size")
         else:
-            tensors[tensor.name] = _from_json(tensor)
+            tensors[tensor.name] = _from_json(tensor, len(body))
             in_json.add(tensor.name)
     if offset != len(raw):
         raise BadInput(f"{len(raw) - offset} bytes of binary data belong to no input")
@@ -113,17 +124,50 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[InferenceRequ
 def _describe(error: Exception) -> str:
     if isinstance(error, ValidationError):
         return describe_validation(error.errors())
-    return f"the inference request is not valid JSON ({type(error).__name__})"
+    return f"the inference request is not valid JSON ({json_error_reason(error)})"
 
 
-def _elements(tensor: RequestInput) -> int:
-    if any(d < 0 or d > MAX_DIMENSION for d in tensor.shape):
-        raise BadInput(f"input {tensor.name!r}: shape {tensor.shape} has a negative or huge dimension")
-    return int(np.prod(tensor.shape, dtype=np.int64))
+def integer_parameter(value, name: str, minimum: int) -> int:
+    """A protocol parameter that must be an integer of at least `minimum` (JSON's true is not 1, nor 2.0 two)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadInput(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
-def _from_bytes(tensor: RequestInput, raw: bytes) -> np.ndarray:
-    count = _elements(tensor)
+def boolean_parameter(value, name: str) -> bool:
+    """A protocol parameter that must be true or false (1 and "yes" are not)."""
+    if not isinstance(value, bool):
+        raise BadInput(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _check_parameters(request: InferenceRequest) -> None:
+    """The protocol's own parameters, of their types, before any work is done for the request."""
+    if "timeout" in request.parameters:
+        integer_parameter(request.parameters["timeout"], "parameters.timeout (microseconds)", 1)
+    if "binary_data_output" in request.parameters:
+        boolean_parameter(request.parameters["binary_data_output"], "parameters.binary_data_output")
+    for output in request.outputs or []:
+        if "binary_data" in output.parameters:
+            boolean_parameter(output.parameters["binary_data"], f"output {output.name!r}: binary_data")
+        if "classification" in output.parameters:
+            integer_parameter(output.parameters["classification"], f"output {output.name!r}: classification", 1)
+
+
+def _elements(tensor: RequestInput, body_bytes: int) -> int:
+    """The element count of the tensor's shape. Every element takes at least a byte of the body, so a shape of more
+    elements than the body has bytes is refused before numpy sees it (its int64 product would wrap); zero
+    dimensions count as one in that bound, so that an empty tensor's shape is one numpy can represent too."""
+    if any(d < 0 for d in tensor.shape):
+        raise BadInput(f"input {tensor.name!r}: shape {tensor.shape} has a negative dimension")
+    if math.prod(max(d, 1) for d in tensor.shape) > max(body_bytes, 1):
+        raise BadInput(f"input {tensor.name!r}: shape {tensor.shape} has more elements than a body of {body_bytes} "
+                       "bytes can carry")
+    return math.prod(tensor.shape)
+
+
+def _from_bytes(tensor: RequestInput, raw: bytes, body_bytes: int) -> np.ndarray:
+    count = _elements(tensor, body_bytes)
     if tensor.datatype == "BYTES":
         items, offset = [], 0
         while offset < len(raw):
@@ -143,15 +187,15 @@ def _from_bytes(tensor: RequestInput, raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(tensor.shape)
 
 
-def _from_json(tensor: RequestInput) -> np.ndarray:
-    count = _elements(tensor)
+def _from_json(tensor: RequestInput, body_bytes: int) -> np.ndarray:
+    count = _elements(tensor, body_bytes)
     flat = np.array(tensor.data, dtype=object).reshape(-1) if tensor.data else np.array([], dtype=object)
     if len(flat) != count:
         raise BadInput(f"input {tensor.name!r}: {len(flat)} elements of data for shape {tensor.shape}")
     if tensor.datatype == "BYTES":
         if not all(isinstance(x, str) for x in flat):
             raise BadInput(f"input {tensor.name!r}: BYTES data in JSON must be strings")
-        return np.array([x.encode("utf-8", "surrogatepass") for x in flat], dtype=object).reshape(tensor.shape)
+        return np.array([x.encode("utf-8") for x in flat], dtype=object).reshape(tensor.shape)  # valid Unicode
     if tensor.datatype == "BOOL":
         valid = all(isinstance(x, bool) for x in flat)
     else:
@@ -167,11 +211,14 @@ def _from_json(tensor: RequestInput) -> np.ndarray:
 def encode_response(model: str, version: int, request: InferenceRequest,
                     outputs: list[tuple[str, str, np.ndarray]]) -> tuple[bytes, int | None]:
     """(body, JSON header length or None) of the response: `outputs` as (name, datatype, array), in binary where
-    asked for."""
-    binary_by_default = bool(request.parameters.get("binary_data_output", False))
+    asked for (the parameters' types were checked by `parse_request`). An output holding a NaN or an infinity is a
+    `ModelOutputError`: JSON has no such numbers, and a score that is one is no answer."""
+    binary_by_default = request.parameters.get("binary_data_output", False)
     asked = {o.name: o.parameters for o in request.outputs or []}
     tensors, blobs = [], []
     for name, datatype, array in outputs:
+        if datatype != "BYTES" and not np.isfinite(array).all():
+            raise ModelOutputError(f"output {name!r} holds a NaN or an infinity")
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if asked.get(name, {}).get("binary_data", binary_by_default):
             blob = _to_bytes(datatype, array)
@@ -184,7 +231,7 @@ def encode_response(model: str, version: int, request: InferenceRequest,
     header = {"model_name": model, "model_version": str(version), "outputs": tensors}
     if request.id is not None:
         header["id"] = request.id
-    header_bytes = json.dumps(header).encode()
+    header_bytes = json.dumps(header, allow_nan=False).encode()
     if not blobs:
         return header_bytes, None
     return header_bytes + b"".join(blobs), len(header_bytes)

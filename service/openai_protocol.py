@@ -2,8 +2,11 @@
 `/v1/models`), as OpenAI documents them and its Python SDK sends and reads them.
 
 Built per app by `openai_request_models(settings)` (like `service.protocol`), so the server's limits are in the
-schema. Fields OpenAI has and this service does not support are accepted only at their no-op value and otherwise
-answered 400 naming the field (`logit_bias`, `suffix`, tools, non-text `response_format`); `user` is ignored.
+schema: a prompt, a chat message's content and each of its text parts are at most `TSERVE_MAX_TEXT_CHARS`
+characters, as a native prompt (the conversation as a whole too: the route checks that, since a schema cannot sum
+lengths), and every string must be valid Unicode (`service.protocol.ValidUnicode`). Fields OpenAI has and this
+service does not support are accepted only at their no-op value and otherwise answered 400 naming the field
+(`logit_bias`, `suffix`, tools, non-text `response_format`); `user` is ignored.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from service.protocol import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, Name, integer
+from service.protocol import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, Name, ValidUnicode, integer
 from service.settings import Settings
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat)
 MAX_PENALTY = 2.0  # presence / frequency penalty range, as OpenAI's
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+# Text parts of one chat message: OpenAI states no limit; this bounds the objects one message makes the server
+# validate (SDKs send one part per text, a few at most), and the characters are bounded by the text limit anyway.
+MAX_CONTENT_PARTS = 64
 
 
 class _OpenAIRequest(BaseModel):
@@ -29,18 +35,6 @@ class _OpenAIRequest(BaseModel):
 
 class StreamOptions(_OpenAIRequest):
     include_usage: StrictBool = Field(False, description="Send a last chunk with the usage (and no choices).")
-
-
-class TextPart(_OpenAIRequest):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_OpenAIRequest):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(..., description="Text, or a list of text parts (joined).")
-    name: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
-        None, description="The speaker's name in the rendered play (default: ROMEO for user, JULIET for assistant).")
 
 
 @dataclass(frozen=True)
@@ -56,8 +50,22 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
     Choices = integer(ge=1, le=s.max_num_beams)
     Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
     Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+    Content = Annotated[str, Field(max_length=s.max_text_chars)]
 
-    class _Sampling(_OpenAIRequest):
+    class TextPart(_OpenAIRequest):
+        type: Literal["text"]
+        text: Content
+
+    class ChatMessage(_OpenAIRequest):
+        role: Literal["system", "developer", "user", "assistant"]
+        content: Content | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] = Field(
+            ..., description=f"Text, or a list of up to {MAX_CONTENT_PARTS} text parts (joined); up to "
+            f"{s.max_text_chars} characters (TSERVE_MAX_TEXT_CHARS), and so is the whole conversation.")
+        name: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
+            None, description="The speaker's name in the rendered play (default: ROMEO for user, JULIET for "
+            "assistant).")
+
+    class _Sampling(_OpenAIRequest, ValidUnicode):
         model: Name = Field(..., description="A loaded GPT model (see GET /v1/models), e.g. gpt.", examples=["gpt"])
         temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
             None, description="0 (or below 1e-5) = greedy; default 1.", examples=[0.8])
@@ -73,7 +81,7 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         frequency_penalty: Penalty | None = Field(None, description="OpenAI's: minus this times each token's count "
                                                   "so far.")
         logit_bias: dict[str, Any] | None = Field(None, description="Not supported (only empty).")
-        user: str | None = Field(None, description="Ignored.")
+        user: str | None = Field(None, description="Ignored (valid Unicode, like every string).")
 
     class CompletionRequest(_Sampling):
         model_config = ConfigDict(json_schema_extra={"examples": [
@@ -98,7 +106,9 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
             {"model": "gpt", "messages": [{"role": "user", "content": "What light through yonder window breaks?"}],
              "max_tokens": min(40, s.max_new_tokens), "temperature": 0.8, "seed": 7}]})
 
-        messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=s.max_texts)]
+        messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=s.max_texts)] = Field(
+            ..., description=f"Up to {s.max_texts} messages (TSERVE_MAX_TEXTS) of up to {s.max_text_chars} characters "
+            "together (TSERVE_MAX_TEXT_CHARS, as a prompt).")
         max_tokens: integer(ge=1, le=s.max_new_tokens) | None = Field(None, description="Deprecated by OpenAI in "
                                                                        "favour of max_completion_tokens; either.")
         max_completion_tokens: integer(ge=1, le=s.max_new_tokens) | None = Field(

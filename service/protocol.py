@@ -4,10 +4,12 @@ The schema is the contract: every limit a request must keep is in it. The reques
 `request_models(settings)`, so the limits that are settings (text length, number of texts, new tokens, beams,
 images, deadline) appear in `/openapi.json` as maxLength / maxItems / maximum and are enforced by the same
 validation; anything that does not conform is a 422 naming the field. Validation is strict (`"stream": 0` is not a
-boolean, `"4"` is not an integer) and every string must be valid Unicode (a lone surrogate is a 422, not a 500).
-What a schema cannot express is checked by the routes and answered 400 with the reason: a prompt whose tokens plus
-`max_new_tokens` exceed the model's context, `num_return_sequences` above `num_beams`, an image that does not
-decode.
+boolean, `"4"` is not an integer) and every string must be valid Unicode: a lone surrogate (which JSON can carry as
+an escape, and no UTF-8 can) in any string or field name is a 422 naming where it is, before any field is read
+(`ValidUnicode`, shared by the OpenAI-compatible and Open Inference Protocol requests). What a schema cannot express
+is checked by the routes and answered 400 with the reason: a prompt whose tokens plus `max_new_tokens` exceed the
+model's context, `num_return_sequences` above `num_beams`, `min_new_tokens` above `max_new_tokens`, an image that
+does not decode.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from service.settings import Settings
 
@@ -45,7 +48,67 @@ def base64_chars(max_bytes: int) -> int:
     return chars + chars // BASE64_LINE + DATA_URL_PREFIX_CHARS
 
 
-class _Strict(BaseModel):
+def ascii_digits(text: str) -> bool:
+    """Whether `text` is a non-negative decimal integer in ASCII digits: `str.isdigit()` also holds for "²" (which
+    `int()` refuses) and for other scripts' digits, which a number in a header or a path must not be."""
+    return text.isascii() and text.isdigit()
+
+
+def _surrogate_in(text: str) -> str | None:
+    """The first lone surrogate of `text` (what UTF-8 cannot hold), or None; ASCII, the common case, costs nothing."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return text[error.start]
+    return None
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})  # the JSON values that hold no string
+
+
+def lone_surrogate(data) -> tuple[tuple, str | None, str] | None:
+    """The first lone surrogate in parsed JSON, in document order: (its location, the field name that holds it or
+    None when a value does, the surrogate), or None when every string and field name is valid Unicode. Iterative,
+    so that nesting as deep as the JSON parser allows is no problem here."""
+    stack = [((), data)]
+    while stack:
+        location, value = stack.pop()
+        if isinstance(value, str):
+            if (surrogate := _surrogate_in(value)) is not None:
+                return location, None, surrogate
+        elif isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (surrogate := _surrogate_in(key)) is not None:
+                    return location, key, surrogate
+            stack.extend(((*location, key), item) for key, item in reversed(value.items()))
+        elif isinstance(value, list) and not _SCALARS.issuperset(map(type, value)):  # a list of numbers: skipped
+            for index in range(len(value) - 1, -1, -1):
+                if isinstance(value[index], (str, dict, list)):
+                    stack.append(((*location, index), value[index]))
+    return None
+
+
+class ValidUnicode(BaseModel):
+    """A request model whose every string and field name must be valid Unicode, checked on the raw input before any
+    field (a string that reached an unconstrained field would otherwise fail later, in a tokenizer or in rendering
+    a response): otherwise a validation error located where the lone surrogate is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        if (found := lone_surrogate(data)) is not None:
+            location, key, surrogate = found
+            escaped = surrogate.encode("utf-8", "backslashreplace").decode()
+            message = (f"{'a field name' if key is not None else 'Input'} should be a valid unicode string: it holds "
+                       f"the lone surrogate {escaped} (half of a UTF-16 pair)")
+            raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
+                type=PydanticCustomError("string_unicode", message), loc=location, input=escaped)])
+        return data
+
+
+class _Strict(ValidUnicode):
     model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
@@ -109,8 +172,8 @@ def request_models(settings: Settings) -> RequestModels:
                                             "is a 400).", examples=[1])
         max_new_tokens: NewTokens | None = Field(None, description="Most tokens to generate per sentence; default: "
                                                  "twice the source length + 10.", examples=[some_new_tokens])
-        min_new_tokens: MinNewTokens = Field(0, description="End of sentence is blocked before this many tokens.",
-                                             examples=[0])
+        min_new_tokens: MinNewTokens = Field(0, description="End of sentence is blocked before this many tokens (at "
+                                             "most max_new_tokens when that is given; more is a 400).", examples=[0])
         no_repeat_ngram_size: NGramSize = Field(0, description="Forbid repeating any n-gram of this size (every "
                                                 "decoding mode, as transformers); 0 = off.", examples=[0])
         stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1 and one "
@@ -131,9 +194,8 @@ def request_models(settings: Settings) -> RequestModels:
                             "must fit the model's context, else 400).", examples=["ROMEO:\n"])
         max_new_tokens: NewTokens = Field(min(64, s.max_new_tokens), description="Most tokens (bytes) to generate.",
                                           examples=[some_new_tokens])
-        min_new_tokens: MinNewTokens = Field(0, description="End of text is blocked before this many tokens (as "
-                                             "transformers: above max_new_tokens, it is never generated).",
-                                             examples=[0])
+        min_new_tokens: MinNewTokens = Field(0, description="End of text is blocked before this many tokens (at "
+                                             "most max_new_tokens; more is a 400).", examples=[0])
         temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
                                    description="Softmax temperature; 0 (or below 1e-5) = greedy decoding.",
                                    examples=[0.8])

@@ -171,7 +171,7 @@ def generate_cases() -> list:
         (body(stop="\n"), {422}, "stop"), (body(stop=["\ud800"]), {422}, "stop"), (body(stop=[None]), {422}, "stop"),
         (body(num_beams=MAX_BEAMS + 1), {422}, "num_beams"), (body(num_beams=2, stream=True), {400}, "stream"),
         (body(no_repeat_ngram_size=2, temperature=0), {200}, None),
-        (body(min_new_tokens=9), {200}, None),
+        (body(min_new_tokens=9), {400}, "min_new_tokens"),
         (body(model="vit"), {404}, "vit"),
     ]
 

@@ -247,11 +247,10 @@ def test_generate_bad_input(client, payload, status, fragment):
     assert fragment in error_of(post_json(client, "/v1/generate", payload), status)["message"]
 
 
-def test_min_new_tokens_above_max_new_tokens_means_no_end_of_text(client):
-    """As in transformers: not an error; the text simply runs to max_new_tokens."""
+def test_min_new_tokens_above_max_new_tokens_is_a_400_naming_it(client):
     response = client.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 5, "min_new_tokens": 6,
                                                   "temperature": 0})
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    assert "min_new_tokens" in error_of(response, 400)["message"]
 
 
 def test_unknown_route_and_method_are_json_errors(client):

@@ -18,6 +18,12 @@ TRANSPARENT_MODES = ("RGBA", "LA", "PA")
 COMPOSITE_STRIP_ROWS = 256
 
 
+def non_finite_rows(outputs: np.ndarray) -> list[int]:
+    """The rows of a model output (B, ...) that hold a NaN or an infinity: a computation that overflowed or a
+    broken version, which no response may carry (JSON has no such numbers)."""
+    return np.flatnonzero(~np.isfinite(outputs.reshape(len(outputs), -1)).all(axis=1)).tolist()
+
+
 def has_transparency(image: Image.Image) -> bool:
     return image.mode in TRANSPARENT_MODES or (image.mode == "P" and "transparency" in image.info)
 

@@ -30,6 +30,7 @@ from service.errors import (
     ClientBodyError,
     PayloadTooLarge,
     UnsupportedMediaType,
+    json_error_reason,
 )
 from service.imaging import EncodedImage
 from service.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
@@ -179,7 +180,7 @@ async def _parse_json(request: Request, settings: Settings) -> tuple[BaseModel, 
     try:  # Python's JSON parser, as FastAPI's for the text routes: a lone surrogate is then the field's error
         data = json.loads(body)
     except (ValueError, RecursionError) as error:
-        _invalid("body", f"not valid JSON ({type(error).__name__})")
+        _invalid("body", f"not valid JSON ({json_error_reason(error)})")
     try:
         options = request.app.state.request_models.classify.model_validate(data)
     except ValidationError as error:

@@ -12,6 +12,8 @@ Tensors per model (also in each model's metadata):
 - gpt: input `PROMPT` BYTES (any shape); outputs `TEXT` BYTES (the continuation) and `FINISH_REASON` BYTES
   (eos | length | stop); options as `parameters` (max_new_tokens, temperature, seed, stop as one string, ...).
 The deadline is the request parameter `timeout` (microseconds, what tritonclient sends), else the server's default.
+Each input must have its signature's datatype; a parameter that names what the request gives otherwise (the input
+tensors, the model and version of the path, the deadline) is refused, so the tensors' limits always hold.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from service.oip_protocol import (
     encode_response,
     parse_request,
 )
+from service.protocol import ascii_digits
 from service.registry import LoadedModel
 from service.routes.text import generation_params, translation_params
 from service.serving import classify as classification_service
@@ -46,6 +49,15 @@ from service.serving.context import deadline_of, label, resolve
 SERVER_NAME, SERVER_VERSION = "transformer-serving", "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "classification"]
 PLATFORM = "onnxruntime_onnx"
+# Native request fields that an inference request gives in another way, and where: as `parameters` they are refused
+# (400), so that they can neither replace the input tensors (and slip past their limits) nor be silently ignored.
+GIVEN_OTHERWISE = {"text": "the texts are the TEXT input", "prompt": "the prompts are the PROMPT input",
+                   "images": "the images are the IMAGE or PIXELS input", "model": "the model is the URL path's",
+                   "version": "the version is the URL path's",
+                   "timeout_ms": "the deadline is the `timeout` parameter, in microseconds",
+                   "stream": "this protocol's inference does not stream"}
+# A PIXELS value is a pixel already scaled to [0, 1]; beyond that range the model's arithmetic can overflow.
+PIXEL_RANGE = (0.0, 1.0)
 Tensor = tuple[str, str, np.ndarray]  # name, datatype, array
 ERRORS = {status: {"description": text, "content": {"application/json": {"example": {"error": "..."}}}}
           for status, text in {400: "Invalid request or tensors", 401: "Missing or wrong API key",
@@ -87,7 +99,7 @@ async def server_ready(request: Request) -> JSONResponse:
 def _version(version: str | None) -> int | None:
     if version is None:
         return None
-    if not version.isdigit() or int(version) < 1:
+    if not ascii_digits(version) or int(version) < 1:
         raise BadInput(f"version {version!r} is not a positive integer")
     return int(version)
 
@@ -136,17 +148,20 @@ async def infer(request: Request, name: ModelName, version: VersionPath | None =
     body = await request.body()
     inference, tensors, in_json = parse_request(body, request.headers.get(HEADER_LENGTH))
     options = {k: v for k, v in inference.parameters.items() if k not in RESERVED_PARAMETERS}
-    timeout_us = inference.parameters.get("timeout")
-    if timeout_us is not None and (not isinstance(timeout_us, int) or timeout_us < 1):
-        raise BadInput(f"parameters.timeout must be a positive integer of microseconds, got {timeout_us!r}")
+    if given := sorted(set(options) & set(GIVEN_OTHERWISE)):
+        raise BadInput("; ".join(f"parameter {key!r} is not an option here: {GIVEN_OTHERWISE[key]}" for key in given))
+    timeout_us = inference.parameters.get("timeout")  # an integer >= 1 (parse_request checked)
     timeout_ms = None if timeout_us is None else max(1, timeout_us // 1000)
     settings = request.app.state.settings
     if timeout_ms is not None and timeout_ms > settings.max_timeout_ms:
         raise BadInput(f"parameters.timeout exceeds TSERVE_MAX_TIMEOUT_MS ({settings.max_timeout_ms} ms)")
     deadline = deadline_of(request, timeout_ms)
-    known = {n for n, _, _ in _tensors(loaded)[0]}
-    if unknown := sorted(set(tensors) - known):
-        raise BadInput(f"unknown input(s) {unknown} for model {loaded.name!r} (inputs: {sorted(known)})")
+    signature = {n: datatype for n, datatype, _ in _tensors(loaded)[0]}
+    if unknown := sorted(set(tensors) - set(signature)):
+        raise BadInput(f"unknown input(s) {unknown} for model {loaded.name!r} (inputs: {sorted(signature)})")
+    for tensor in inference.inputs:
+        if tensor.datatype != signature[tensor.name]:
+            raise BadInput(f"input {tensor.name!r} must be {signature[tensor.name]}, got {tensor.datatype}")
     outputs = await ADAPTERS[loaded.kind](request, loaded, tensors, in_json, options, deadline)
     outputs = _select(loaded, inference, outputs)
     content, header_length = encode_response(loaded.name, loaded.version, inference, outputs)
@@ -166,10 +181,10 @@ def _select(loaded: LoadedModel, inference, outputs: list[Tensor]) -> list[Tenso
         if wanted.name not in by_name:
             raise BadInput(f"unknown output {wanted.name!r} for model {loaded.name!r} (outputs: {sorted(by_name)})")
         name, datatype, array = by_name[wanted.name]
-        k = wanted.parameters.get("classification")
+        k = wanted.parameters.get("classification")  # an integer >= 1 (parse_request checked)
         if k is not None:
-            if name != "PROBABILITIES" or not isinstance(k, int) or k < 1:
-                raise BadInput(f"classification: a positive count on PROBABILITIES only, got {k!r} on {name!r}")
+            if name != "PROBABILITIES":
+                raise BadInput(f"classification: a count on PROBABILITIES only, not on {name!r}")
             name, datatype, array = name, "BYTES", classification(array, loaded.engine.labels, k)
         selected.append((name, datatype, array))
     return selected
@@ -217,14 +232,14 @@ async def _vit(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
                   for i, x in enumerate(array)]
         probabilities = await classification_service.classify(request, loaded, images, deadline)
     else:
-        if array.dtype != np.float32:
-            raise BadInput(f"input 'PIXELS' must be FP32, got {array.dtype}")
         size, channels = engine.size, engine.channels
         shapes = [(count, channels, size, size)] + ([(count, size, size)] if channels == 1 else [])
         if array.shape not in shapes:
             raise BadInput(f"input 'PIXELS' has shape {list(array.shape)}; expected {[list(s) for s in shapes]}")
-        if not np.isfinite(array).all():
-            raise BadInput("input 'PIXELS' holds a NaN or infinite value")
+        low, high = PIXEL_RANGE
+        if not ((array >= low) & (array <= high)).all():  # a NaN fails both comparisons
+            raise BadInput(f"input 'PIXELS' holds a value outside [{low:g}, {high:g}] (or a NaN): pixels must be "
+                           "scaled to [0, 1]")
         pixels = engine.normalize(array.reshape(count, channels, size, size))
         probabilities = await classification_service.classify_pixels(request, loaded, pixels, deadline)
     labels = np.array([engine.labels[i].encode() for i in probabilities.argmax(axis=1)], dtype=object)
@@ -235,9 +250,9 @@ async def _translation(request: Request, loaded: LoadedModel, tensors, in_json: 
                        deadline: float) -> list[Tensor]:
     name, array = _only(tensors, ("TEXT",))
     texts = _texts(name, array)
-    if options.get("stream") or options.get("num_return_sequences", 1) != 1:
-        raise BadInput("stream and num_return_sequences are not available here: one translation per text")
-    body = _validated(request.app.state.request_models.translate, {"text": texts, **options}, "parameters")
+    if options.get("num_return_sequences", 1) != 1:
+        raise BadInput("num_return_sequences is not available here: one translation per text")
+    body = _validated(request.app.state.request_models.translate, {**options, "text": texts}, "parameters")
     params = translation_params(body)
     label(request, loaded, params.mode)
     results = await translation.translate(request, loaded, texts, params, deadline)
@@ -252,15 +267,13 @@ async def _gpt(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
     prompts = _texts(name, array)
     if not prompts or len(prompts) > request.app.state.settings.max_texts:
         raise BadInput(f"input 'PROMPT': 1 to {request.app.state.settings.max_texts} prompts (TSERVE_MAX_TEXTS)")
-    if options.get("stream"):
-        raise BadInput("stream is not available here")
     if isinstance(options.get("stop"), str):
         options = {**options, "stop": [options["stop"]]}
-    bodies = [_validated(request.app.state.request_models.generate, {"prompt": p, **options}, f"PROMPT[{i}]")
+    bodies = [_validated(request.app.state.request_models.generate, {**options, "prompt": p}, f"PROMPT[{i}]")
               for i, p in enumerate(prompts)]
     params = generation_params(bodies[0])
     label(request, loaded, params.mode)
-    ids = [generation.encode_prompt(loaded, p, params.max_new_tokens) for p in prompts]
+    ids = await generation.encode_prompts(loaded, prompts, params.max_new_tokens)
     results = await generation.generate(request, loaded, ids, params, deadline)
     best = [completions[0] for completions in results]
     return [("TEXT", "BYTES", np.array([c.text.encode() for c in best], dtype=object).reshape(array.shape)),

@@ -6,7 +6,9 @@ server-sent event chunks (ending with `data: [DONE]`), errors in OpenAI's shape 
 Semantics where the service has a choice (README, "OpenAI-compatible API"): `finish_reason` is "stop" for an end of
 text or a stop string, "length" at `max_tokens`; `logprobs` are of the model's raw distribution (before
 temperature, top-p and penalties, as vLLM's default); `best_of` samples and keeps the `n` best by log-probability
-per token, or with temperature 0 is a beam search of that width; `n` choices sample with seeds `seed + i`.
+per token, or with temperature 0 is a beam search of that width; `n` choices sample with seeds `seed + i`. A
+conversation is at most `TSERVE_MAX_TEXT_CHARS` characters of content in all, as a prompt is (checked before it is
+rendered; prompts are tokenized on a worker thread).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from tokenizers.decoders import DecodeStream
 
 from service import chat_template
-from service.errors import BadInput
+from service.errors import BadInput, openai_error_type
 from service.openai_protocol import (
     DEFAULT_COMPLETION_TOKENS,
     ChatCompletionResponse,
@@ -66,12 +68,8 @@ def build_router(models: OpenAIRequestModels) -> APIRouter:
 async def list_models(request: Request) -> dict:
     registry = request.app.state.registry
     data = []
-    for status in registry.status():
-        version = status["active_version"] or (status["versions"][-1] if status["versions"] else None)
-        created = 0
-        if version is not None:
-            created = int(registry.repository.get(status["name"], version).path.stat().st_mtime)
-        data.append({"id": status.pop("name"), "object": "model", "created": created, "owned_by": OWNED_BY, **status})
+    for status in registry.status():  # `created`: the served version folder's time, from the registry
+        data.append({"id": status.pop("name"), "object": "model", "owned_by": OWNED_BY, **status})
     return {"object": "list", "data": data}
 
 
@@ -224,7 +222,8 @@ def _stream(request: Request, events: AsyncIterator[list[Piece | Finished]],
             usage: Callable[[], dict] | None, first: list[dict] | None = None) -> StreamingResponse:
     """OpenAI's server-sent chunks: `first` choices (chat: the role), then one chunk per wake-up with one entry
     per choice that moved, then (with `stream_options.include_usage`) a usage chunk without choices, then [DONE].
-    A choice that fails after the status was sent ends the stream with an error event, as vLLM's."""
+    A choice that fails after the status was sent ends the stream with an error event, as vLLM's, of the type the
+    same error has unstreamed (`openai_error_type`: a deadline is a timeout_error either way)."""
 
     async def chunks() -> AsyncIterator[bytes]:
         if first:
@@ -235,9 +234,9 @@ def _stream(request: Request, events: AsyncIterator[list[Piece | Finished]],
                 yield sse_event(chunk([choice_delta(delta) for delta in deltas]))
             for event in failed:  # the middleware counts this reason
                 request.state.failure_reason = event.error.reason
-                yield sse_event({"error": {"message": event.error.message, "type": "server_error"
-                                           if event.error.status >= 500 else "invalid_request_error",
-                                           "param": None, "code": event.error.type}})
+                yield sse_event({"error": {"message": event.error.message,
+                                           "type": openai_error_type(event.error.status), "param": None,
+                                           "code": event.error.type}})
         if usage is not None:
             yield sse_event({**chunk([]), "usage": usage()})
 
@@ -262,7 +261,7 @@ async def completions(body, request: Request):
     label(request, loaded, params.mode)
     raw = body.prompt
     prompts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
-    ids = [generation.encode_prompt(loaded, prompt, max_tokens) for prompt in prompts]
+    ids = await generation.encode_prompts(loaded, prompts, max_tokens)
     tokenizer = loaded.engine.tokenizer
     echoed = [(p if isinstance(p, str) else tokenizer.decode(i)) if body.echo else "" for p, i in zip(prompts, ids)]
     deadline = deadline_of(request, None)
@@ -317,11 +316,15 @@ async def chat_completions(body, request: Request):
     loaded = resolve(request, "gpt", body.model, None)
     _unsupported(body)
     n = body.n or 1
+    limit = request.app.state.settings.max_text_chars
+    if (chars := sum(len(chat_template.message_text(m.content)) for m in body.messages)) > limit:
+        raise BadInput(f"messages: the conversation has {chars} characters; at most {limit} (TSERVE_MAX_TEXT_CHARS, "
+                       "as a prompt)", param="messages")
     prompt = chat_template.render(body.messages)
-    ids = generation.encode_prompt(loaded, prompt, 1)
+    (ids,) = await generation.encode_prompts(loaded, [prompt], 1)
     room = loaded.engine.context_length - len(ids)
     max_tokens = body.max_completion_tokens or body.max_tokens or min(request.app.state.settings.max_new_tokens, room)
-    ids = generation.encode_prompt(loaded, ids, max_tokens)
+    ids = generation.encode_prompt(loaded, ids, max_tokens)  # token ids: only checked against the context
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens, [*_stops(body.stop), chat_template.END_OF_TURN], top)
     label(request, loaded, params.mode)

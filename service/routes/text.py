@@ -108,7 +108,7 @@ async def translate(body, request: Request):
     if body.stream:
         if not isinstance(body.text, str):
             raise BadInput("stream=true needs num_beams=1 and a single text")
-        return _native_stream(request, translation.stream(loaded, body.text, params, deadline),
+        return _native_stream(request, await translation.stream(loaded, body.text, params, deadline),
                               lambda c: {"finish_reason": c.finish_reason, "score": c.score})
     texts = [body.text] if isinstance(body.text, str) else body.text
     results = await translation.translate(request, loaded, texts, params, deadline)
@@ -122,7 +122,7 @@ async def generate(body, request: Request):
     params = generation_params(body)
     label(request, loaded, params.mode)
     deadline = deadline_of(request, body.timeout_ms)
-    prompt = generation.encode_prompt(loaded, body.prompt, body.max_new_tokens)
+    (prompt,) = await generation.encode_prompts(loaded, [body.prompt], body.max_new_tokens)
 
     def final(c: Completion) -> dict:
         usage = Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens)

@@ -1,19 +1,25 @@
 """Image classification with the ViT, for every API: encoded images -> decoding and preprocessing within the
 request's deadline and the server's memory budget (`service.imaging`) -> the model's dynamic batcher ->
-probabilities per image. Each API applies its own top-k or output selection."""
+probabilities per image. Each API applies its own top-k or output selection. Logits holding a NaN or an
+infinity are an explicit error (`ModelOutputError`), never scores that no JSON can carry."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 from fastapi import Request
 
 from service import tracing
+from service.engines.vit import non_finite_rows
+from service.errors import ModelOutputError
 from service.imaging import EncodedImage
 from service.registry import LoadedModel
 from service.scheduling.dynamic import ImageJob
 from service.serving.awaiting import await_results, watched
+
+log = logging.getLogger(__name__)
 
 
 async def classify(request: Request, loaded: LoadedModel, images: Sequence[EncodedImage],
@@ -31,5 +37,9 @@ async def classify_pixels(request: Request, loaded: LoadedModel, pixels: np.ndar
     with tracing.image_spans(loaded, job):  # its queue wait and inference, once over (tracing on)
         logits = (await await_results(request, [job.future], deadline,
                                       abandon=lambda: loaded.scheduler.cancel(job)))[0]  # (n, classes)
+    if bad := non_finite_rows(logits):
+        log.error("%s/%s computed non-finite logits for images %s of a request", loaded.name, loaded.version, bad)
+        raise ModelOutputError(f"model {loaded.name} version {loaded.version} computed non-finite scores (NaN or "
+                               f"infinity) for images {bad} (0-based, in request order)")
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
     return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)

@@ -5,6 +5,7 @@ neutral parameters -> one search per choice -> the model's continuous batcher ->
   choice, reproducibly); with `num_beams > 1` one beam search returns the `n` best hypotheses instead.
 - `best_of > n` samples `best_of` choices and keeps the `n` with the highest log-probability per token (OpenAI's
   ranking). The OpenAI adapter maps `best_of` with temperature 0 to beam search (`num_beams = best_of`).
+- Prompts are tokenized on a worker thread (`encode_prompts`), never on the event loop.
 - Everything waits under the request's deadline and watches its client (`service.serving.awaiting`).
 """
 
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from service import tracing
 from service.decoding import BeamSearch, SamplingSearch, Search, StopStrings
@@ -21,6 +23,7 @@ from service.errors import BadInput
 from service.registry import LoadedModel
 from service.scheduling.continuous import TextJob
 from service.serving.awaiting import await_results
+from service.serving.context import check_new_tokens
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
     Finished,
@@ -53,9 +56,16 @@ class GenerationParams:
         return "beam" if self.num_beams > 1 else "greedy" if self.temperature == 0 else "sample"
 
 
+async def encode_prompts(loaded: LoadedModel, prompts: Sequence[str | Sequence[int]],
+                         max_new_tokens: int) -> list[list[int]]:
+    """`encode_prompt` of every prompt, on a worker thread: tokenizing is CPU work the event loop must not wait on."""
+    return await run_in_threadpool(lambda: [encode_prompt(loaded, prompt, max_new_tokens) for prompt in prompts])
+
+
 def encode_prompt(loaded: LoadedModel, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
     """The prompt's token ids (a string is encoded; ids are checked against the vocabulary), which with
-    `max_new_tokens` must fit the model's context (400 otherwise)."""
+    `max_new_tokens` must fit the model's context (400 otherwise). A string is tokenized by the calling thread:
+    from a route, use `encode_prompts`."""
     engine = loaded.engine
     if isinstance(prompt, str):
         ids = engine.tokenizer.encode(prompt).ids
@@ -96,6 +106,7 @@ def _jobs(loaded: LoadedModel, prompt: list[int], params: GenerationParams, samp
 async def generate(request: Request, loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams,
                    deadline: float, n: int = 1, best_of: int | None = None) -> list[list[Completion]]:
     """`n` completions per prompt (best first when ranked: beams, or `best_of` samples)."""
+    check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     if params.num_beams > 1 and n > params.num_beams:
         raise BadInput(f"n / num_return_sequences ({n}) must be <= num_beams ({params.num_beams})")
     samples = max(n, best_of or n)
@@ -120,6 +131,7 @@ async def generate(request: Request, loaded: LoadedModel, prompts: Sequence[list
 def stream(loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams, deadline: float,
            n: int = 1) -> AsyncIterator[list[Piece | Finished]]:
     """Stream `n` sampled (or greedy) choices per prompt; choice `p * n + i` is prompt p's i-th. Submitted now."""
+    check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     if params.num_beams > 1:
         raise BadInput("stream needs num_beams=1")
     jobs = [TextJob(prompt, _sampling_search(loaded, prompt, params, i), params.mode, deadline)

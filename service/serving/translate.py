@@ -1,5 +1,6 @@
-"""German -> English translation, for every API: protocol-neutral parameters -> one search per text -> the
-translator's continuous batcher -> an n-best list of completions per text, or a stream (greedy, one text)."""
+"""German -> English translation, for every API: protocol-neutral parameters -> one search per text (the texts
+tokenized on a worker thread, not the event loop) -> the translator's continuous batcher -> an n-best list of
+completions per text, or a stream (greedy, one text)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from service import tracing
 from service.decoding import BeamSearch, GreedySearch, Search
@@ -14,6 +16,7 @@ from service.errors import BadInput
 from service.registry import LoadedModel
 from service.scheduling.continuous import TextJob
 from service.serving.awaiting import await_results
+from service.serving.context import check_new_tokens
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
     Finished,
@@ -40,9 +43,11 @@ class TranslationParams:
 
 
 def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, deadline: float) -> list[TextJob]:
+    """One job per text; the texts are tokenized here, so call it on a worker thread."""
     if params.num_return_sequences > params.num_beams:
         raise BadInput(f"num_return_sequences ({params.num_return_sequences}) must be <= num_beams "
                        f"({params.num_beams})")
+    check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     engine = loaded.engine
     jobs = []
     for text in texts:
@@ -67,7 +72,7 @@ def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, 
 async def translate(request: Request, loaded: LoadedModel, texts: Sequence[str], params: TranslationParams,
                     deadline: float) -> list[list[Completion]]:
     """An n-best list (`num_return_sequences` long, best first) per text."""
-    jobs = _jobs(loaded, texts, params, deadline)
+    jobs = await run_in_threadpool(_jobs, loaded, texts, params, deadline)
     submit(loaded, jobs)
     with tracing.text_spans(loaded, jobs):  # the jobs' phases, once they are over (tracing on)
         results = await await_results(request, [job.future for job in jobs], deadline,
@@ -77,12 +82,12 @@ async def translate(request: Request, loaded: LoadedModel, texts: Sequence[str],
             for job, hypotheses in zip(jobs, results)]
 
 
-def stream(loaded: LoadedModel, text: str, params: TranslationParams,
-           deadline: float) -> AsyncIterator[list[Piece | Finished]]:
+async def stream(loaded: LoadedModel, text: str, params: TranslationParams,
+                 deadline: float) -> AsyncIterator[list[Piece | Finished]]:
     """Stream the greedy translation of one text (choice 0). Submitted now."""
     if params.num_beams != 1:
         raise BadInput("stream=true needs num_beams=1 and a single text")
-    jobs = _jobs(loaded, [text], params, deadline)
+    jobs = await run_in_threadpool(_jobs, loaded, [text], params, deadline)
     tokenizer = loaded.engine.tokenizer
 
     def complete(choice: int, hypothesis) -> Completion:
