@@ -3,10 +3,10 @@
 The exported decoders (`service.onnx_schema`: GPT decoder.onnx, translation decoder.onnx) make each layer's present
 as `Concat(past, new, axis=2)`, a copy of the whole past every step. `make_inplace_kv` turns that into
 `ScatterND(past, indices, new)`: the past is a fixed-capacity buffer (B, H, C, Dh), the new token's keys/values go
-to slot `cache_slot` (a new int64 scalar input; slots are shared by all rows, as in `service.kv_cache`), and
-attention runs over the whole buffer; the attention mask then has the buffer's length C and marks the used slots,
-the new one included. With one query token the graph's causal mask allows every slot, so masking the unused ones
-is all it takes.
+to row b's slot `cache_slot[b]` (a new int64 input (B,): each row's tokens start at slot 0, as in
+`service.kv_cache`, which keeps a row's logits the same in any batch), and attention runs over the whole buffer;
+the attention mask then has the buffer's length C and marks the used slots, the new one included. With one query
+token the graph's causal mask allows every slot, so masking the unused ones is all it takes.
 
 ONNX Runtime's CPU ScatterND copies its input into its output first unless both are the same buffer; an engine
 that binds the past and the present to the same memory (IO binding) gets the write without the copy. Indices are
@@ -84,7 +84,7 @@ class _Rewriter:
         return output
 
     def indices(self) -> str:
-        """(B, H, 1, 3) int64: [row, head, cache_slot] for every row and head."""
+        """(B, H, 1, 3) int64: [row, head, cache_slot[row]] for every row and head."""
         rows_heads = self._node("Shape", [self.first_past], "rows_heads", start=0, end=2)
         target = self._node("Concat", [rows_heads, self._const("ones2", np.ones(2, np.int64))], "target", axis=0)
         rows = self._node("Shape", [self.first_past], "rows", start=0, end=1)
@@ -94,7 +94,7 @@ class _Rewriter:
         column = self._const("column", np.array([-1, 1, 1, 1], np.int64))
         row_index = self._node("Reshape", [row_range, column], "row_index")
         head_index = self._const("head_index", np.arange(self.heads, dtype=np.int64).reshape(1, -1, 1, 1))
-        slot = self._node("Reshape", [schema.CACHE_SLOT, self._const("single", np.ones(4, np.int64))], "slot")
+        slot = self._node("Reshape", [schema.CACHE_SLOT, column], "slot")  # (B,) -> (B, 1, 1, 1)
         parts = [self._node("Expand", [part, target], f"{label}_grid")
                  for label, part in (("row", row_index), ("head", head_index), ("slot", slot))]
         return self._node("Concat", parts, "indices", axis=3)
@@ -154,9 +154,12 @@ class _Rewriter:
         return [*self.nodes, fused]
 
     def _retype(self) -> None:
-        """cache_slot in; the attention mask and the presents take the pasts' length (the capacity)."""
+        """cache_slot (B,) in; the attention mask and the presents take the pasts' length (the capacity)."""
         past_dim = _dim(self.inputs[self.first_past], CACHE_AXIS)
-        self.graph.input.append(helper.make_tensor_value_info(schema.CACHE_SLOT, TensorProto.INT64, []))
+        rows = _dim(self.inputs[self.first_past], 0)
+        slot = helper.make_tensor_value_info(schema.CACHE_SLOT, TensorProto.INT64, [None])
+        _dim(slot, 0).CopyFrom(rows)
+        self.graph.input.append(slot)
         _dim(self.inputs[schema.ATTENTION_MASK], 1).CopyFrom(past_dim)
         for output in self.graph.output:
             if output.name in self.presents:

@@ -13,12 +13,18 @@ rows (length is common), so a row's own tokens may start after some masked slots
 encoder_row int64 (rows,) says which encoded source each row attends to; it moves with its row.
 
 Two storage modes, after vLLM's and gpt-fast's pre-allocated caches:
-- exact (`filled` None): capacity == length; the graph's presents (past + new, a fresh copy) are adopted;
-- buffers (`filled` = slots in use): capacity >= length, slots past `filled` are zero and masked. A step writes
-  its token into slot `filled` in place (`export.kv_inplace`'s graph, with the buffers bound as both past and
-  present); capacity grows with a headroom (`capacity_for`), so attention over the whole buffer costs at
-  most 1 + HEADROOM times the used length. `InPlaceStep` runs such steps with one IO binding that lasts as long
-  as the buffers do.
+- exact (`lengths` None): capacity == length; the graph's presents (past + new, a fresh copy) are adopted;
+- buffers (`lengths` = each row's slots in use): every row's tokens sit in slots [0, lengths[row]), the slots
+  after them are zero and masked. A step writes each row's token into its own slot `lengths[row]` in place
+  (`export.kv_inplace`'s graph, with the buffers bound as both past and present); capacity grows with a headroom
+  (`capacity_for`), so attention over the whole buffer costs at most 1 + HEADROOM times the used length.
+  `InPlaceStep` runs such steps with one IO binding that lasts as long as the buffers do.
+
+Buffers keep every row where it would be alone (slot 0 onwards), whatever the batch: this is what makes a row's
+logits bit-identical alone and in any batch (batch invariance). ONNX Runtime's attention reductions (softmax sum,
+probabilities x values) group a row's slots by their offset in the row, so masked slots BEFORE a row's tokens
+change the last bits (measured: up to 0.07 in the int8 GPT's logits, once its activations are re-quantised)
+while masked slots after them change nothing; joins, reorders and growth only ever add slots after a row's.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class KVCache:
     mask: np.ndarray
     positions: np.ndarray
     encoder_row: np.ndarray | None = None
-    filled: int | None = None  # slots in use when the arrays are capacity buffers; None: exact storage
+    lengths: np.ndarray | None = None  # (rows,) int64 slots in use per row in capacity buffers; None: exact storage
     step_binding: _StepBinding | None = field(default=None, repr=False, compare=False)  # `InPlaceStep`'s
 
     @classmethod
@@ -79,8 +85,8 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """Slots in use."""
-        return self.mask.shape[1] if self.filled is None else self.filled
+        """Slots in use (buffers: by the longest row)."""
+        return self.mask.shape[1] if self.lengths is None else int(self.lengths.max(initial=0))
 
     @property
     def capacity(self) -> int:
@@ -88,12 +94,15 @@ class KVCache:
 
     @property
     def buffered(self) -> bool:
-        return self.filled is not None
+        return self.lengths is not None
 
     def reserve(self, slots: int) -> None:
-        """Switch to buffer storage with room for `slots` more slots, growing (one copy) only when full."""
+        """Switch to buffer storage with room for `slots` more slots in every row, growing (one copy) only when
+        full. From exact storage each row's used slots move to the front, in order (`_aligned`)."""
         if self.buffered and self.length + slots <= self.capacity:
             return
+        if not self.buffered:
+            self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask)
         length, capacity = self.length, capacity_for(self.length + slots)
 
         def grown(array: np.ndarray, axis: int) -> np.ndarray:
@@ -107,19 +116,19 @@ class KVCache:
         self.keys = [grown(k, 2) for k in self.keys]
         self.values = [grown(v, 2) for v in self.values]
         self.mask = grown(self.mask, 1)
-        self.filled = length
 
-    def open_slot(self) -> int:
-        """Buffers: make room for one more slot, mark it used for every row and return its index; `advance()`
-        once the graph has written it."""
+    def open_slot(self) -> np.ndarray:
+        """Buffers: make room for one more slot in every row, mark each row's next slot used and return those
+        slots (rows,); `advance()` once the graph has written them."""
         self.reserve(1)
-        self.mask[:, self.length] = 1
-        return self.length
+        slots = self.lengths.copy()
+        self.mask[np.arange(self.rows), slots] = 1
+        return slots
 
     def advance(self) -> None:
-        """Buffers: the slot of `open_slot` holds the step's keys/values; rows move to their next position (in
+        """Buffers: the slots of `open_slot` hold the step's keys/values; rows move to their next position (in
         place: a step binding keeps pointing at the same positions array)."""
-        self.filled += 1
+        np.add(self.lengths, 1, out=self.lengths)
         np.add(self.positions, 1, out=self.positions)
 
     def bind(self, binding) -> list[np.ndarray]:
@@ -162,14 +171,14 @@ class KVCache:
                 sources, used = rows[moved], self.length
                 for array in (*self.keys, *self.values):
                     array[moved, :, :used] = array[sources, :, :used]  # the right side is gathered first
-                for array in (self.mask, self.positions):
+                for array in (self.mask, self.positions, *(() if self.lengths is None else (self.lengths,))):
                     array[moved] = array[sources]
                 if self.encoder_row is not None:
                     self.encoder_row[moved] = self.encoder_row[sources]
                 return
         merged = KVCache.concatenate([self], rows=[rows])
         self.keys, self.values, self.mask, self.positions = merged.keys, merged.values, merged.mask, merged.positions
-        self.filled = merged.filled
+        self.lengths = merged.lengths
         if self.encoder_row is not None:
             self.encoder_row = merged.encoder_row
 
@@ -179,7 +188,10 @@ class KVCache:
         self.positions[rows] = 0
 
     def first_used_slot(self, rows: np.ndarray | None = None) -> int:
-        """The first slot any of `rows` (default: all) uses; slots before it are left padding."""
+        """The first slot any of `rows` (default: all) uses; slots before it are left padding (exact storage;
+        buffers have none)."""
+        if self.buffered:
+            return 0
         mask = self.mask[:, : self.length] if rows is None else self.mask[rows, : self.length]
         used = mask.any(axis=0)
         return int(np.argmax(used)) if used.any() else self.length
@@ -187,37 +199,50 @@ class KVCache:
     @staticmethod
     def concatenate(caches: Sequence[KVCache], encoder_offsets: Sequence[int] | None = None,
                     rows: Sequence[np.ndarray | None] | None = None) -> KVCache:
-        """Stack (selected) rows of several caches in one copy; shorter caches are left-padded with masked slots
-        and slots that no kept row uses are dropped. If any cache holds buffers, so does the result, with room for
-        at least one more slot.
+        """Stack (selected) rows of several caches in one copy. Exact storage: shorter caches are left-padded with
+        masked slots and slots that no kept row uses are dropped. If any cache holds buffers, so does the result,
+        with room for at least one more slot: every row keeps its slots from 0 (exact caches' rows are aligned
+        first) and slots past the longest kept row are dropped.
 
         `rows[i]`: the rows of cache i to keep, in order (None = all). With `encoder_offsets`, cache i's encoder
         rows are shifted by offsets[i] (its sources' first row in the concatenated encoder output)."""
         rows = [np.arange(c.rows) if r is None else np.asarray(r, dtype=np.int64)
                 for c, r in zip(caches, rows or [None] * len(caches))]
-        firsts = [c.first_used_slot(r) if len(r) else c.length for c, r in zip(caches, rows)]
-        length = max((c.length - f for c, f, r in zip(caches, firsts, rows) if len(r)), default=0)
-        total = sum(len(r) for r in rows)
+        for cache, kept in zip(caches, rows):
+            if len(kept) and (kept.min() < 0 or kept.max() >= cache.rows):
+                raise IndexError(f"row index out of range for a cache of {cache.rows} rows")
         buffered = any(c.buffered for c in caches)
+        # (keys, values, mask, lengths or None, first slot to copy, slots to copy) per cache
+        sources = []
+        for cache, kept in zip(caches, rows):
+            if buffered:
+                keys, values, mask, lengths = ((cache.keys, cache.values, cache.mask, cache.lengths)
+                                               if cache.buffered else _aligned(cache.keys, cache.values, cache.mask))
+                sources.append((keys, values, mask, lengths, 0, int(lengths[kept].max(initial=0))))
+            else:
+                first = cache.first_used_slot(kept) if len(kept) else cache.length
+                sources.append((cache.keys, cache.values, cache.mask, None, first, cache.length - first))
+        length = max((width for (*_, width), kept in zip(sources, rows) if len(kept)), default=0)
+        total = sum(len(r) for r in rows)
         capacity = capacity_for(length + 1) if buffered else length
         reference = caches[0]
         n_heads, head_dim = reference.keys[0].shape[1], reference.keys[0].shape[3]
 
-        def gather(arrays_of: str, layer: int | None = None) -> np.ndarray:
-            if layer is None:  # the mask
+        def gather(layer: int | None, values: bool = False) -> np.ndarray:
+            """Layer `layer`'s keys (or values), or the mask (None), of every kept row."""
+            if layer is None:
                 out = np.zeros((total, capacity), np.int64)
             else:
                 out = np.zeros((total, n_heads, capacity, head_dim), np.float32)
             start = 0
-            for cache, kept, first in zip(caches, rows, firsts):
-                if len(kept) and (kept.min() < 0 or kept.max() >= cache.rows):
-                    raise IndexError(f"row index out of range for a cache of {cache.rows} rows")
-                if len(kept):
-                    source = getattr(cache, arrays_of)
-                    end, width = cache.length, cache.length - first
-                    source = source[layer][:, :, first:end] if layer is not None else source[:, first:end]
-                    target = (out[start : start + len(kept), :, length - width : length] if layer is not None
-                              else out[start : start + len(kept), length - width : length])
+            for (keys, values_, mask, _, first, width), kept in zip(sources, rows):
+                if len(kept) and width:
+                    at = slice(0, width) if buffered else slice(length - width, length)  # aligned / left-padded
+                    if layer is None:
+                        source, target = mask[:, first : first + width], out[start : start + len(kept), at]
+                    else:
+                        source = (values_ if values else keys)[layer][:, :, first : first + width]
+                        target = out[start : start + len(kept), :, at]
                     np.take(source, kept, axis=0, out=target, mode="clip")
                 start += len(kept)
             return out
@@ -227,14 +252,35 @@ class KVCache:
         if encoder_offsets is not None or reference.encoder_row is not None:
             offsets = encoder_offsets or [0] * len(caches)
             encoder_row = np.concatenate([c.encoder_row[r] + o for c, r, o in zip(caches, rows, offsets)])
+        lengths = np.concatenate([src[3][kept] for src, kept in zip(sources, rows)]).astype(np.int64) \
+            if buffered else None
         return KVCache(
-            [gather("keys", i) for i in range(n_layers)],
-            [gather("values", i) for i in range(n_layers)],
-            gather("mask"),
+            [gather(i) for i in range(n_layers)],
+            [gather(i, values=True) for i in range(n_layers)],
+            gather(None),
             np.concatenate([c.positions[r] for c, r in zip(caches, rows)]),
             encoder_row,
-            length if buffered else None,
+            lengths,
         )
+
+
+def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray
+             ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
+    """Exact storage moved into the buffer layout: each row's used slots first, in their order, zeros after;
+    returns (keys, values, mask, lengths) of the same width."""
+    used = mask.astype(bool)
+    lengths = used.sum(axis=1).astype(np.int64)
+    if all(used[r, : lengths[r]].all() for r in range(len(lengths))):  # already aligned (a right-padded prompt)
+        order = None
+    else:
+        order = np.argsort(~used, axis=1, kind="stable")  # (rows, slots): used slots first, in order
+    keep = (np.arange(mask.shape[1]) < lengths[:, None])  # (rows, slots) in the new layout
+
+    def moved(array: np.ndarray) -> np.ndarray:  # (rows, heads, slots, head_dim)
+        out = array if order is None else np.take_along_axis(array, order[:, None, :, None], axis=2)
+        return out * keep[:, None, :, None].astype(array.dtype)  # what is masked is zero, as a fresh buffer
+
+    return [moved(k) for k in keys], [moved(v) for v in values], keep.astype(np.int64), lengths
 
 
 @dataclass
@@ -244,7 +290,7 @@ class _StepBinding:
     key: tuple
     binding: object
     ids: np.ndarray  # (R, 1) int64, written each step
-    slot: np.ndarray  # () int64, written each step
+    slot: np.ndarray  # (R,) int64: each row's slot, written each step
     logits: np.ndarray  # (R, 1, V) float32, the graph's output
     held: list[np.ndarray]  # kept alive as long as the binding
 
@@ -264,21 +310,21 @@ class InPlaceStep:
         """Feed one token per row (R,) and return the next-token logits (R, V); `inputs`: the graph's other
         inputs (e.g. the encoder's), bound by address as they are."""
         inputs = inputs or {}
-        slot = cache.open_slot()
+        slots = cache.open_slot()
         arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
         key = (cache.rows, cache.capacity, *(a.ctypes.data for a in arrays), *(a.shape for a in inputs.values()))
         bound = cache.step_binding
         if bound is None or bound.key != key:
             bound = cache.step_binding = self._bind(key, cache, inputs)
         bound.ids[:, 0] = tokens
-        bound.slot[()] = slot
+        bound.slot[:] = slots
         self.session.run_with_iobinding(bound.binding)
         cache.advance()
         return bound.logits[:, -1].copy()
 
     def _bind(self, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray]) -> _StepBinding:
         binding = self.session.io_binding()
-        ids, slot = np.zeros((cache.rows, 1), np.int64), np.zeros((), np.int64)
+        ids, slot = np.zeros((cache.rows, 1), np.int64), np.zeros(cache.rows, np.int64)
         logits = np.empty((cache.rows, 1, self.vocab_size), np.float32)
         held = [bind_array(binding, schema.INPUT_IDS, ids),
                 bind_array(binding, schema.POSITION_IDS, cache.positions.reshape(-1, 1)),

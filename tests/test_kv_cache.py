@@ -87,7 +87,7 @@ def test_reserve_switches_to_buffers_and_grows_with_headroom():
     assert c.mask[:, 3:].sum() == 0 and c.keys[0][:, 0, :3, 0].tolist() == [[0, 1, 2], [3, 4, 5]]
     keys, positions = c.keys[0], c.positions
     for _ in range(CAPACITY_STEP - 3):
-        assert c.open_slot() == c.length
+        assert c.open_slot().tolist() == [c.length] * 2
         c.advance()
         assert c.keys[0] is keys and c.positions is positions  # room left: the same buffers, written in place
     assert c.length == CAPACITY_STEP and c.positions.tolist() == [CAPACITY_STEP] * 2
@@ -103,16 +103,37 @@ def test_capacity_leaves_a_quarter_of_headroom_in_whole_steps():
         assert capacity <= max(CAPACITY_STEP, 1.25 * slots + CAPACITY_STEP)
 
 
-def test_buffers_select_and_concatenate_like_exact_storage():
+def _used(c: KVCache, row: int) -> list:
+    """Row `row`'s keys at its used slots, in order: what attention sees, whatever the layout."""
+    return c.keys[0][row, 0, np.flatnonzero(c.mask[row]), 0].tolist()
+
+
+def _aligned_rows(c: KVCache) -> bool:
+    """Buffers: every row's slots are [0, lengths[row]), nothing masked before them."""
+    return all(c.mask[r, : c.lengths[r]].all() and not c.mask[r, c.lengths[r]:].any() for r in range(c.rows))
+
+
+def test_buffers_select_and_concatenate_like_exact_storage_with_every_row_from_slot_0():
     exact = KVCache.concatenate([cache(1, 2), cache(2, 4, start=10)])
     merged = KVCache.concatenate([buffered(1, 2), buffered(2, 4, start=10)])
     assert merged.buffered and merged.length == exact.length and merged.capacity > merged.length
-    assert merged.mask[:, : merged.length].tolist() == exact.mask.tolist()
-    assert merged.keys[0][:, :, : merged.length].tolist() == exact.keys[0].tolist()
-    for rows in ([2, 2, 0], [1, 2]):  # in place, then a gather that drops the longest rows' leading slots
+    assert merged.lengths.tolist() == [2, 4, 4] and _aligned_rows(merged)
+    assert [_used(merged, r) for r in range(3)] == [_used(exact, r) for r in range(3)]
+    for rows in ([2, 2, 0], [1, 2], [0]):  # in place, then gathers that drop the slots no kept row uses
         exact.select(np.array(rows))
         merged.select(np.array(rows))
-        assert merged.buffered and merged.length == exact.length
-        assert merged.keys[0][:, :, : merged.length].tolist() == exact.keys[0].tolist()
-        assert merged.mask[:, : merged.length].tolist() == exact.mask.tolist()
-        assert merged.first_used_slot() == exact.first_used_slot()
+        assert merged.buffered and _aligned_rows(merged) and merged.first_used_slot() == 0
+        assert merged.length == max(merged.lengths) == max(len(_used(exact, r)) for r in range(exact.rows))
+        assert [_used(merged, r) for r in range(merged.rows)] == [_used(exact, r) for r in range(exact.rows)]
+
+
+def test_exact_rows_with_padding_move_to_slot_0_when_they_join_buffers():
+    left_padded = KVCache.concatenate([cache(1, 2), cache(1, 4, start=10)])  # row 0: [pad, pad, 0, 1]
+    joined = KVCache.concatenate([buffered(1, 3, start=20), left_padded])
+    assert joined.lengths.tolist() == [3, 2, 4] and _aligned_rows(joined)
+    assert [_used(joined, r) for r in range(3)] == [[20, 21, 22], [0, 1], [10, 11, 12, 13]]
+    assert not joined.keys[0][1, 0, 2:].any()  # zero after a row's slots, as in a fresh buffer
+    slots = joined.open_slot()
+    assert slots.tolist() == [3, 2, 4] and joined.mask[[0, 1, 2], [3, 2, 4]].tolist() == [1, 1, 1]
+    joined.advance()
+    assert joined.lengths.tolist() == [4, 3, 5] and _aligned_rows(joined)

@@ -1,6 +1,6 @@
 """GPT engine: prompt pass (prefill) and one-token decoding steps over a `KVCache`, on ONNX Runtime.
 
-One graph serves both: prefill feeds the left-padded prompts with an empty cache, each step feeds one token per
+One graph serves both: prefill feeds the right-padded prompts with an empty cache, each step feeds one token per
 row with the cache. Rows of different lengths share a batch through explicit positions and the slot mask.
 A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs the steps on
 it instead: the cache becomes fixed-capacity buffers, bound through IO binding as the graph's past and present,
@@ -48,24 +48,26 @@ class GPTEngine:
         return logits[:, -1]
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, KVCache]:
-        """Run the prompts (left-padded to a common length) -> logits at each prompt's last token (B, V) and the
-        cache holding the prompts."""
+        """Run the prompts (right-padded to a common length: each row's tokens from slot 0, where they are alone,
+        so that its logits do not depend on the batch, `service.kv_cache`) -> logits at each prompt's last token
+        (B, V) and the cache holding the prompts."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         longest = max(len(p) for p in prompts)
         if longest > self.context_length:
             raise ValueError(f"prompt of {longest} tokens exceeds the context length {self.context_length}")
         B = len(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int64)
         ids = np.full((B, longest), self.pad_id, np.int64)
-        mask = np.zeros((B, longest), np.int64)
-        positions = np.zeros((B, longest), np.int64)
+        mask = (np.arange(longest) < lengths[:, None]).astype(np.int64)
+        positions = np.where(mask == 1, np.arange(longest), 0)
         for row, prompt in enumerate(prompts):
-            n = len(prompt)
-            ids[row, longest - n :] = prompt
-            mask[row, longest - n :] = 1
-            positions[row, longest - n :] = np.arange(n)
+            ids[row, : len(prompt)] = prompt
         cache = KVCache.empty(B, self.n_layers, self.n_heads, self.head_dim)
-        return self._run(cache, ids, positions, mask), cache
+        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **cache.feeds()}
+        logits, *presents = self.session.run(None, feeds)
+        cache.append(presents, mask, lengths)
+        return logits[np.arange(B), lengths - 1], cache
 
     def step(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
         """Append one token per row (R,) and return the next-token logits (R, V)."""

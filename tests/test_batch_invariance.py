@@ -1,0 +1,117 @@
+"""Batch invariance: a request's output is the same alone and among 15 others (greedy, beam and seeded sampling),
+bit for bit, for every version whose decoder steps in place (`service.kv_cache`: every row's slots from 0, so no
+masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny models
+converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV).
+
+Versions that step by concatenation (kv_cache "concat") are not covered: a row that joins a running batch is
+left-padded there, and ONNX Runtime's attention reductions then group its slots differently (last-bit changes
+that int8 activations can turn into another token); README, "Batch invariance".
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from export.convert import main as convert_main
+from service.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+RELEASE_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+OTHERS = 15
+# (name, conversion arguments) -> version 2, 3, ... of the tiny model `name`
+VARIANTS = [("gpt", ["--weights", "int8", "--attention", "mha", "--kv-cache", "inplace"]),
+            ("gpt", ["--kv-cache", "inplace"])]
+GPT_TARGETS = {
+    "greedy": {"prompt": "ROMEO:\nWhat", "max_new_tokens": 40, "temperature": 0},
+    "sample": {"prompt": "ROMEO:\nWhat", "max_new_tokens": 40, "temperature": 1.0, "top_p": 0.95, "seed": 11},
+    "beam": {"prompt": "ROMEO:\nWhat", "max_new_tokens": 24, "num_beams": 3},
+}
+GPT_PROMPTS = ["A", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING", "O", "To be, or not",
+               "MENENIUS:\nWhy, masters, my good friends, mine honest neighbours,\nWill you undo yourselves?"]
+TRANSLATION_TARGETS = {
+    "greedy": {"text": "Ein Mann fährt Fahrrad.", "num_beams": 1, "max_new_tokens": 30},
+    "beam": {"text": "Ein Mann fährt Fahrrad.", "num_beams": 4, "max_new_tokens": 30},
+}
+GERMAN = ["Zwei Hunde spielen im Schnee.", "Eine Frau mit einem roten Hut sitzt auf einer Bank vor einem Haus.",
+          "Kinder.", "Ein Mann in einem blauen Hemd steht auf einer Leiter und putzt ein Fenster."]
+
+
+def _other_body(kind: str, i: int, version: int) -> dict:
+    """Request i of the 15 beside the target: other lengths, modes and budgets, so rows join and leave."""
+    if kind == "gpt":
+        body = {"prompt": GPT_PROMPTS[i % len(GPT_PROMPTS)], "max_new_tokens": 8 + 5 * i}
+        body.update([{"temperature": 0}, {"temperature": 0.8, "seed": i}, {"num_beams": 2}][i % 3])
+    else:
+        body = {"text": GERMAN[i % len(GERMAN)], "num_beams": 1 + i % 4, "max_new_tokens": 10 + 3 * i}
+    return {**body, "version": version}
+
+
+def _output(kind: str, response) -> object:
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return (body["text"], body["finish_reason"], body["usage"]) if kind == "gpt" else body["translations"]
+
+
+@pytest.fixture(scope="module")
+def variant_repository(tiny_repository, data_dir, tmp_path_factory) -> tuple[Path, list[tuple[str, int]]]:
+    """The tiny gpt and translation (version 1) and their in-place variants as versions 2, 3, ..."""
+    repository = tmp_path_factory.mktemp("variants")
+    for name in ("gpt", "translation"):
+        shutil.copytree(tiny_repository / name / "1", repository / name / "1")
+    made, next_version = [], {"gpt": 2, "translation": 2}
+    for name, arguments in VARIANTS:
+        version = next_version[name]
+        assert convert_main(["--repository", str(repository), "--name", name, "--from-version", "1",
+                             "--to-version", str(version), "--data-dir", str(data_dir), *arguments]) == 0
+        made.append((name, version))
+        next_version[name] += 1
+    return repository, made
+
+
+def _alone_and_among_others(client, kind: str, target: dict) -> tuple[object, list[object]]:
+    """The target's output alone, then among OTHERS concurrent requests: sent first, sent after them (so that it
+    joins their running batch), and in the middle."""
+    path = "/v1/generate" if kind == "gpt" else "/v1/translate"
+    alone = _output(kind, client.post(path, json=target))
+    together = []
+    for position in (0, OTHERS, OTHERS // 2):
+        bodies = [_other_body(kind, i, target["version"]) for i in range(OTHERS)]
+        bodies.insert(position, target)
+        started = threading.Barrier(len(bodies))
+
+        def post(body):
+            started.wait()  # every request is in flight at once
+            return client.post(path, json=body)
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            responses = list(pool.map(post, bodies))
+        together.append(_output(kind, responses[position]))
+    return alone, together
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+def test_tiny_in_place_variants_decode_the_same_alone_and_among_others(variant_repository, serving, mode):
+    repository, made = variant_repository
+    settings = Settings(repository=repository, models=[f"{name}:{version}" for name, version in made],
+                        max_new_tokens=64)
+    with serving(settings) as client:
+        for name, version in made:
+            targets = GPT_TARGETS if name == "gpt" else TRANSLATION_TARGETS
+            if mode not in targets:
+                continue
+            alone, together = _alone_and_among_others(client, name, {**targets[mode], "version": version})
+            assert together == [alone] * len(together), (name, version, mode)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+def test_the_released_gpt_decodes_the_same_alone_and_among_others(serving, mode):
+    settings = Settings(repository=RELEASE_REPOSITORY, models=["gpt"], max_new_tokens=64)
+    with serving(settings) as client:
+        alone, together = _alone_and_among_others(client, "gpt", {**GPT_TARGETS[mode], "version": 3})
+        assert together == [alone] * len(together), mode
