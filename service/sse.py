@@ -22,8 +22,10 @@ _DATA = "data: "
 
 
 def event(payload) -> bytes:
-    """One server-sent event: `data: <JSON>` (or a bare string such as [DONE]) and the blank line after it."""
-    return f"{_DATA}{payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+    """One server-sent event: `data: <JSON>` (or a bare string such as [DONE]) and the blank line after it. Strict
+    JSON (a non-finite number raises instead of writing NaN); a lone surrogate is written as its escape."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    return f"{_DATA}{text}\n\n".encode("utf-8", "backslashreplace")
 
 
 class SSEError(ValueError):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from service.sse import SSEError, SSEParser, parse_sse
+from service.sse import SSEError, SSEParser, event, parse_sse
 
 EVENTS = [{"token": "é", "index": 0}, {"token": " ü", "index": 1, "finish_reason": "length"}]
 BODY = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in EVENTS) + "data: [DONE]\n\n"
@@ -50,3 +50,18 @@ def test_incremental_lines():
         parser.feed_line('data: {"late": 1}')
     with pytest.raises(SSEError):
         SSEParser().feed_line(b"data: 5\r\n")
+
+
+@pytest.mark.parametrize("payload, expected", [
+    ({"text": "\ud800"}, b'data: {"text": "\\ud800"}\n\n'),  # a lone surrogate echoed in an error: its escape
+    ({"text": "é"}, 'data: {"text": "é"}\n\n'.encode()),
+    ("[DONE]", b"data: [DONE]\n\n"),
+])
+def test_an_event_always_encodes(payload, expected):
+    assert event(payload) == expected
+
+
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")])
+def test_an_event_never_carries_a_non_finite_number(number):
+    with pytest.raises(ValueError):
+        event({"logprob": number})
