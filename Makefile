@@ -80,5 +80,35 @@ bench-http: venv
 images:
 	deploy/images.sh
 
+# The compose stack (docker-compose.yml), with docker-compose v1 (1.29) or `docker compose` v2 alike: COMPOSE is
+# `docker compose` when the Docker CLI has the v2 plugin, else docker-compose. COMPOSE_FILES: by default the stack
+# `make images` built, which needs no image registry (docker-compose.test.yml: Debian's nginx and Prometheus in
+# place of the official images, Grafana left out); COMPOSE_FILES=docker-compose.yml COMPOSE_UP_ARGS=--build for the
+# official images from Docker Hub. The project is named COMPOSE_PROJECT (tserve), whatever the folder's name.
+#   make images && make compose-up                    # http://127.0.0.1:8000 (nginx), Prometheus on :9090
+#   make compose COMPOSE_ARGS="logs -f api"           # any other compose command on the same project and files
+COMPOSE ?= $(shell if docker compose version >/dev/null 2>&1; then echo docker compose; \
+	elif command -v docker-compose >/dev/null 2>&1; then echo docker-compose; fi)
+COMPOSE_PROJECT ?= tserve
+COMPOSE_FILES ?= docker-compose.yml docker-compose.test.yml
+COMPOSE_UP_ARGS ?= --no-build
+COMPOSE_ARGS ?= ps
+COMPOSE_RUN = $(COMPOSE) -p $(COMPOSE_PROJECT) $(addprefix -f ,$(COMPOSE_FILES))
+COMPOSE_FOUND = @test -n "$(COMPOSE)" || { echo "make: neither \`docker compose\` (v2) nor docker-compose (v1) found: \
+	install one (sudo apt-get install docker-compose)" >&2; exit 1; }
+
+.PHONY: compose-up compose-down compose
+compose-up:
+	$(COMPOSE_FOUND)
+	$(COMPOSE_RUN) up -d $(COMPOSE_UP_ARGS)
+
+compose-down:
+	$(COMPOSE_FOUND)
+	$(COMPOSE_RUN) down
+
+compose:
+	$(COMPOSE_FOUND)
+	$(COMPOSE_RUN) $(COMPOSE_ARGS)
+
 # Load testing (locust) and the static deployment checks.
 include deploy/Makefile.fragment

@@ -9,10 +9,10 @@ requests/s, failures/s, percentiles over a 10 s window), `<prefix>_failures.csv`
 `<prefix>_extra.json` (client-side time to first token of streams, generated tokens, images, sentences, and
 locust's final totals, which win over the CSV's: that is written every second and can miss the last one).
 
-The PNG (`<prefix>.png`):
+The PNG (`<prefix>.png`), one colour per request name throughout (endpoint_colors), legends right of the axes:
   top left      throughput over time: requests/s and failures/s (all requests), users on the right axis
-  top right     latency over time: p50 and p95 of all requests, p95 per request name
-  bottom left   latency per request name over the whole run: p50 / p95 / p99
+  top right     latency over time: p50 (solid) and p95 (dashed) of all requests (black) and per request name
+  bottom left   latency per request name over the whole run: p50 / p95 / p99 (plain, hatched //, hatched xx)
   bottom right  requests/s per request name, with the failure count written on the bar when there were any
 The title line says: requests, failure %, requests/s, tokens/s, images/s, streamed time to first token p50/p95.
 
@@ -130,14 +130,45 @@ def _title(s: dict) -> str:
             f"{s['max_users']} users")
 
 
-def plot(summary: dict, out: Path) -> None:
+# One colour per request name in every panel: tab10's ten, then tab20's lighter ten, so that up to 20 names never
+# share one (locust's default cycle repeats after ten: classify p95 and translate beam p95 were both blue); past 20,
+# evenly spaced hues of a perceptually ordered map.
+_PALETTE_SIZE = 20
+# Line style (time series) and hatch (bars) per percentile; a colour says which request, a pattern which percentile.
+PERCENTILE_STYLES = {"50%": "-", "95%": "--", "99%": ":"}
+PERCENTILE_HATCHES = {"50%": "", "95%": "//", "99%": "xx"}
+# Over time only p50 and p95: a 10 s window holds too few requests for its p99 to be more than noise.
+OVER_TIME_PERCENTILES = ("50%", "95%")
+# Legends sit right of their axes, clear of the data, starting at the axes' top edge.
+_LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0, "fontsize": 8}
+
+
+def endpoint_colors(names: list[str]) -> dict[str, tuple]:
+    """A distinct colour per request name, in the order given."""
+    import matplotlib
+
+    if len(names) <= _PALETTE_SIZE:
+        tab10, tab20 = matplotlib.colormaps["tab10"], matplotlib.colormaps["tab20"]
+        palette = [tab10(i) for i in range(10)] + [tab20(2 * i + 1) for i in range(10)]
+    else:
+        turbo = matplotlib.colormaps["turbo"]
+        palette = [turbo(0.05 + 0.9 * i / (len(names) - 1)) for i in range(len(names))]
+    return dict(zip(names, palette))
+
+
+def figure(summary: dict):
+    """The report's four panels as a matplotlib Figure (not yet saved): see the module docstring."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     history = summary["_history"]
-    fig, axes = plt.subplots(2, 2, figsize=(15, 9))
+    names = list(summary["endpoints"])
+    colors = endpoint_colors(names)
+    fig, axes = plt.subplots(2, 2, figsize=(17, 10), layout="constrained")
     fig.suptitle(f"Load test: {_title(summary)}", fontsize=10)
 
     total = [h for h in history if h["Name"] == "Aggregated"]
@@ -145,43 +176,54 @@ def plot(summary: dict, out: Path) -> None:
         t0 = int(total[0]["Timestamp"])
         t = [int(h["Timestamp"]) - t0 for h in total]
         ax = axes[0][0]
-        ax.plot(t, [_float(h["Requests/s"]) for h in total], label="requests/s")
+        ax.plot(t, [_float(h["Requests/s"]) for h in total], label="requests/s", color="black")
         ax.plot(t, [_float(h["Failures/s"]) for h in total], label="failures/s", color="tab:red")
         ax.set(title="Throughput over time", xlabel="seconds", ylabel="per second")
         users = ax.twinx()
         users.plot(t, [int(h["User Count"]) for h in total], color="grey", linestyle=":", label="users")
         users.set_ylabel("users")
-        lines = ax.get_legend_handles_labels()
-        more = users.get_legend_handles_labels()
-        ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left")
+        lines, labels = ax.get_legend_handles_labels()
+        more_lines, more_labels = users.get_legend_handles_labels()
+        # past the twin axis' tick labels and title on the right
+        ax.legend(lines + more_lines, labels + more_labels, **{**_LEGEND_OUTSIDE, "bbox_to_anchor": (1.12, 1.0)})
 
         ax = axes[0][1]
-        ax.plot(t, [_float(h["50%"]) for h in total], label="all p50", color="black")
-        ax.plot(t, [_float(h["95%"]) for h in total], label="all p95", color="black", linestyle="--")
-        for name in summary["endpoints"]:
+        for p in OVER_TIME_PERCENTILES:
+            ax.plot(t, [_float(h[p]) for h in total], label=f"all p{p[:-1]}", color="black",
+                    linestyle=PERCENTILE_STYLES[p], linewidth=2)
+        for name in names:
             rows = [h for h in history if h["Name"] == name]
-            if rows:
-                ax.plot([int(h["Timestamp"]) - t0 for h in rows], [_float(h["95%"]) for h in rows],
-                        label=f"{name} p95", alpha=0.7)
+            if not rows:
+                continue
+            for p in OVER_TIME_PERCENTILES:
+                ax.plot([int(h["Timestamp"]) - t0 for h in rows], [_float(h[p]) for h in rows],
+                        label=f"{name} p{p[:-1]}", color=colors[name], linestyle=PERCENTILE_STYLES[p], alpha=0.8)
         ax.set(title="Latency over time (10 s window)", xlabel="seconds", ylabel="ms")
-        ax.legend(fontsize=7)
+        # one entry per request (its colour) and one per percentile (its line style), not one per line
+        handles = [Line2D([], [], color="black", linewidth=2, label="all requests")]
+        handles += [Line2D([], [], color=colors[n], label=n) for n in names]
+        handles += [Line2D([], [], color="black", linestyle=PERCENTILE_STYLES[p], label=f"p{p[:-1]}")
+                    for p in OVER_TIME_PERCENTILES]
+        ax.legend(handles=handles, **_LEGEND_OUTSIDE)
     else:
         for ax in axes[0]:
             ax.text(0.5, 0.5, "no stats history (locust --csv-full-history)", ha="center", transform=ax.transAxes)
 
-    names = list(summary["endpoints"])
     width = 0.27
     ax = axes[1][0]
     for i, p in enumerate(PERCENTILES):
         key = f"p{p[:-1]}_ms"
-        ax.bar([j + (i - 1) * width for j in range(len(names))],
-               [summary["endpoints"][n][key] for n in names], width, label=f"p{p[:-1]}")
+        ax.bar([j + (i - 1) * width for j in range(len(names))], [summary["endpoints"][n][key] for n in names],
+               width, color=[colors[n] for n in names], hatch=PERCENTILE_HATCHES[p], edgecolor="black",
+               linewidth=0.5, label=f"p{p[:-1]}")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set(title="Latency per request (whole run)", ylabel="ms")
-    ax.legend()
+    ax.legend(handles=[Patch(facecolor="white", edgecolor="black", hatch=PERCENTILE_HATCHES[p], label=f"p{p[:-1]}")
+                       for p in PERCENTILES], **_LEGEND_OUTSIDE)
 
     ax = axes[1][1]
-    bars = ax.bar(names, [summary["endpoints"][n]["requests_per_s"] for n in names], color="tab:green")
+    bars = ax.bar(names, [summary["endpoints"][n]["requests_per_s"] for n in names],
+                  color=[colors[n] for n in names])
     for bar, name in zip(bars, names):
         failed = summary["endpoints"][name]["failures"]
         label = f"{summary['endpoints'][name]['requests']}" + (f"\n{failed} failed" if failed else "")
@@ -189,8 +231,13 @@ def plot(summary: dict, out: Path) -> None:
                     fontsize=8, color="tab:red" if failed else "black")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set(title="Requests/s per request (count on the bar)", ylabel="requests/s")
+    return fig
 
-    fig.tight_layout()
+
+def plot(summary: dict, out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(summary)
     fig.savefig(out, dpi=100)
     plt.close(fig)
 

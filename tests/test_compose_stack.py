@@ -149,8 +149,8 @@ def stack(tmp_path_factory):
     try:
         for attempt in range(3):  # a free port can be taken before Docker binds it: new ports, once more
             nginx_port, prometheus_port = free_port(), free_port()
-            env.update(TSERVE_PUBLIC_PORT=f"127.0.0.1:{nginx_port}",
-                       TSERVE_PROMETHEUS_PORT=f"127.0.0.1:{prometheus_port}")
+            env.update(TSERVE_BIND_ADDRESS="127.0.0.1", TSERVE_PUBLIC_PORT=str(nginx_port),
+                       TSERVE_PROMETHEUS_PORT=str(prometheus_port))
             started = time.monotonic()
             result = stack.run("--env-file", str(env_file), "up", "-d", "--no-build", check=False)
             taken = "address already in use" in result.stderr or "port is already allocated" in result.stderr

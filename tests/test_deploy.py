@@ -1,8 +1,10 @@
 """The deployment files are valid and agree with the service: Prometheus config and alert rules (promtool, with
-unit tests of the alerts), docker-compose.yml (docker-compose config), the nginx config (nginx -t), the
-Dockerfiles and .dockerignore, the Kubernetes manifests (kubernetes-validate, offline schemas), the Grafana
-dashboard, and no drift: every metric a dashboard or alert query names is exported by a live service, and every
-TSERVE_* variable the deployment sets is a setting of service/settings.py.
+unit tests of the alerts; every alert's runbook_url an anchor of README.md's runbooks), docker-compose.yml
+(docker-compose config; published ports on loopback unless TSERVE_BIND_ADDRESS says otherwise), the nginx config
+(nginx -t), the Dockerfiles and .dockerignore, the Kubernetes manifests (kubernetes-validate, offline schemas), the
+Grafana dashboard (its "Replicas ready" stat red below the expected count), and no drift: every metric a dashboard
+or alert query names is exported by a live service or recorded by a rule, and every TSERVE_* variable the
+deployment sets is a setting of service/settings.py.
 
 A missing tool fails (never skips): CI must prove these checks; deploy/ci-packages.txt lists what .ci/run installs.
 """
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -28,6 +32,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
+RULE_FILES = ("alerts.yml", "replicas.yml")  # prometheus.yml's rule_files
+README = ROOT / "README.md"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tserve.json"
 K8S = DEPLOY / "k8s"
 # tools .ci/run installs (Debian packages; deploy/ci-packages.txt)
@@ -95,9 +101,41 @@ def dashboard_variable_metrics() -> set[str]:
     return names
 
 
+def rules() -> list[dict]:
+    """Every rule of the rule files Prometheus loads, alerting and recording."""
+    return [rule for name in RULE_FILES for group in yaml.safe_load((PROMETHEUS_DIR / name).read_text())["groups"]
+            for rule in group["rules"]]
+
+
 def rule_exprs() -> list[str]:
-    rules = yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())
-    return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    return [rule["expr"] for rule in rules()]
+
+
+def recorded_names() -> set[str]:
+    """The series the recording rules make (tserve:replicas_expected): not the service's, but there to query."""
+    return {rule["record"] for rule in rules() if "record" in rule}
+
+
+ALERTS = [rule for rule in rules() if "alert" in rule]
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation but - and _ dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def readme_sections() -> dict[str, str]:
+    """README.md's headings by anchor, each with the text up to the next heading (code blocks skipped)."""
+    sections, anchor, fenced = {}, None, False
+    for line in README.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        heading = re.match(r"#{1,6} (.*)", line) if not fenced else None
+        if heading:
+            anchor = github_anchor(heading.group(1).replace("`", ""))
+            sections[anchor] = ""
+        elif anchor is not None:
+            sections[anchor] += line + "\n"
+    return sections
 
 
 def rule_test_series() -> set[str]:
@@ -136,16 +174,33 @@ def test_ci_packages_list_every_tool():
 
 def test_prometheus_config_and_alert_rules():
     promtool = require_tool("promtool")
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    assert tuple(config["rule_files"]) == RULE_FILES
     run([promtool, "check", "config", "prometheus.yml"], cwd=PROMETHEUS_DIR)
-    run([promtool, "check", "rules", "alerts.yml"], cwd=PROMETHEUS_DIR)
+    run([promtool, "check", "rules", *RULE_FILES], cwd=PROMETHEUS_DIR)
     result = run([promtool, "test", "rules", "alerts.test.yml"], cwd=PROMETHEUS_DIR)
     assert "SUCCESS" in result.stdout
     # every alert has a unit test
     tested = {t["alertname"] for case in yaml.safe_load((PROMETHEUS_DIR / "alerts.test.yml").read_text())["tests"]
               for t in case.get("alert_rule_test", [])}
-    alerts = {r["alert"] for g in yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())["groups"]
-              for r in g["rules"] if "alert" in r}
+    alerts = {r["alert"] for r in ALERTS}
     assert alerts == tested, f"alerts without a unit test: {sorted(alerts - tested)}"
+    assert {"TserveReplicasMissing", "TserveNoReplicaReady"} <= alerts, "a replica that leaves discovery must alert"
+
+
+@pytest.mark.parametrize("alert", ALERTS, ids=[rule["alert"] for rule in ALERTS])
+def test_every_alert_has_a_runbook_in_the_readme(alert):
+    """runbook_url is `README.md#<anchor>` and README.md has that heading, whose entry names the alert and says
+    what it means, what to check and what to do."""
+    url = alert["annotations"].get("runbook_url", "")
+    assert re.fullmatch(r"README\.md#[\w-]+", url), f"{alert['alert']}: runbook_url {url!r} is not a README anchor"
+    anchor = url.partition("#")[2]
+    sections = readme_sections()
+    assert anchor in sections, f"{alert['alert']}: README.md has no heading with the anchor #{anchor}"
+    entry = sections[anchor]
+    assert alert["alert"] in entry or alert["alert"].lower() in anchor
+    for part in ("Means", "Check", "Do"):
+        assert re.search(rf"\*\*{part}\b", entry), f"README.md#{anchor}: no **{part}** part in the runbook entry"
 
 
 def test_prometheus_scrapes_every_replica_directly():
@@ -157,11 +212,47 @@ def test_prometheus_scrapes_every_replica_directly():
 # --- docker-compose ---------------------------------------------------------------------------------------------
 
 
-def _compose_config(*profile: str) -> dict:
+def _compose_config(*profile: str, env: dict[str, str] | None = None) -> dict:
+    """`docker-compose config` of docker-compose.yml, with the shell's TSERVE_* variables and any .env file left
+    out (then `env` added), so that the defaults are what is checked."""
     compose = require_tool("docker-compose")
-    run([compose, "-f", str(ROOT / "docker-compose.yml"), *profile, "config", "-q"], cwd=ROOT)
-    return yaml.safe_load(run([compose, "-f", str(ROOT / "docker-compose.yml"), *profile, "config"],
-                              cwd=ROOT).stdout)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TSERVE_", "COMPOSE_"))}
+    with tempfile.TemporaryDirectory() as folder:
+        empty = Path(folder) / "empty.env"  # docker-compose v1 wants a file, not /dev/null
+        empty.touch()
+        command = [compose, "--env-file", str(empty), "-f", str(ROOT / "docker-compose.yml"), *profile, "config"]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                env={**clean, **(env or {})})
+    assert result.returncode == 0, f"{' '.join(command)} exited {result.returncode}\n{result.stderr}"
+    return yaml.safe_load(result.stdout)
+
+
+def _published(port) -> tuple[str, str, str]:
+    """(host address, host port, container port) of a `docker-compose config` port: v1 prints
+    "127.0.0.1:8000:80/tcp", v2 a mapping with host_ip, published and target."""
+    if isinstance(port, dict):
+        return str(port.get("host_ip", "")), str(port.get("published", "")), str(port["target"])
+    host, _, container = str(port).rpartition(":")
+    address, _, published = host.rpartition(":")
+    return address, published, container.split("/")[0]
+
+
+@pytest.mark.parametrize("env, address, ports", [
+    ({}, "127.0.0.1", {"nginx": "8000", "prometheus": "9090", "grafana": "3000", "locust-master": "8089"}),
+    ({"TSERVE_BIND_ADDRESS": "0.0.0.0"}, "0.0.0.0",
+     {"nginx": "8000", "prometheus": "9090", "grafana": "3000", "locust-master": "8089"}),
+    ({"TSERVE_PUBLIC_PORT": "18000", "TSERVE_PROMETHEUS_PORT": "19090", "TSERVE_GRAFANA_PORT": "13000",
+      "TSERVE_LOCUST_PORT": "18089"}, "127.0.0.1",
+     {"nginx": "18000", "prometheus": "19090", "grafana": "13000", "locust-master": "18089"}),
+], ids=["default-loopback", "bind-all-interfaces", "other-ports"])
+def test_compose_publishes_ports_on_loopback_unless_told(env, address, ports):
+    """Every published port of every profile binds to TSERVE_BIND_ADDRESS, 127.0.0.1 by default: a stack
+    started on a shared host is not reachable from the network until the operator says so."""
+    services = _compose_config("--profile", "load", "--profile", "gpu", env=env)["services"]
+    published = {name: [_published(p) for p in service.get("ports", [])] for name, service in services.items()}
+    assert {name for name, found in published.items() if found} == set(ports), published
+    for name, port in ports.items():
+        assert [(a, p) for a, p, _ in published[name]] == [(address, port)], (name, published[name])
 
 
 def test_compose_config():
@@ -179,7 +270,7 @@ def test_compose_config():
     load = _compose_config("--profile", "load")["services"]
     assert load["locust-master"]["profiles"] == ["load"] and load["locust-worker"]["profiles"] == ["load"]
     assert "--master" in load["locust-master"]["command"] and "--worker" in load["locust-worker"]["command"]
-    assert any(str(p.get("target", p)).startswith("8089") or "8089" in str(p) for p in load["locust-master"]["ports"])
+    assert [_published(p)[2] for p in load["locust-master"]["ports"]] == ["8089"]
     assert (ROOT / "deploy" / "Dockerfile.locust").is_file()
 
     tserve = services["api"]
@@ -379,6 +470,24 @@ def test_grafana_provisioning_and_dashboard():
         assert needed in exprs, f"the dashboard has no panel on {needed}"
 
 
+def test_replicas_ready_stat_is_red_below_the_expected_count():
+    """The "Replicas ready" stat's green threshold is the expected count (tserve:replicas_expected, the recording
+    rule TserveReplicasMissing uses), taken from a second query by Grafana's "Config from query results"; below
+    it the stat is red, and with no replica at all it shows 0 (red), not "No data"."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    panel = next(p for p in dashboard["panels"] if p["title"] == "Replicas ready")
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["color"] for s in steps] == ["red", "green"] and steps[0]["value"] is None, steps
+    targets = {t["refId"]: t for t in panel["targets"]}
+    (transformation,) = [t for t in panel.get("transformations", []) if t["id"] == "configFromData"]
+    config = targets[transformation["options"]["configRefId"]]
+    assert promql_metric_names(config["expr"]) == {"tserve:replicas_expected"} <= recorded_names()
+    assert config["instant"] and config.get("format") == "table"  # one row: its "Value" field is the threshold
+    assert transformation["options"]["mappings"] == [{"fieldName": "Value", "handlerKey": "threshold1"}]
+    (shown,) = [t for ref, t in targets.items() if ref != config["refId"]]
+    assert "tserve_ready" in shown["expr"] and "or vector(0)" in shown["expr"]
+
+
 # --- drift: every metric the dashboard and the alerts use exists in a live /metrics ------------------------------
 
 
@@ -410,5 +519,5 @@ def test_dashboard_and_alerts_use_only_exported_metrics(tiny_repository, tmp_pat
         used.setdefault(name, set()).add("alerts.test.yml")
     assert len(used) >= 10
     missing = {name: sorted(where) for name, where in used.items()
-               if name not in exported and name not in PROMETHEUS_BUILTINS}
+               if name not in exported and name not in PROMETHEUS_BUILTINS | recorded_names()}
     assert not missing, f"queries use metrics the service does not export: {missing}"

@@ -1,9 +1,12 @@
 """The monitoring and load-balancing stack for real, on loopback, with the configs of deploy/:
 
-- a real Prometheus (the `prometheus` binary) with deploy/prometheus/prometheus.yml and alerts.yml, its tserve job
-  pointed at a live `python -m service` process: it scrapes the service, the dashboard's and the alerts' PromQL
-  evaluate without errors and give the values the traffic implies, and killing the service makes `up` 0 and the
-  TserveReplicaDown alert pending;
+- a real Prometheus (the `prometheus` binary) with deploy/prometheus/prometheus.yml, alerts.yml and replicas.yml,
+  started through deploy/prometheus/entrypoint.sh as compose starts it (expecting TSERVE_REPLICAS=1), its tserve
+  job discovering a live `python -m service` process from a file: it scrapes the service, the dashboard's and the
+  alerts' PromQL evaluate without errors and give the values the traffic implies, killing the service makes `up` 0
+  and the TserveReplicaDown alert pending, and once the dead replica also leaves discovery (as a killed compose
+  container leaves DNS) TserveReplicaDown has nothing left to see while TserveReplicasMissing and
+  TserveNoReplicaReady are pending;
 - a real nginx with deploy/nginx/nginx.conf in front of two service processes: both get traffic, one is killed
   (SIGKILL) mid-run, and no failed request reaches the client.
 
@@ -130,20 +133,41 @@ def test_prometheus_scrapes_the_service_and_evaluates_dashboard_and_alerts(tiny_
     service = Service("service", tiny_repository, tmp_path)
     processes.append(service)
 
-    # deploy/prometheus/prometheus.yml, its tserve job pointed at the loopback service, scraping every second
+    # deploy/prometheus/prometheus.yml, scraping every second, its tserve job discovering the loopback service from
+    # a file (compose's DNS discovery in miniature: a target removed from the file is gone, as a killed container
+    # is gone from DNS)
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     prom_port = free_port()
+    targets_file = tmp_path / "tserve-targets.json"
+
+    def discover(targets: list[str]) -> None:
+        staged = targets_file.with_suffix(".tmp")
+        staged.write_text(json.dumps([{"targets": targets}]))
+        staged.replace(targets_file)  # atomic: Prometheus never reads half a file
+
+    discover([f"127.0.0.1:{service.port}"])
     for job in config["scrape_configs"]:
         job.pop("dns_sd_configs", None)
-        target = f"127.0.0.1:{service.port}" if job["job_name"] == "tserve" else f"127.0.0.1:{prom_port}"
-        job["static_configs"] = [{"targets": [target]}]
-    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    processes.append(Process("prometheus", [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+        if job["job_name"] == "tserve":
+            job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
+        else:
+            job["static_configs"] = [{"targets": [f"127.0.0.1:{prom_port}"]}]
+    source = tmp_path / "deploy-prometheus"
+    source.mkdir()
+    for name in ("alerts.yml", "replicas.yml"):
+        shutil.copy(DEPLOY / "prometheus" / name, source / name)
+    (source / "prometheus.yml").write_text(yaml.safe_dump(config))
+    # as compose runs it: deploy/prometheus/entrypoint.sh copies the folder, writes the expected replica count
+    # into replicas.yml, and execs the `prometheus` on PATH with --config.file
+    env = {**os.environ, "PATH": f"{Path(prometheus).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "TSERVE_REPLICAS": "1", "TSERVE_PROMETHEUS_SOURCE": str(source),
+           "TSERVE_PROMETHEUS_CONFIG": str(tmp_path / "prometheus-config")}
+    env.pop("TSERVE_EXPECTED_REPLICAS", None)
+    processes.append(Process("prometheus", ["/bin/sh", str(DEPLOY / "prometheus" / "entrypoint.sh"),
                                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                             f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-                             tmp_path))
+                             tmp_path, env=env))
     api = httpx.Client(base_url=f"http://127.0.0.1:{prom_port}", timeout=10)
 
     def query(promql: str) -> list[dict]:
@@ -160,6 +184,7 @@ def test_prometheus_scrapes_the_service_and_evaluates_dashboard_and_alerts(tiny_
     wait_for("prometheus ready", lambda: api.get("/-/ready").status_code == 200, 60, processes[-1].popen)
     # traffic only after the first successful scrape, so that rate() sees it as an increase
     wait_for("first scrape of tserve", lambda: value('up{job="tserve"}') == 1, 30)
+    wait_for("the expected replica count recorded", lambda: value("tserve:replicas_expected") == 1, 30)
     wait_for("a second scrape of tserve", lambda: value('count_over_time(up{job="tserve"}[1m])') >= 2, 30)
 
     def send_traffic(client: httpx.Client) -> None:
@@ -223,18 +248,29 @@ def test_prometheus_scrapes_the_service_and_evaluates_dashboard_and_alerts(tiny_
     assert {r["name"] for r in rules} >= {"TserveReplicaDown", "TserveHighErrorRate", "TserveHighLatencyP95"}
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     alerts = api.get("/api/v1/alerts").json()["data"]["alerts"]
-    assert not [a for a in alerts if a["state"] == "firing" or a["labels"]["alertname"].startswith("TserveReplica")]
+    assert not [a for a in alerts if a["state"] == "firing"
+                or a["labels"]["alertname"].startswith(("TserveReplica", "TserveNoReplica"))], alerts
 
     # the replica dies: up -> 0 and TserveReplicaDown goes pending (it fires after its `for: 1m`)
     service.kill()
     wait_for("up == 0 after the kill", lambda: value('up{job="tserve"}') == 0, 30)
 
-    def pending():
+    def pending(*names: str) -> dict[str, dict]:
         alerts = api.get("/api/v1/alerts").json()["data"]["alerts"]
-        return [a for a in alerts if a["labels"]["alertname"] == "TserveReplicaDown" and a["state"] == "pending"]
+        return {a["labels"]["alertname"]: a for a in alerts if a["state"] == "pending"
+                and a["labels"]["alertname"] in names}
 
-    alert = wait_for("TserveReplicaDown pending", pending, 30)[0]
+    alert = wait_for("TserveReplicaDown pending", lambda: pending("TserveReplicaDown"), 30)["TserveReplicaDown"]
     assert alert["labels"]["instance"] == f"127.0.0.1:{service.port}" and alert["labels"]["severity"] == "critical"
+
+    # the dead replica leaves discovery: no `up` series is left for TserveReplicaDown, the ready count still alerts
+    discover([])
+    wait_for("the target gone from discovery", lambda: not query('up{job="tserve"}'), 30)
+    missing = ("TserveReplicasMissing", "TserveNoReplicaReady")
+    alerts = wait_for("the replica alerts pending", lambda: (found := pending(*missing)).keys() == set(missing)
+                      and not pending("TserveReplicaDown") and found, 30)
+    assert alerts["TserveReplicasMissing"]["annotations"]["summary"] == "tserve replicas ready: 0 of the 1 expected"
+    assert alerts["TserveNoReplicaReady"]["labels"]["severity"] == "critical"
     api.close()
 
 
