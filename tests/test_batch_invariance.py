@@ -15,6 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from export.convert import main as convert_main
@@ -49,12 +50,15 @@ def _other_body(kind: str, i: int, version: int) -> dict:
         body.update([{"temperature": 0}, {"temperature": 0.8, "seed": i}, {"num_beams": 2}][i % 3])
     else:
         body = {"text": GERMAN[i % len(GERMAN)], "num_beams": 1 + i % 4, "max_new_tokens": 10 + 3 * i}
-    return {**body, "version": version}
+    return {**body, "version": version} if version else body
 
 
 def _output(kind: str, response) -> object:
     assert response.status_code == 200, response.text
     body = response.json()
+    if "choices" in body:  # OpenAI completions: the text and every token's log-probability, to the last bit
+        choice = body["choices"][0]
+        return choice["text"], choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]
     return (body["text"], body["finish_reason"], body["usage"]) if kind == "gpt" else body["translations"]
 
 
@@ -77,17 +81,17 @@ def variant_repository(tiny_repository, data_dir, tmp_path_factory) -> tuple[Pat
 def _alone_and_among_others(client, kind: str, target: dict) -> tuple[object, list[object]]:
     """The target's output alone, then among OTHERS concurrent requests: sent first, sent after them (so that it
     joins their running batch), and in the middle."""
-    path = "/v1/generate" if kind == "gpt" else "/v1/translate"
+    path = "/v1/completions" if "logprobs" in target else "/v1/generate" if kind == "gpt" else "/v1/translate"
     alone = _output(kind, client.post(path, json=target))
     together = []
     for position in (0, OTHERS, OTHERS // 2):
-        bodies = [_other_body(kind, i, target["version"]) for i in range(OTHERS)]
+        bodies = [_other_body(kind, i, target.get("version")) for i in range(OTHERS)]
         bodies.insert(position, target)
         started = threading.Barrier(len(bodies))
 
         def post(body):
             started.wait()  # every request is in flight at once
-            return client.post(path, json=body)
+            return client.post(path if body is target else "/v1/generate", json=body)
 
         with ThreadPoolExecutor(len(bodies)) as pool:
             responses = list(pool.map(post, bodies))
@@ -109,9 +113,70 @@ def test_tiny_in_place_variants_decode_the_same_alone_and_among_others(variant_r
             assert together == [alone] * len(together), (name, version, mode)
 
 
+COMPLETIONS = {  # OpenAI completions on the released GPT: every token's log-probability compared exactly
+    "greedy": {"model": "gpt", "prompt": "ROMEO:\nWhat", "max_tokens": 40, "temperature": 0, "logprobs": 2},
+    "sample": {"model": "gpt", "prompt": "ROMEO:\nWhat", "max_tokens": 40, "temperature": 1.0, "seed": 11,
+               "logprobs": 2},
+}
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
 def test_the_released_gpt_decodes_the_same_alone_and_among_others(serving, mode):
     settings = Settings(repository=RELEASE_REPOSITORY, models=["gpt"], max_new_tokens=64)
     with serving(settings) as client:
         alone, together = _alone_and_among_others(client, "gpt", {**GPT_TARGETS[mode], "version": 3})
         assert together == [alone] * len(together), mode
+        if mode in COMPLETIONS:
+            alone, together = _alone_and_among_others(client, "gpt", COMPLETIONS[mode])
+            assert together == [alone] * len(together), mode
+
+
+def _logits_alone_and_batched(engine, prompts: list[list[int]], steps: int) -> tuple[list, list]:
+    """Each prompt's logits over `steps` greedy steps decoded alone, and the same rows decoded as a batch that
+    starts with half of them, is joined by the rest after 3 steps, reorders two rows (a beam taking over) and
+    drops one: a row's logits must not depend on any of that."""
+    def greedy_alone(prompt):
+        logits, cache = engine.prefill([prompt])
+        out = []
+        for _ in range(steps):
+            out.append(logits[0])
+            logits = engine.step(cache, logits.argmax(-1))
+        return np.stack(out)
+
+    alone = [greedy_alone(p) for p in prompts]
+    half = len(prompts) // 2
+    logits, cache = engine.prefill(prompts[:half])
+    rows = list(range(half))  # prompt index of each row
+    seen = {r: [] for r in range(len(prompts))}
+    done = {r: 0 for r in range(len(prompts))}
+    for step in range(steps + 3):
+        for row, prompt in enumerate(rows):
+            if done[prompt] < steps:
+                seen[prompt].append(logits[row])
+                done[prompt] += 1
+        if step == 2:  # the others join the running batch
+            joining, cache_b = engine.prefill(prompts[half:])
+            for row, prompt in enumerate(range(half, len(prompts))):
+                seen[prompt].append(joining[row])
+                done[prompt] += 1
+            cache = engine.concatenate([cache, cache_b])
+            logits = np.concatenate([logits, joining])
+            rows += list(range(half, len(prompts)))
+        tokens = logits.argmax(-1)
+        logits = engine.step(cache, tokens)
+    return alone, [np.stack(seen[r][:steps]) for r in range(len(prompts))]
+
+
+@pytest.mark.parametrize("version", ["tiny-int8-mha-inplace", "release-3"])
+def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(variant_repository, version):
+    from service.engines.gpt import GPTEngine
+    from service.repository import ModelRepository
+
+    repository, made = variant_repository
+    model = ModelRepository(RELEASE_REPOSITORY).get("gpt", 3) if version == "release-3" else \
+        ModelRepository(repository).get("gpt", made[0][1])
+    engine = GPTEngine(model)
+    prompts = [engine.tokenizer.encode(text).ids[: engine.context_length // 2] for text in GPT_PROMPTS]
+    alone, batched = _logits_alone_and_batched(engine, prompts, steps=12)
+    for prompt, (a, b) in enumerate(zip(alone, batched)):
+        np.testing.assert_array_equal(a, b, err_msg=f"prompt {prompt}: {GPT_PROMPTS[prompt]!r}")
