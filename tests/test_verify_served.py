@@ -21,12 +21,13 @@ def test_a_card_the_server_does_not_match_fails(tiny_repository, data_dir, tmp_p
     shutil.copytree(tiny_repository, repository)
     card_path = next(repository.glob("vit/*/metrics.json"))
     card = json.loads(card_path.read_text())
-    card["test_accuracy"] += 0.5  # half a point the served model cannot reproduce
+    # 5 points (25 of the 500 fixture images): more than the sample explains (one binomial standard error, ~2)
+    card["test_accuracy"] += 5.0
     card_path.write_text(json.dumps(card))
     assert main(["--repository", str(repository), "--data-dir", str(data_dir)]) == 1
     results = json.loads(capsys.readouterr().out)
     assert results["translation"]["ok"] and not results["vit"]["ok"]
-    assert results["vit"]["delta"] == -0.5
+    assert results["vit"]["delta"] == -5.0 and 1.0 < results["vit"]["tolerance"] < 5.0
 
 
 def test_kinds_selects_the_checks(tiny_repository, data_dir, capsys):
