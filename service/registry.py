@@ -273,6 +273,12 @@ def _warm_up(kind: str, engine) -> None:
         _check_logits(engine.logits(engine.normalize(grey)), len(labels), "the config's labels", True, "a grey image")
         return
     if kind == "translation":
+        from service.protocol import MAX_LENGTH_PENALTY
+
+        penalty = engine.length_penalty  # the served default: held to what a request may ask for
+        if not (np.isfinite(penalty) and abs(penalty) <= MAX_LENGTH_PENALTY):
+            raise WarmUpFailed(f"config generation.length_penalty must be a finite number in [-{MAX_LENGTH_PENALTY:g}, "
+                               f"{MAX_LENGTH_PENALTY:g}], got {penalty}")
         prompt = engine.source_ids("Hallo.")
         logits, _ = engine.prefill([prompt])
         engine.translate_ids([prompt], lambda _: GreedySearch(2, None))

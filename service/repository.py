@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.errors import json_error_reason
+
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
@@ -73,8 +75,9 @@ def read_config(path: Path) -> dict[str, Any]:
         raise RepositoryError(f"{file} does not exist")
     try:
         config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise RepositoryError(f"{file} is not a readable JSON model config: {error}") from error
+    except (OSError, ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        reason = error if isinstance(error, OSError) else json_error_reason(error)
+        raise RepositoryError(f"{file} is not a readable JSON model config: {reason}") from None
     if not isinstance(config, dict) or config.get("kind") not in KINDS:
         kind = config.get("kind") if isinstance(config, dict) else config
         raise RepositoryError(f"{file}: kind must be one of {KINDS}, got {kind!r}")

@@ -407,3 +407,24 @@ def test_an_openai_stream_error_has_the_type_of_the_same_error_unstreamed(error)
     streamed = asyncio.run(_stream_error(error))
     _, unstreamed = error_payload("/v1/chat/completions", error.status, error.type, error.message)
     assert streamed == unstreamed["error"], (streamed, unstreamed)
+
+
+# --- the held-out prober: log-probabilities of a beam search -----------------------------------------------------
+
+@pytest.mark.parametrize("body, status", [
+    ({"best_of": 4, "n": 2, "logprobs": 3, "temperature": 0}, 400),  # a beam search: no per-token log-probabilities
+    ({"best_of": 2, "logprobs": 0, "temperature": 0}, 400),
+    ({"best_of": 4, "n": 2, "temperature": 0}, 200),  # the beam search itself is served
+    ({"best_of": 4, "n": 2, "logprobs": 3, "temperature": 0.8, "seed": 1}, 200),  # sampled: every array filled
+])
+def test_completions_log_probabilities_are_whole_or_refused(client, body, status):
+    response = client.post("/v1/completions", json={"model": "gpt", "prompt": "ROMEO:\n", "max_tokens": 5, **body})
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert response.json()["error"]["param"] == "logprobs"
+        return
+    for choice in response.json()["choices"]:
+        logprobs = choice["logprobs"]
+        if logprobs is not None:  # the four arrays: one entry per token, as clients zip them
+            lengths = {len(logprobs[key]) for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            assert lengths == {len(logprobs["tokens"])} and logprobs["tokens"], logprobs

@@ -264,3 +264,48 @@ def test_a_version_that_fails_warm_up_at_start_is_not_ready_until_a_good_one_loa
         assert client.get("/health/ready").status_code == 200
         classified = client.post("/v1/classify", json=CLASSIFY)
         assert classified.status_code == 200 and classified.json()["version"] == 3, classified.text
+
+
+# --- the held-out prober's findings ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("penalty", [float("nan"), float("inf"), -float("inf"), 5.5, -50.0])
+def test_a_translation_whose_default_length_penalty_no_request_may_ask_for_is_refused(client, repository, penalty):
+    _copy(repository, "translation/1", "translation/2")
+    try:
+        path = repository / "translation" / "2" / "config.json"
+        config = json.loads(path.read_text())
+        config["generation"] = {"length_penalty": penalty}
+        path.write_text(json.dumps(config))  # NaN and Infinity as JSON's extension, as Python writes them
+        response = client.post("/v2/repository/models/translation/load", json={"parameters": {"version": "2"}})
+        assert response.status_code == 400 and "length_penalty" in error_message(response), response.text
+        translated = client.post("/v1/translate", json={"text": "Ein Hund.", "num_beams": 4})
+        assert translated.status_code == 200 and translated.json()["version"] == 1, translated.text
+        assert translated.json()["translations"][0], translated.text  # an n-best list with a translation in it
+    finally:
+        shutil.rmtree(repository / "translation" / "2")
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000, 100_000])
+def test_a_config_nested_too_deeply_is_skipped_and_reported(client, repository, depth):
+    folder = repository / "gpt" / "7"
+    folder.mkdir()
+    try:
+        (folder / "config.json").write_text("[" * depth)
+        models = client.get("/v1/models")
+        assert models.status_code == 200 and [m["id"] for m in models.json()["data"]].count("gpt") == 1
+        entry = index_of(client)[("gpt", "7")]
+        assert entry["state"] == "UNAVAILABLE" and "nested too deeply" in entry["reason"], entry
+        response = client.post("/v2/repository/models/gpt/load", json={"parameters": {"version": "7"}})
+        assert response.status_code == 400 and "nested too deeply" in error_message(response), response.text
+        assert client.post("/v1/generate", json={"prompt": "A", "max_new_tokens": 2}).status_code == 200
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("route", ["load", "unload"])
+@pytest.mark.parametrize("body", ["[" * 1_000 + "]" * 1_000,
+                                  '{"parameters": {"x": ' + "[" * 5_000 + "]" * 5_000 + "}}"])
+def test_a_model_control_body_nested_too_deeply_is_a_400(client, route, body):
+    response = client.post(f"/v2/repository/models/gpt/{route}", content=body,
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "nested too deeply" in error_message(response), response.text

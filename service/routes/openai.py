@@ -256,6 +256,9 @@ async def completions(body, request: Request):
         raise BadInput("echo with logprobs is not supported: the prompt's log-probabilities are not computed",
                        param="echo")
     greedy_ranked = best_of is not None and best_of > 1 and body.temperature == 0  # beam search of width best_of
+    if greedy_ranked and body.logprobs is not None:
+        raise BadInput("logprobs is not supported with best_of > 1 at temperature 0 (a beam search, which keeps no "
+                       "per-token log-probabilities)", param="logprobs")
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_TOKENS
     params = _params(body, max_tokens, _stops(body.stop), body.logprobs, num_beams=best_of if greedy_ranked else 1)
     label(request, loaded, params.mode)

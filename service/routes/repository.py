@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.errors import BadInput
+from service.errors import BadInput, json_error_reason
 from service.model_control import parse_version
 
 SUPPORTED_PARAMETERS = {"version", "unload_dependents"}  # unload_dependents: tritonclient sends it; no ensembles here
@@ -44,8 +44,8 @@ async def _parameters(request: Request) -> dict[str, Any]:
     body = await request.body()
     try:
         payload = json.loads(body) if body.strip() else {}
-    except ValueError:
-        raise BadInput("the body is not valid JSON") from None
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply for the parser
+        raise BadInput(f"the body is not valid JSON: {json_error_reason(error)}") from None
     parameters = payload.get("parameters", {}) if isinstance(payload, dict) else None
     if not isinstance(parameters, dict):
         raise BadInput('expected a JSON object {"parameters": {...}}')
