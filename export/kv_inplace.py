@@ -182,11 +182,16 @@ def make_inplace_kv(path: Path) -> int:
 def add_step_graph(folder: Path, config: dict) -> int:
     """Give a model version folder (gpt or translation) its in-place step graph: a rewritten copy of its decoder
     as `onnx_schema.DECODER_STEP_FILE`, recorded in `config["files"]["decoder_step"]` (the caller writes
-    config.json); returns the layers rewritten. The original decoder stays: the prompt pass runs it."""
+    config.json); returns the layers rewritten. The GPT keeps its original decoder: the prompt pass runs it. The
+    translator's decoder is only ever fed one token per row (the start token, then steps), so the step graph
+    replaces it (no second copy of the decoder's weights in the version)."""
     if "decoder" not in config["files"] or config["kind"] == "vit":
         raise KVInplaceError(f"a {config['kind']} model has no decoder to step in place")
     step = folder / schema.DECODER_STEP_FILE
     shutil.copyfile(folder / config["files"]["decoder"], step)
     layers = make_inplace_kv(step)
-    config["files"] = {**config["files"], "decoder_step": schema.DECODER_STEP_FILE}  # a new dict: never the source's
+    files = {**config["files"], "decoder_step": schema.DECODER_STEP_FILE}  # a new dict: never the source's
+    if config["kind"] == "translation":
+        (folder / files.pop("decoder")).unlink()
+    config["files"] = files
     return layers

@@ -303,6 +303,11 @@ class InPlaceStep:
     one engine may step several caches (from several threads)."""
 
     def __init__(self, session, vocab_size: int):
+        slot = next((i for i in session.get_inputs() if i.name == schema.CACHE_SLOT), None)
+        if slot is None or len(slot.shape) != 1:
+            raise ValueError(f"the step graph's {schema.CACHE_SLOT} input must be one slot per row (rows,), got "
+                             f"{None if slot is None else slot.shape}: a graph exported before each row wrote its own "
+                             f"slot; derive it again with `python -m export.convert ... --kv-cache inplace`")
         self.session = session
         self.vocab_size = vocab_size
 

@@ -172,6 +172,9 @@ def test_an_inplace_kv_cache_conversion_adds_a_step_graph_and_changes_no_output(
     config = json.loads((folder / "config.json").read_text())
     assert (config["attention"], config["kv_cache"]) == ("mha", "inplace")
     assert config["files"]["decoder_step"] == schema.DECODER_STEP_FILE and (folder / schema.DECODER_STEP_FILE).exists()
+    # the translator's decoder only ever takes one token per row: the step graph replaces it; the GPT's prompt pass
+    # keeps its decoder
+    assert ("decoder" in config["files"]) is (folder / schema.DECODER_FILE).exists() is (name == "gpt")
     source = json.loads((repository / name / "1" / "config.json").read_text())
     assert "decoder_step" not in source["files"]  # the source version is left as it was
     conversion = json.loads((folder / "metrics.json").read_text())["conversion"]

@@ -170,3 +170,25 @@ def test_the_rewrite_composes_with_attention_fusion(tiny_repository, tmp_path, o
     outputs = [[s.results()[0].tokens for s in e.translate_ids(sources, lambda i: GreedySearch(20, eos))]
                for e in (reference, translation)]
     assert outputs[0] == outputs[1]
+
+
+def test_a_step_graph_with_one_slot_for_all_rows_is_refused_with_the_fix(tiny_repository, tmp_path):
+    """A step graph of the earlier export (one `cache_slot` scalar shared by every row) cannot keep rows where they
+    would be alone: the engine refuses it by name instead of failing at the first step."""
+    from service.kv_cache import InPlaceStep
+    from service.runtime import create_session
+
+    version = tmp_path / "gpt" / "1"
+    shutil.copytree(tiny_repository / "gpt" / "1", version)
+    config = json.loads((version / "config.json").read_text())
+    add_step_graph(version, config)
+    model = onnx.load(str(version / schema.DECODER_STEP_FILE))
+    slot = next(i for i in model.graph.input if i.name == schema.CACHE_SLOT)
+    del slot.type.tensor_type.shape.dim[:]  # the earlier interface: a scalar
+    reshape = next(n for n in model.graph.node if n.name == "kv_inplace/slot")
+    single = onnx.numpy_helper.from_array(np.ones(4, np.int64), "kv_inplace/single")
+    model.graph.initializer.append(single)
+    reshape.input[1] = single.name
+    onnx.save(model, str(version / schema.DECODER_STEP_FILE))
+    with pytest.raises(ValueError, match="one slot per row"):
+        InPlaceStep(create_session(version / schema.DECODER_STEP_FILE), 257)

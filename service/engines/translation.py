@@ -77,9 +77,14 @@ class TranslationEngine:
         self.model = model
         self.tokenizer = Tokenizer.from_file(str(model.path / TOKENIZER_FILE))
         self.encoder = create_session(model.path / config["files"]["encoder"], options)
-        self.decoder = create_session(model.path / config["files"]["decoder"], options)
-        self.provider = active_provider(self.decoder)
+        # the decoder is only ever fed one token per row (the start token, then steps), so a version with an
+        # in-place step graph needs no other decoder graph (`export.kv_inplace`: it replaces decoder.onnx)
+        decoder_file = config["files"].get("decoder")
+        self.decoder = create_session(model.path / decoder_file, options) if decoder_file else None
+        self.provider = active_provider(self.encoder)
         step_file = config["files"].get("decoder_step")
+        if not (decoder_file or step_file):
+            raise ValueError(f"{model.path}: config.json names no decoder graph (files.decoder or files.decoder_step)")
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_decoder_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
