@@ -3,7 +3,9 @@ bit for bit, for every version whose decoder steps in place (`service.kv_cache`:
 masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny models
 converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV).
 
-Versions that step by concatenation (kv_cache "concat", the released translator among them) are not covered: a
+The released translator steps by concatenation (the in-place option costs it 4-13% of its throughput, README);
+its weights with the in-place step graph are checked per step here. Versions that step by concatenation (kv_cache
+"concat") are not covered: a
 row that joins a running batch is left-padded there, and ONNX Runtime's attention reductions then group its slots
 differently (last-bit changes that int8 activations can turn into another token); README, "Batch invariance".
 Neither is the tiny translator's in-place variant: with its head_dim of 16, masked source slots after a source
@@ -12,6 +14,7 @@ change its cross-attention's last bits (1.7e-6); the released translator's (head
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -167,6 +170,53 @@ def _logits_alone_and_batched(engine, prompts: list[list[int]], steps: int) -> t
         tokens = logits.argmax(-1)
         logits = engine.step(cache, tokens)
     return alone, [np.stack(seen[r][:steps]) for r in range(len(prompts))]
+
+
+def _translation_logits_alone_and_batched(engine, sources: list[list[int]], steps: int) -> tuple[list, list]:
+    """As `_logits_alone_and_batched`, for the translator: half the sources start, the rest join after 3 steps."""
+    def greedy_alone(source):
+        logits, batch = engine.prefill([source])
+        out = []
+        for _ in range(steps):
+            out.append(logits[0])
+            logits = engine.step(batch, logits.argmax(-1))
+        return np.stack(out)
+
+    alone = [greedy_alone(s) for s in sources]
+    half = len(sources) // 2
+    logits, batch = engine.prefill(sources[:half])
+    rows, seen = list(range(half)), {r: [] for r in range(len(sources))}
+    for step in range(steps + 3):
+        for row, source in enumerate(rows):
+            seen[source].append(logits[row])
+        if step == 2:
+            joining, other = engine.prefill(sources[half:])
+            for row, source in enumerate(range(half, len(sources))):
+                seen[source].append(joining[row])
+            batch = engine.concatenate([batch, other])
+            logits = np.concatenate([logits, joining])
+            rows += list(range(half, len(sources)))
+        logits = engine.step(batch, logits.argmax(-1))
+    return alone, [np.stack(seen[r][:steps]) for r in range(len(sources))]
+
+
+def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_a_batch_that_others_join(tmp_path):
+    """The option the README states the cost of: translation/3's weights with the in-place step graph (what
+    `python -m export.convert --kv-cache inplace` writes, without its quality check)."""
+    from export.kv_inplace import add_step_graph
+    from service.engines.translation import TranslationEngine
+    from service.repository import ModelRepository
+
+    version = tmp_path / "translation" / "3"
+    shutil.copytree(RELEASE_REPOSITORY / "translation" / "3", version)
+    config = json.loads((version / "config.json").read_text())
+    add_step_graph(version, config)
+    (version / "config.json").write_text(json.dumps(config))
+    engine = TranslationEngine(ModelRepository(tmp_path).get("translation", 3))
+    sources = [engine.source_ids(text) for text in [TRANSLATION_TARGETS["greedy"]["text"], *GERMAN, "Hallo."]]
+    alone, batched = _translation_logits_alone_and_batched(engine, sources, steps=12)
+    for source, (a, b) in enumerate(zip(alone, batched)):
+        np.testing.assert_array_equal(a, b, err_msg=f"source {source}")
 
 
 @pytest.mark.parametrize("version", ["tiny-int8-mha-inplace", "release-3"])
