@@ -1,15 +1,14 @@
 """Batch invariance: a request's output is the same alone and among 15 others (greedy, beam and seeded sampling),
 bit for bit, for every version whose decoder steps in place (`service.kv_cache`: every row's slots from 0, so no
-masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny models
+masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny GPT
 converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV).
 
 The released translator steps by concatenation (the in-place option costs it 4-13% of its throughput, README);
-its weights with the in-place step graph are checked per step here. Versions that step by concatenation (kv_cache
-"concat") are not covered: a
-row that joins a running batch is left-padded there, and ONNX Runtime's attention reductions then group its slots
-differently (last-bit changes that int8 activations can turn into another token); README, "Batch invariance".
-Neither is the tiny translator's in-place variant: with its head_dim of 16, masked source slots after a source
-change its cross-attention's last bits (1.7e-6); the released translator's (head_dim 64) do not.
+its weights with the in-place step graph are checked per step here. Versions that step by concatenation are not
+covered: a row that joins a running batch is left-padded there, and ONNX Runtime's attention reductions then group
+its slots differently (last-bit changes that int8 activations can turn into another token); README, "Batch
+invariance". Neither is the tiny translator's in-place variant: with its head_dim of 16, masked source slots
+after a source change its cross-attention's last bits (1.7e-6); the released translator's (head_dim 64) do not.
 """
 
 from __future__ import annotations
