@@ -42,15 +42,18 @@ def test_rolling_a_version_under_load_loses_no_request(repository, tmp_path):
                            model_control="true").start()
     try:
         client = triton.InferenceServerClient(url=server.url.removeprefix("http://"))
-        outcomes: list[tuple[float, int, int | None]] = []  # (time, status, version)
+        # (when the request was sent, status, version): a request sent after a version became active resolves it,
+        # however long the busy machine then takes to answer (judged by order of events, not by a margin)
+        outcomes: list[tuple[float, int, int | None]] = []
         stop = threading.Event()
 
         def load() -> None:
             with httpx.Client(base_url=server.url, timeout=30) as c:
                 while not stop.is_set():
+                    sent = time.monotonic()
                     response = c.post("/v1/generate", json=BODY)
                     version = response.json().get("version") if response.status_code == 200 else None
-                    outcomes.append((time.monotonic(), response.status_code, version))
+                    outcomes.append((sent, response.status_code, version))
 
         def control(action: str, version: int | None = None) -> httpx.Response:
             body = {"parameters": {"version": str(version)}} if version else {}
@@ -69,6 +72,7 @@ def test_rolling_a_version_under_load_loses_no_request(repository, tmp_path):
         time.sleep(0.5)
         control("unload", 1)
         time.sleep(0.5)
+        loading_1 = time.monotonic()  # from here requests may get 1 again
         control("load", 1)  # and back
         rolled_to_1 = time.monotonic()
         time.sleep(0.5)
@@ -80,8 +84,8 @@ def test_rolling_a_version_under_load_loses_no_request(repository, tmp_path):
 
         statuses = [status for _, status, _ in outcomes]
         assert len(outcomes) > 20 and set(statuses) == {200}, [s for s in statuses if s != 200]
-        assert {v for t, _, v in outcomes if rolled_to_2 + 0.2 < t < rolled_to_1} == {2}
-        assert {v for t, _, v in outcomes if t > rolled_to_1 + 0.2} == {1}
+        assert {v for t, _, v in outcomes if rolled_to_2 < t < loading_1} == {2}
+        assert {v for t, _, v in outcomes if t > rolled_to_1} == {1}
         assert {v for _, _, v in outcomes} == {1, 2}
         index = {(e["name"], e["version"]): e for e in client.get_model_repository_index()}
         assert index[("gpt", "1")]["state"] == "READY" and index[("gpt", "2")]["state"] == "UNAVAILABLE"
