@@ -135,68 +135,48 @@ def test_the_released_gpt_decodes_the_same_alone_and_among_others(serving, mode)
             assert together == [alone] * len(together), mode
 
 
-def _logits_alone_and_batched(engine, prompts: list[list[int]], steps: int) -> tuple[list, list]:
-    """Each prompt's logits over `steps` greedy steps decoded alone, and the same rows decoded as a batch that
-    starts with half of them, is joined by the rest after 3 steps, reorders two rows (a beam taking over) and
-    drops one: a row's logits must not depend on any of that."""
-    def greedy_alone(prompt):
-        logits, cache = engine.prefill([prompt])
+JOIN_STEP, SWAP_STEP, DROP_STEP = 2, 4, 6  # when the batch of `_logits_alone_and_batched` changes
+FILLER = -1  # the batch row that is no input's: the longest input once more, dropped at DROP_STEP
+
+
+def _logits_alone_and_batched(engine, inputs: list[list[int]], steps: int) -> tuple[list, list]:
+    """Each input's logits over `steps` greedy steps decoded alone, and decoded in a batch that starts with the
+    first half of them and a filler row (the longest input again), is joined by the rest at JOIN_STEP, swaps its
+    first two rows at SWAP_STEP (beams taking each other's place) and drops the filler at DROP_STEP: a row's logits
+    must depend on none of that. `engine`: a GPT or translation engine (prompts or sources: `prefill`, `step`,
+    `select`, `concatenate` alike)."""
+    def greedy_alone(ids):
+        logits, state = engine.prefill([ids])
         out = []
         for _ in range(steps):
             out.append(logits[0])
-            logits = engine.step(cache, logits.argmax(-1))
+            logits = engine.step(state, logits.argmax(-1))
         return np.stack(out)
 
-    alone = [greedy_alone(p) for p in prompts]
-    half = len(prompts) // 2
-    logits, cache = engine.prefill(prompts[:half])
-    rows = list(range(half))  # prompt index of each row
-    seen = {r: [] for r in range(len(prompts))}
-    done = {r: 0 for r in range(len(prompts))}
-    for step in range(steps + 3):
-        for row, prompt in enumerate(rows):
-            if done[prompt] < steps:
-                seen[prompt].append(logits[row])
-                done[prompt] += 1
-        if step == 2:  # the others join the running batch
-            joining, cache_b = engine.prefill(prompts[half:])
-            for row, prompt in enumerate(range(half, len(prompts))):
-                seen[prompt].append(joining[row])
-                done[prompt] += 1
-            cache = engine.concatenate([cache, cache_b])
+    alone = [greedy_alone(ids) for ids in inputs]
+    half = len(inputs) // 2
+    rows = [FILLER, *range(half)]  # the input each row of the batch decodes
+    logits, state = engine.prefill([max(inputs, key=len), *inputs[:half]])
+    seen: dict[int, list] = {i: [] for i in range(len(inputs))}
+    for step in range(steps + JOIN_STEP + 1):
+        order = None
+        if step == JOIN_STEP:
+            joining, other = engine.prefill(inputs[half:])
+            state = engine.concatenate([state, other])
             logits = np.concatenate([logits, joining])
-            rows += list(range(half, len(prompts)))
-        tokens = logits.argmax(-1)
-        logits = engine.step(cache, tokens)
-    return alone, [np.stack(seen[r][:steps]) for r in range(len(prompts))]
-
-
-def _translation_logits_alone_and_batched(engine, sources: list[list[int]], steps: int) -> tuple[list, list]:
-    """As `_logits_alone_and_batched`, for the translator: half the sources start, the rest join after 3 steps."""
-    def greedy_alone(source):
-        logits, batch = engine.prefill([source])
-        out = []
-        for _ in range(steps):
-            out.append(logits[0])
-            logits = engine.step(batch, logits.argmax(-1))
-        return np.stack(out)
-
-    alone = [greedy_alone(s) for s in sources]
-    half = len(sources) // 2
-    logits, batch = engine.prefill(sources[:half])
-    rows, seen = list(range(half)), {r: [] for r in range(len(sources))}
-    for step in range(steps + 3):
-        for row, source in enumerate(rows):
-            seen[source].append(logits[row])
-        if step == 2:
-            joining, other = engine.prefill(sources[half:])
-            for row, source in enumerate(range(half, len(sources))):
-                seen[source].append(joining[row])
-            batch = engine.concatenate([batch, other])
-            logits = np.concatenate([logits, joining])
-            rows += list(range(half, len(sources)))
-        logits = engine.step(batch, logits.argmax(-1))
-    return alone, [np.stack(seen[r][:steps]) for r in range(len(sources))]
+            rows += list(range(half, len(inputs)))
+        elif step == SWAP_STEP:
+            order = np.array([1, 0, *range(2, len(rows))])
+        elif step == DROP_STEP:
+            order = np.array([row for row, i in enumerate(rows) if i != FILLER])
+        if order is not None:
+            state = engine.select(state, order)
+            logits, rows = logits[order], [rows[row] for row in order]
+        for row, i in enumerate(rows):
+            if i != FILLER:
+                seen[i].append(logits[row])
+        logits = engine.step(state, logits.argmax(-1))
+    return alone, [np.stack(seen[i][:steps]) for i in range(len(inputs))]
 
 
 def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_a_batch_that_others_join(tmp_path):
@@ -213,7 +193,7 @@ def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_
     (version / "config.json").write_text(json.dumps(config))
     engine = TranslationEngine(ModelRepository(tmp_path).get("translation", 3))
     sources = [engine.source_ids(text) for text in [TRANSLATION_TARGETS["greedy"]["text"], *GERMAN, "Hallo."]]
-    alone, batched = _translation_logits_alone_and_batched(engine, sources, steps=12)
+    alone, batched = _logits_alone_and_batched(engine, sources, steps=12)
     for source, (a, b) in enumerate(zip(alone, batched)):
         np.testing.assert_array_equal(a, b, err_msg=f"source {source}")
 
