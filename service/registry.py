@@ -260,8 +260,6 @@ def _warm_up(kind: str, engine) -> None:
     request with an error or a non-finite number fails here (`WarmUpFailed`), before it takes requests."""
     import numpy as np
 
-    from service.decoding import GreedySearch
-
     if kind == "vit":
         labels = engine.labels
         if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
@@ -279,13 +277,9 @@ def _warm_up(kind: str, engine) -> None:
         if not (np.isfinite(penalty) and abs(penalty) <= MAX_LENGTH_PENALTY):
             raise WarmUpFailed(f"config generation.length_penalty must be a finite number in [-{MAX_LENGTH_PENALTY:g}, "
                                f"{MAX_LENGTH_PENALTY:g}], got {penalty}")
-        prompt = engine.source_ids("Hallo.")
-        logits, _ = engine.prefill([prompt])
-        engine.translate_ids([prompt], lambda _: GreedySearch(2, None))
-    else:
-        prompt = engine.tokenizer.encode("A").ids
-        logits, _ = engine.prefill([prompt])
-        engine.generate([prompt], lambda _: GreedySearch(2, None))
+    prompt = engine.source_ids("Hallo.") if kind == "translation" else engine.tokenizer.encode("A").ids
+    logits, state = engine.prefill([prompt])
+    engine.step(state, logits.argmax(-1))  # a decoding step too (the in-place step graph, where there is one)
     _check_logits(logits, engine.tokenizer.get_vocab_size(), "the tokenizer's vocabulary", False, "a short prompt")
 
 
