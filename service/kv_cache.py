@@ -270,11 +270,9 @@ def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray
     returns (keys, values, mask, lengths) of the same width."""
     used = mask.astype(bool)
     lengths = used.sum(axis=1).astype(np.int64)
-    if all(used[r, : lengths[r]].all() for r in range(len(lengths))):  # already aligned (a right-padded prompt)
-        order = None
-    else:
-        order = np.argsort(~used, axis=1, kind="stable")  # (rows, slots): used slots first, in order
-    keep = (np.arange(mask.shape[1]) < lengths[:, None])  # (rows, slots) in the new layout
+    keep = np.arange(mask.shape[1]) < lengths[:, None]  # (rows, slots) in the new layout
+    # already aligned (a right-padded prompt): nothing moves; else used slots first, in their order
+    order = None if (used == keep).all() else np.argsort(~used, axis=1, kind="stable")
 
     def moved(array: np.ndarray) -> np.ndarray:  # (rows, heads, slots, head_dim)
         out = array if order is None else np.take_along_axis(array, order[:, None, :, None], axis=2)
