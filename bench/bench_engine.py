@@ -416,7 +416,7 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
     `variant` (`export.repository.rewrite_graphs`) if given: the folder name carries the spec, and the marker the
     hash of the model/export sources, so edits there re-export."""
     from export.onnx_export import EXPORTERS
-    from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
+    from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
 
     sources = sorted(Path(__file__).resolve().parents[1].glob("models/*.py")) + \
         sorted(Path(__file__).resolve().parents[1].glob("export/*.py"))
@@ -442,7 +442,7 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
 
 def _ours_runtime_options(runtime: Runtime):
     """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`."""
-    from service.runtime import RuntimeOptions
+    from service.engines.runtime import RuntimeOptions
 
     return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin)
 

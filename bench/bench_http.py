@@ -56,7 +56,7 @@ Options: --duration S | --requests N (per case, over all rounds), --rounds N, --
 --num-beams N, --translation-tokens N, --server-env KEY=VALUE, --out PATH, --workdir PATH.
 
 Code: this file (options, the run); bench/httpbench/: repository.py (the random-weight models), servers.py (the
-servers, by the shared launcher service.launcher), load.py (the load generator), cases.py (workloads and cases),
+servers, by the shared launcher service.client.launcher), load.py (the load generator), cases.py (workloads and cases),
 report.py (lines, tables, goals).
 """
 
@@ -101,7 +101,7 @@ from httpbench.report import (
 from httpbench.repository import build_repository
 from httpbench.servers import baseline_server, service_server
 
-from service.launcher import ServiceProcess
+from service.client.launcher import ServiceProcess
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C: stop the servers, report, exit 130
     from models.data import resolve_data_dir
-    from service.repository import ModelRepository
+    from service.models.repository import ModelRepository
 
     data_dir = resolve_data_dir(args.data_dir)
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if args.spin else "PASSIVE"  # for the export, if it runs
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 openapi = httpx.get(f"{servers['service'].url}/openapi.json", timeout=30).json()
                 if "/v1/classify" not in openapi.get("paths", {}):
-                    skipped["vit"] = "the service has no /v1/classify route yet (service/routes/images.py)"
+                    skipped["vit"] = "the service has no /v1/classify route yet (service/api/native/images.py)"
                     wanted.remove("vit")
                     print(f"vit: skipped ({skipped['vit']})", flush=True)
                 else:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from service.launcher import ServiceProcess
+from service.client.launcher import ServiceProcess
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120

@@ -2,7 +2,7 @@
 
 GenAI runs the very file our engine loads (`decoder.onnx`, exported by `export.onnx_export.export_gpt`, unchanged):
 its folder here holds only a generated `genai_config.json` and a symlink to that file. The graph already has the
-interface GenAI's "decoder" model type expects (service/onnx_schema.py follows GenAI's and Optimum's convention):
+interface GenAI's "decoder" model type expects (service/engines/onnx_schema.py follows GenAI's and Optimum's convention):
 `input_ids`, `position_ids`, `attention_mask` (int64, the whole past + new length), `past_key_values.{i}.key/value`
 in and `logits`, `present.{i}.key/value` out, caches (batch, heads, sequence, head_dim). The config names them
 anyway (`inputs` / `outputs`), so nothing rests on GenAI's defaults. The cache grows by concatenation in the graph,
@@ -36,8 +36,7 @@ def genai_config(version_config: dict[str, Any], graph_file: str, *, threads: in
                  max_length: int, pad_id: int, bos_id: int) -> dict[str, Any]:
     """The `genai_config.json` for our exported GPT graph, from its model-repository `config.json`
     (`export_gpt`'s description: architecture, special tokens, context length)."""
-    from service import onnx_schema as schema
-
+    from service.engines import onnx_schema as schema
     arch = version_config["architecture"]
     spin_value = "1" if spin else "0"
     past_key, past_value = (name.replace(".0.", ".%d.") for name in schema.past_names(0))

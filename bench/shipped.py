@@ -15,7 +15,7 @@ VARIANT_OPTIONS = ("weights", "attention", "kv_cache")
 
 def shipped_variant(kind: str) -> dict[str, str]:
     """`rewrite_graphs`'s options for the release model of `kind` (empty: served as exported)."""
-    from service.repository import ModelRepository
+    from service.models.repository import ModelRepository
 
     config = ModelRepository(REPOSITORY).get(kind).config
     return {option: config[option] for option in VARIANT_OPTIONS if option in config}

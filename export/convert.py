@@ -41,7 +41,7 @@ from export.repository import (
 )
 from export.tolerances import TOLERANCES
 from models.data import DataError
-from service.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
+from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 PARITY_INPUTS = {"gpt": "50 validation prompts", "translation": "50 validation sentences",
                  "vit": "the first 1,000 test images"}

@@ -1,7 +1,7 @@
 """Thin torch modules that expose the models' own entry points with flat tensor inputs/outputs for ONNX export.
 
 They wrap `GPT.forward`, `EncoderDecoderTransformer.encode` / `cross_attention_kv` / `decode_step` and
-`ViT.forward`; no layer is re-implemented here. Input/output order is `service.onnx_schema`'s.
+`ViT.forward`; no layer is re-implemented here. Input/output order is `service.engines.onnx_schema`'s.
 """
 
 from __future__ import annotations

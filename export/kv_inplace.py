@@ -1,10 +1,10 @@
 """Rewrite a decoder graph so that its one-token step writes the new keys/values into the past buffers in place.
 
-The exported decoders (`service.onnx_schema`: GPT decoder.onnx, translation decoder.onnx) make each layer's present
+The exported decoders (`service.engines.onnx_schema`: GPT decoder.onnx, translation decoder.onnx) make each layer's present
 as `Concat(past, new, axis=2)`, a copy of the whole past every step. `make_inplace_kv` turns that into
 `ScatterND(past, indices, new)`: the past is a fixed-capacity buffer (B, H, C, Dh), the new token's keys/values go
 to row b's slot `cache_slot[b]` (a new int64 input (B,): each row's tokens start at slot 0, as in
-`service.kv_cache`, which keeps a row's logits the same in any batch), and attention runs over the whole buffer;
+`service.engines.kv_cache`, which keeps a row's logits the same in any batch), and attention runs over the whole buffer;
 the attention mask then has the buffer's length C and marks the used slots, the new one included. With one query
 token the graph's causal mask allows every slot, so masking the unused ones is all it takes.
 
@@ -28,8 +28,7 @@ import numpy as np
 import onnx
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
-from service import onnx_schema as schema
-
+from service.engines import onnx_schema as schema
 CACHE_AXIS = 2  # (B, H, T, Dh)'s T
 HEADS_AXIS = 1
 SPLIT_HEADS = [0, 2, 1, 3]  # (B, T, H, Dh) -> (B, H, T, Dh)

@@ -16,8 +16,7 @@ import torch
 from export.graphs import DecoderStepGraph, EncoderGraph, GPTDecoderGraph, ViTGraph
 from models.config import GPTConfig, TranslationConfig, ViTConfig
 from models.data import FASHION_MNIST_LABELS
-from service import onnx_schema as schema
-
+from service.engines import onnx_schema as schema
 OPSET = 17
 
 

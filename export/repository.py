@@ -30,7 +30,7 @@ from export.quantize import quantize_int8
 from export.tolerances import TOLERANCES, quality_tolerance, within
 from models import data
 from service.decoding import GreedySearch
-from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
+from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
 
 DATA_NOTES = {
     "translation": "Multi30k task 1 (de-en): 29,000 training pairs; BLEU on test_2016_flickr (1,000) and val (1,014).",
@@ -115,7 +115,7 @@ def _quality_count(kind: str, card: dict) -> int | None:
 def _translation_service(version: ModelVersion) -> Iterator[str]:
     """URL of `python -m service` serving this one version folder (as `translation`, the name the BLEU check asks
     for), from a temporary repository that links to it."""
-    from service.launcher import ServiceProcess
+    from service.client.launcher import ServiceProcess
 
     with tempfile.TemporaryDirectory(prefix="quality-") as scratch:
         (Path(scratch) / "translation").mkdir()

@@ -2,7 +2,7 @@
 
     python -m export.verify_served --repository model_repository [--data-dir DIR] [--url URL] [--kinds vit]
 
-Starts `python -m service` on the repository with default settings (service.launcher: no inherited TSERVE_*
+Starts `python -m service` on the repository with default settings (service.client.launcher: no inherited TSERVE_*
 variable, no .env file), or uses --url, then
 - translation: sacreBLEU (cased, 13a) of `POST /v1/translate` (beam 4, the model's default length penalty: the
   one its evaluation chose on val) on Multi30k test_2016_flickr, compared with
@@ -30,9 +30,9 @@ import sacrebleu
 from PIL import Image
 
 from models import data
-from service.launcher import ServiceProcess
+from service.client.launcher import ServiceProcess
 from export.tolerances import SERVED_ACCURACY_FLOOR, SERVED_BLEU_TOLERANCE, accuracy_tolerance
-from service.repository import ModelRepository
+from service.models.repository import ModelRepository
 
 
 

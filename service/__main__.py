@@ -8,8 +8,8 @@ import sys
 import uvicorn
 
 from service.app import create_app
-from service.http_limits import REJECT_REASONS, limited_http_protocol
-from service.logs import configure_logging
+from service.http.limits import REJECT_REASONS, limited_http_protocol
+from service.observability.logs import configure_logging
 from service.settings import get_settings
 
 

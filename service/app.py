@@ -14,17 +14,20 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service import tracing
-from service.auth import ApiKeyMiddleware, load_api_keys
+from service.observability import tracing
+from service.http.auth import ApiKeyMiddleware, load_api_keys
 from service.errors import install_error_handlers
-from service.imaging import ImageDecoder
-from service.metrics import Metrics
-from service.middleware import RequestMiddleware
-from service.model_control import ModelControl
-from service.openai_protocol import openai_request_models
-from service.protocol import request_models
-from service.registry import ModelRegistry
-from service.routes import admin, images, oip, openai, repository, text
+from service.engines.imaging import ImageDecoder
+from service.observability.metrics import Metrics
+from service.http.middleware import RequestMiddleware
+from service.models.control import ModelControl
+from service.api.openai.protocol import openai_request_models
+from service.api.native.protocol import request_models
+from service.models.registry import ModelRegistry
+from service.api import admin, control
+from service.api.native import images, text
+from service.api.oip import router as oip
+from service.api.openai import router as openai
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ def _hook_sigterm(registry: ModelRegistry, drain_delay_s: float) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     metrics = Metrics()
-    tracing.configure_from_environment()  # OTEL_* (service.tracing): off unless they ask for it
+    tracing.configure_from_environment()  # OTEL_* (service.observability.tracing): off unless they ask for it
     registry = ModelRegistry(settings, metrics)
 
     @asynccontextmanager
@@ -80,7 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(images.build_router(models, settings))
     app.include_router(openai.build_router(openai_request_models(settings)))
     app.include_router(oip.build_router())
-    app.include_router(repository.build_router())
+    app.include_router(control.build_router())
     app.include_router(admin.router)
     # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
     # middleware, which still logs and counts (by status) the requests they reject

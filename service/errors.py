@@ -9,7 +9,7 @@ Bad input is 400/413/415/422 and never a 500; 404 unknown model or version; 408 
 away; 500 `ModelOutputError` when a model computes what no response may hold (NaN or infinite scores). An error
 message that echoes a client's text is written with its lone surrogates escaped (`printable`), so rendering an
 error never fails. Each error carries the failure reason that the metrics count. Unexpected exceptions become a
-JSON 500 in the request middleware (`service.middleware`), which keeps the connection usable.
+JSON 500 in the request middleware (`service.http.middleware`), which keeps the connection usable.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-# processes: the shared launcher's (service.launcher), re-exported for the deployment tests
-from service.launcher import free_port, stop_process_group  # noqa: F401
+# processes: the shared launcher's (service.client.launcher), re-exported for the deployment tests
+from service.client.launcher import free_port, stop_process_group  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -1,4 +1,4 @@
-"""Optional API keys (service.auth): Bearer keys on /v1/ and /v2/, health/metrics/docs open, 401 in the OpenAI
+"""Optional API keys (service.http.auth): Bearer keys on /v1/ and /v2/, health/metrics/docs open, 401 in the OpenAI
 error shape, constant-time comparison against every key, keys never in logs or metrics, bad settings fail at app
 creation. Through the in-process ASGI app (lifespan running)."""
 
@@ -11,10 +11,10 @@ import logging
 import pytest
 from starlette.websockets import WebSocketDisconnect
 
-from service import auth
+from service.http import auth
 from service.app import create_app
-from service.auth import ApiKeyConfigError, ApiKeyMiddleware, load_api_keys
-from service.logs import JSONFormatter
+from service.http.auth import ApiKeyConfigError, ApiKeyMiddleware, load_api_keys
+from service.observability.logs import JSONFormatter
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow

@@ -11,12 +11,12 @@ import pytest
 
 from export.attention_fusion import FUSED_OP, fuse_attention
 from export.checks import left_padded
-from service import onnx_schema as schema
+from service.engines import onnx_schema as schema
 from service.decoding import BeamSearch, GreedySearch
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
-from service.repository import ModelRepository
-from service.runtime import create_session
+from service.models.repository import ModelRepository
+from service.engines.runtime import create_session
 
 pytestmark = pytest.mark.slow
 

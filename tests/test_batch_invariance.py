@@ -1,5 +1,5 @@
 """Batch invariance: a request's output is the same alone and among 15 others (greedy, beam and seeded sampling),
-bit for bit, for every version whose decoder steps in place (`service.kv_cache`: every row's slots from 0, so no
+bit for bit, for every version whose decoder steps in place (`service.engines.kv_cache`: every row's slots from 0, so no
 masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny GPT
 converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV).
 
@@ -184,7 +184,7 @@ def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_
     `python -m export.convert --kv-cache inplace` writes, without its quality check)."""
     from export.kv_inplace import add_step_graph
     from service.engines.translation import TranslationEngine
-    from service.repository import ModelRepository
+    from service.models.repository import ModelRepository
 
     version = tmp_path / "translation" / "3"
     shutil.copytree(RELEASE_REPOSITORY / "translation" / "3", version)
@@ -201,7 +201,7 @@ def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_
 @pytest.mark.parametrize("version", ["tiny-int8-mha-inplace", "release-3"])
 def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(variant_repository, version):
     from service.engines.gpt import GPTEngine
-    from service.repository import ModelRepository
+    from service.models.repository import ModelRepository
 
     repository, made = variant_repository
     model = ModelRepository(RELEASE_REPOSITORY).get("gpt", 3) if version == "release-3" else \

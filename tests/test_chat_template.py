@@ -1,10 +1,8 @@
-"""The GPT's chat template: a conversation rendered as a play (service/chat_template.py)."""
+"""The GPT's chat template: a conversation rendered as a play (service/api/openai/chat_template.py)."""
 
 from types import SimpleNamespace
 
-from service import chat_template
-
-
+from service.api.openai import chat_template
 def message(role, content, name=None):
     return SimpleNamespace(role=role, content=content, name=name)
 

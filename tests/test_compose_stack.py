@@ -37,7 +37,7 @@ import pytest
 from deploy_support import free_port, require_tool, wait_for
 
 from models.data import load_fashion_mnist
-from service.sse import parse_sse
+from service.client.sse import parse_sse
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from service.decoding import BeamSearch, GreedySearch, SamplingSearch
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
 from service.errors import Cancelled, DeadlineExceeded, QueueFull
-from service.metrics import Metrics
-from service.repository import ModelRepository
+from service.observability.metrics import Metrics
+from service.models.repository import ModelRepository
 from service.scheduling.continuous import ContinuousBatcher, TextJob
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from deploy_support import TOOLS, render_nginx_conf, require_tool
 
-from service.launcher import ServiceProcess
+from service.client.launcher import ServiceProcess
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -371,14 +371,17 @@ def test_locust_image_has_the_project_modules_the_locustfile_imports():
         return modules
 
     todo, seen = project_imports(DEPLOY / "locust" / "locustfile.py"), set()
-    assert "service.sse" in todo
+    assert "service.client.sse" in todo
     while todo:
         module = todo.pop()
         seen.add(module)
-        package, _, name = module.partition(".")
-        for needed in (f"{package}/__init__.py", f"{package}/{name or '__init__'}.py"):
-            assert needed in copied or f"{package}/" in copied, f"Dockerfile.locust does not copy {needed}"
-        todo |= project_imports(ROOT / package / f"{name or '__init__'}.py") - seen
+        parts = module.split(".")
+        packages_of = ["/".join(parts[:depth]) for depth in range(1, len(parts))]
+        source = "/".join(parts) + ".py"
+        for needed in [f"{package}/__init__.py" for package in packages_of] + [source]:
+            assert needed in copied or any(f"{package}/" in copied for package in packages_of), \
+                f"Dockerfile.locust does not copy {needed}"
+        todo |= project_imports(ROOT / source) - seen
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from service.errors import (
     ServiceError,
     Unavailable,
 )
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.scheduling.dynamic import DynamicBatcher, ImageJob
 
 CLASSES = 10

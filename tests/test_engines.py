@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service import onnx_schema as schema
+from service.engines import onnx_schema as schema
 from service.decoding import BeamSearch, GreedySearch, SamplingSearch
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
-from service.repository import ModelRepository
+from service.models.repository import ModelRepository
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_the_serving_side_never_imports_torch(tiny_repository):
         from service.engines.gpt import GPTEngine
         from service.engines.translation import TranslationEngine
         from service.engines.vit import ViTEngine
-        from service.repository import ModelRepository
+        from service.models.repository import ModelRepository
         repo = ModelRepository({str(tiny_repository)!r})
         t = TranslationEngine(repo.get("translation"))
         out = t.translate_ids([t.source_ids("Ein Hund.")], lambda i: GreedySearch(10, t.eos_id))
@@ -155,7 +155,7 @@ def test_generation_does_not_depend_on_its_batch(gpt_engine, search):
 
 def test_rows_joining_a_running_batch_decode_as_if_alone(gpt_engine):
     """Continuous batching in miniature: a second request's cache joins a running batch at a step boundary."""
-    from service.kv_cache import KVCache
+    from service.engines.kv_cache import KVCache
 
     engine = gpt_engine
     first, second = (engine.tokenizer.encode(p).ids for p in PROMPTS[:2])

@@ -6,8 +6,8 @@ import onnx
 import pytest
 
 from export.__main__ import main as export_main
-from service import onnx_schema as schema
-from service.repository import ModelRepository, RepositoryError
+from service.engines import onnx_schema as schema
+from service.models.repository import ModelRepository, RepositoryError
 
 pytestmark = pytest.mark.slow
 

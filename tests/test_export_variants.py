@@ -14,11 +14,11 @@ from PIL import Image
 
 from export.__main__ import main as export_main
 from export.convert import main as convert_main
-from service import onnx_schema as schema
+from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
 from service.engines.vit import ViTEngine
-from service.kv_cache import KVCache
-from service.repository import ModelRepository
+from service.engines.kv_cache import KVCache
+from service.models.repository import ModelRepository
 
 pytestmark = pytest.mark.slow
 

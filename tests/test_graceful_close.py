@@ -1,4 +1,4 @@
-"""Closing a connection without destroying an answer (service.http_limits), against real server processes:
+"""Closing a connection without destroying an answer (service.http.limits), against real server processes:
 
 - a body over the limit gets its 413, read by the client, even while the client is still sending: the server
   half-closes and discards the rest (lingering close) instead of closing into the upload, which sends a TCP reset;

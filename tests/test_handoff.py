@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from service.handoff import LoopMailbox, mailbox_for
+from service.serving.handoff import LoopMailbox, mailbox_for
 
 
 def test_a_burst_wakes_the_loop_once_and_keeps_each_queues_order():

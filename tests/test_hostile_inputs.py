@@ -28,7 +28,7 @@ from test_server_process import (  # noqa: F401 (the autouse fixture prints a fa
 )
 
 from service.app import create_app
-from service.launcher import free_port
+from service.client.launcher import free_port
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow

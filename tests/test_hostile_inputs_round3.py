@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from service.errors import BadInput, DeadlineExceeded, QueueFull, ServiceError, Unavailable, error_payload
-from service.oip_protocol import parse_request
-from service.openai_protocol import MAX_CONTENT_PARTS
-from service.routes import openai as openai_routes
+from service.api.oip.protocol import parse_request
+from service.api.openai.protocol import MAX_CONTENT_PARTS
+from service.api.openai import router as openai_routes
 from service.serving.streaming import Finished
 from service.settings import Settings
 

@@ -1,4 +1,4 @@
-"""Slow and oversized request heads against a real server process (`python -m service`, service.http_limits),
+"""Slow and oversized request heads against a real server process (`python -m service`, service.http.limits),
 driven over raw sockets: 408 for a head not complete within header_timeout_s, 431 for a head over
 max_header_bytes (stopped while it streams in) or with over max_header_count headers, the connection closed, the
 rejection counted in `tserve_rejected_connections_total{reason}`, and the server still ready afterwards.
@@ -26,8 +26,8 @@ from test_server_process import (  # noqa: F401 (the autouse fixture prints a fa
     poll,
 )
 
-from service.http_limits import limited_http_protocol
-from service.launcher import free_port
+from service.http.limits import limited_http_protocol
+from service.client.launcher import free_port
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Image decoding under a memory budget and a deadline (`service.imaging`).
+"""Image decoding under a memory budget and a deadline (`service.engines.imaging`).
 
 Unit tests, no server: the budget's accounting (never more than its capacity reserved or decoded at once), its
 first-come-first-served order, its release on errors, cancellation and deadlines, and the header checks that
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service import imaging
+from service.engines import imaging
 from service.errors import BadInput, DeadlineExceeded, PayloadTooLarge
-from service.imaging import DecodeBudget, ImageDecoder, decode_cost
+from service.engines.imaging import DecodeBudget, ImageDecoder, decode_cost
 from service.settings import Settings
 
 # unit tests: the 504 comes within this of the deadline (no server, no network: a busy machine's scheduling); below

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from service.kv_cache import CAPACITY_STEP, KVCache, capacity_for
+from service.engines.kv_cache import CAPACITY_STEP, KVCache, capacity_for
 
 
 def cache(rows, length, start=0, encoder_row=None):

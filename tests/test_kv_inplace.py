@@ -11,12 +11,12 @@ import pytest
 
 from export.attention_fusion import fuse_attention
 from export.kv_inplace import KVInplaceError, add_step_graph, make_inplace_kv
-from service import onnx_schema as schema
+from service.engines import onnx_schema as schema
 from service.decoding import BeamSearch, GreedySearch
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
-from service.kv_cache import CAPACITY_STEP
-from service.repository import ModelRepository
+from service.engines.kv_cache import CAPACITY_STEP
+from service.models.repository import ModelRepository
 
 pytestmark = pytest.mark.slow
 
@@ -175,8 +175,8 @@ def test_the_rewrite_composes_with_attention_fusion(tiny_repository, tmp_path, o
 def test_a_step_graph_with_one_slot_for_all_rows_is_refused_with_the_fix(tiny_repository, tmp_path):
     """A step graph of the earlier export (one `cache_slot` scalar shared by every row) cannot keep rows where they
     would be alone: the engine refuses it by name instead of failing at the first step."""
-    from service.kv_cache import InPlaceStep
-    from service.runtime import create_session
+    from service.engines.kv_cache import InPlaceStep
+    from service.engines.runtime import create_session
 
     version = tmp_path / "gpt" / "1"
     shutil.copytree(tiny_repository / "gpt" / "1", version)

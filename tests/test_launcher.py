@@ -1,4 +1,4 @@
-"""service.launcher on stand-in servers (standard library, no models, ~1 s): the clean environment and working
+"""service.client.launcher on stand-in servers (standard library, no models, ~1 s): the clean environment and working
 directory, readiness, a port taken meanwhile, exits and timeouts as errors with the output, file output, and
 SIGTERM then SIGKILL. The real service is started through it by every end-to-end test."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.launcher import ServiceProcess, ServiceStartError
+from service.client.launcher import ServiceProcess, ServiceStartError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.launcher import ServiceProcess, clean_environment
+from service.client.launcher import ServiceProcess, clean_environment
 
 pytestmark = pytest.mark.slow
 

@@ -40,7 +40,7 @@ from deploy_support import (
 )
 
 from models.data import load_fashion_mnist, load_multi30k
-from service.launcher import ServiceProcess
+from service.client.launcher import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

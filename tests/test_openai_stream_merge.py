@@ -1,9 +1,9 @@
-"""The OpenAI stream's per-wake-up merge (service.routes.openai._merge): one delta per choice that moved, none for
+"""The OpenAI stream's per-wake-up merge (service.api.openai.router._merge): one delta per choice that moved, none for
 a choice whose tokens are only held back (a possible stop string) when no log-probabilities were asked for."""
 
 from __future__ import annotations
 
-from service.routes.openai import _merge
+from service.api.openai.router import _merge
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
 

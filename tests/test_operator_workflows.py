@@ -28,7 +28,7 @@ import yaml
 from deploy_support import require_tool
 
 from models.data import load_fashion_mnist
-from service.launcher import ServiceProcess, clean_environment
+from service.client.launcher import ServiceProcess, clean_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from service.errors import Unavailable
-from service.metrics import Metrics
-from service.registry import ModelRegistry
+from service.observability.metrics import Metrics
+from service.models.registry import ModelRegistry
 from service.settings import Settings
 
 pytestmark = pytest.mark.slow

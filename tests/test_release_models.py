@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from service.repository import ModelRepository
+from service.models.repository import ModelRepository
 from service.settings import Settings
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"

@@ -25,7 +25,7 @@ from service.errors import (
     ServiceError,
     Unavailable,
 )
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.scheduling import queueing
 from service.scheduling.continuous import ContinuousBatcher, TextJob
 from service.scheduling.dynamic import DynamicBatcher, ImageJob

@@ -26,8 +26,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.launcher import ServiceProcess, ServiceStartError
-from service.sse import parse_sse
+from service.client.launcher import ServiceProcess, ServiceStartError
+from service.client.sse import parse_sse
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +44,10 @@ HEAVY_TRANSLATE = {"text": [GERMAN, "Zwei Hunde spielen im Schnee.", "Kinder lau
                    "num_beams": 8, "max_new_tokens": 120, "min_new_tokens": 120}
 
 
-# --- the server process: the shared launcher (service.launcher), with the tests' defaults and pytest glue ------
+# --- the server process: the shared launcher (service.client.launcher), with the tests' defaults and pytest glue ------
 
 class ServerProcess(ServiceProcess):
-    """`service.launcher.ServiceProcess` as the tests use it: `(name, repository, workdir, **knobs)`, no drain delay
+    """`service.client.launcher.ServiceProcess` as the tests use it: `(name, repository, workdir, **knobs)`, no drain delay
     unless a knob says so, idle threads that sleep; a server that does not start fails the test with its output,
     and the autouse fixture below prints what the servers wrote during a failing test."""
 

@@ -1,4 +1,4 @@
-"""service.sse, the clients' parser of the service's server-sent events: strict on a whole body, incremental on
+"""service.client.sse, the clients' parser of the service's server-sent events: strict on a whole body, incremental on
 lines or chunks split anywhere."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from service.sse import SSEError, SSEParser, event, parse_sse
+from service.client.sse import SSEError, SSEParser, event, parse_sse
 
 EVENTS = [{"token": "é", "index": 0}, {"token": " ü", "index": 1, "finish_reason": "length"}]
 BODY = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in EVENTS) + "data: [DONE]\n\n"

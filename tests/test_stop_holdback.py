@@ -16,7 +16,7 @@ from models.tokenization import build_byte_tokenizer
 from service.decoding import StopStrings, truncate_at_stop
 from service.serving.streaming import IncrementalText
 from service.settings import Settings
-from service.sse import parse_sse
+from service.client.sse import parse_sse
 
 LONG = "~" * 64  # the protocol's longest stop string (MAX_STOP_CHARS), of a character Shakespeare never writes
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (`service.tracing`): when it is on and when it is off, which spans a request makes.
+"""OpenTelemetry tracing (`service.observability.tracing`): when it is on and when it is off, which spans a request makes.
 
 - The switch: the `OTEL_*` rule, without any app.
 - In-process (TestClient over `create_app`, spans to the SDK's InMemorySpanExporter through `tracing.setup`): a
@@ -30,9 +30,9 @@ from test_server_process import (  # noqa: F401 (the autouse fixture prints a fa
     _print_server_output_on_failure,
 )
 
-from service import tracing
+from service.observability import tracing
 from service.settings import Settings
-from service.sse import parse_sse
+from service.client.sse import parse_sse
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"

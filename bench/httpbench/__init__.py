@@ -1,7 +1,7 @@
 """The parts of bench/bench_http.py (which documents the benchmark and runs it):
 
 - repository.py: the model repository it serves, release sizes with random weights, built once;
-- servers.py: the servers, started by the shared launcher (service.launcher), and what is read from them (CPU
+- servers.py: the servers, started by the shared launcher (service.client.launcher), and what is read from them (CPU
   seconds from /proc, mean batch sizes from /metrics);
 - load.py: the load generator: closed-loop async clients, one streamed or JSON request -> a Result;
 - cases.py: the workloads (request bodies, encoded once) and the cases: (endpoint, concurrency) on a server,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.launcher import ServiceProcess
+from service.client.launcher import ServiceProcess
 
 from .load import Result, Workload, percentiles, run_async, run_load
 from .servers import batch_stats, process_cpu_seconds

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.sse import SSEParser
+from service.client.sse import SSEParser
 
 
 @dataclass

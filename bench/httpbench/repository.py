@@ -52,7 +52,7 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
     from models.tokenization import build_byte_tokenizer, train_translation_tokenizer
     from models.transformer import EncoderDecoderTransformer
     from models.vit import ViT
-    from service.repository import CONFIG_FILE, TOKENIZER_FILE
+    from service.models.repository import CONFIG_FILE, TOKENIZER_FILE
 
     torch.set_num_threads(threads)
     builders = {"gpt": GPT, "translation": EncoderDecoderTransformer, "vit": ViT}

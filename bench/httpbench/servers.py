@@ -1,4 +1,4 @@
-"""The benchmark's servers, each a subprocess started by the shared launcher (service.launcher: clean environment,
+"""The benchmark's servers, each a subprocess started by the shared launcher (service.client.launcher: clean environment,
 free port, ready at /health/ready, always stopped): the service and the baseline, plus what is read from them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from service.launcher import ServiceProcess
+from service.client.launcher import ServiceProcess
 
 from . import PROJECT_ROOT
 

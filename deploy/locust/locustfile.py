@@ -60,11 +60,11 @@ from locust import HttpUser, between, events, task
 
 try:
     from models.data import load_fashion_mnist, load_multi30k, load_shakespeare
-    from service.sse import SSEError, SSEParser
+    from service.client.sse import SSEError, SSEParser
 except ImportError:  # run from a checkout without the project installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from models.data import load_fashion_mnist, load_multi30k, load_shakespeare
-    from service.sse import SSEError, SSEParser
+    from service.client.sse import SSEError, SSEParser
 
 DEFAULT_WEIGHTS = ("translate_greedy=3,translate_beam=2,generate=2,generate_stream=2,classify=3,"
                    "openai_completion=1,openai_completion_stream=1,openai_chat=1,openai_chat_stream=1,"
@@ -72,7 +72,7 @@ DEFAULT_WEIGHTS = ("translate_greedy=3,translate_beam=2,generate=2,generate_stre
 OPENAI_TASKS = ("openai_completion", "openai_completion_stream", "openai_chat", "openai_chat_stream")
 OIP_TASKS = ("oip_translate", "oip_generate", "oip_classify")  # the Open Inference Protocol (KServe v2), JSON
 TASKS = ("translate_greedy", "translate_beam", "generate", "generate_stream", "classify", *OPENAI_TASKS, *OIP_TASKS)
-# service.chat_template: "ROMEO:\n" before the user's text, "\n\nJULIET:\n" after it (byte-level: 1 token a byte);
+# service.api.openai.chat_template: "ROMEO:\n" before the user's text, "\n\nJULIET:\n" after it (byte-level: 1 token a byte);
 # it may strip the text and merge blank lines in it, never add to it
 CHAT_TEMPLATE_TOKENS = len("ROMEO:\n" + "\n\nJULIET:\n")
 END_OF_TURN = "\n\n"  # a chat answer ends at the first blank line, which is not part of it

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from service import onnx_schema as schema
+from service.engines import onnx_schema as schema
 from service.decoding import Search, run_search
-from service.kv_cache import InPlaceStep, KVCache
-from service.repository import TOKENIZER_FILE, ModelVersion
-from service.runtime import RuntimeOptions, active_provider, create_session
+from service.engines.kv_cache import InPlaceStep, KVCache
+from service.models.repository import TOKENIZER_FILE, ModelVersion
+from service.engines.runtime import RuntimeOptions, active_provider, create_session
 
 
 class GPTEngine:
@@ -49,7 +49,7 @@ class GPTEngine:
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, KVCache]:
         """Run the prompts (right-padded to a common length: each row's tokens from slot 0, where they are alone,
-        so that its logits do not depend on the batch, `service.kv_cache`) -> logits at each prompt's last token
+        so that its logits do not depend on the batch, `service.engines.kv_cache`) -> logits at each prompt's last token
         (B, V) and the cache holding the prompts."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from service import onnx_schema as schema
+from service.engines import onnx_schema as schema
 from service.decoding import Search, run_search
-from service.kv_cache import InPlaceStep, KVCache
-from service.repository import TOKENIZER_FILE, ModelVersion
-from service.runtime import RuntimeOptions, active_provider, create_session
+from service.engines.kv_cache import InPlaceStep, KVCache
+from service.models.repository import TOKENIZER_FILE, ModelVersion
+from service.engines.runtime import RuntimeOptions, active_provider, create_session
 
 DEFAULT_LENGTH_PENALTY = 1.0  # beam search's, for a version whose config.json does not choose one (transformers')
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from service import onnx_schema as schema
-from service.repository import ModelVersion
-from service.runtime import RuntimeOptions, active_provider, create_session
+from service.engines import onnx_schema as schema
+from service.models.repository import ModelVersion
+from service.engines.runtime import RuntimeOptions, active_provider, create_session
 
 TRANSPARENT_MODES = ("RGBA", "LA", "PA")
 # Rows composited on white at a time: the RGBA copies that compositing needs exist for one strip, not for the

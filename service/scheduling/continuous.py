@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from service.decoding import Hypothesis, Search
 from service.errors import ServiceError
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.scheduling.queueing import IDLE_WAIT_S, QueuedScheduler, fail, settle
 from service.scheduling.text_batch import DecodingBackend, Outcome, TextBatch
 

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from service.errors import ServiceError
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.scheduling.queueing import IDLE_WAIT_S, QueuedScheduler, fail, settle
 
 log = logging.getLogger(__name__)

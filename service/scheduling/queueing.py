@@ -30,7 +30,7 @@ from service.errors import (
     ServiceError,
     Unavailable,
 )
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 
 IDLE_WAIT_S = 0.1  # an idle worker wakes at least this often (a submit wakes it at once)
 DRAIN_POLL_S = 0.01  # how often stop() checks whether the accepted requests have finished

@@ -6,7 +6,7 @@ only map their protocol's request to a serving call and its result back.
 
 - generate.py: the GPT (native generate, OpenAI completions and chat)
 - translate.py: the translator
-- classify.py: the ViT (image decoding in `service.imaging`)
+- classify.py: the ViT (image decoding in `service.engines.imaging`)
 - streaming.py: token streams, incremental detokenisation; outputs.py: `Completion`
 - awaiting.py: waiting under the deadline while watching the client; context.py: deadline and metric labels
 """

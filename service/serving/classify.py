@@ -1,5 +1,5 @@
 """Image classification with the ViT, for every API: encoded images -> decoding and preprocessing within the
-request's deadline and the server's memory budget (`service.imaging`) -> the model's dynamic batcher ->
+request's deadline and the server's memory budget (`service.engines.imaging`) -> the model's dynamic batcher ->
 probabilities per image. Each API applies its own top-k or output selection. Logits holding a NaN or an
 infinity are an explicit error (`ModelOutputError`), never scores that no JSON can carry."""
 
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import numpy as np
 from fastapi import Request
 
-from service import tracing
+from service.observability import tracing
 from service.engines.vit import non_finite_rows
 from service.errors import ModelOutputError
-from service.imaging import EncodedImage
-from service.registry import LoadedModel
+from service.engines.imaging import EncodedImage
+from service.models.registry import LoadedModel
 from service.scheduling.dynamic import ImageJob
 from service.serving.awaiting import await_results, watched
 

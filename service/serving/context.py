@@ -10,7 +10,7 @@ import time
 from fastapi import Request
 
 from service.errors import BadInput
-from service.registry import LoadedModel
+from service.models.registry import LoadedModel
 
 
 def resolve(request: Request, kind: str | None, name: str | None, version: int | None) -> LoadedModel:

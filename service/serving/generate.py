@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from service import tracing
+from service.observability import tracing
 from service.decoding import BeamSearch, SamplingSearch, Search, StopStrings
 from service.errors import BadInput
-from service.registry import LoadedModel
+from service.models.registry import LoadedModel
 from service.scheduling.continuous import TextJob
 from service.serving.awaiting import await_results
 from service.serving.context import check_new_tokens

@@ -1,5 +1,5 @@
 """Token streams from the scheduler to a response, for any API: the scheduler thread hands each request's new
-tokens to the event loop (one loop wake-up per decoding step for all streams: `service.handoff`), and each
+tokens to the event loop (one loop wake-up per decoding step for all streams: `service.serving.handoff`), and each
 choice's text grows in O(1) per token with `tokenizers`' own incremental decoding (`DecodeStream`, which holds a
 token back while it ends in half a UTF-8 character), as TGI's `decode_token` does.
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from service import tracing
+from service.observability import tracing
 from service.decoding import StopStrings, truncate_at_stop
 from service.errors import ServiceError
-from service.handoff import mailbox_for
+from service.serving.handoff import mailbox_for
 from service.scheduling.continuous import TextJob
 from service.serving.outputs import Completion
 

@@ -9,7 +9,7 @@ little-endian length and its bytes. Triton's classification extension: an output
 `parameters.classification: k` is the top k of its scores per row, as BYTES "score:index:label".
 
 Everything a request says is checked before any work, 400 naming what is wrong: every string valid Unicode
-(`service.protocol.ValidUnicode`), the header length in ASCII digits, shapes against the data actually sent (with
+(`service.api.native.protocol.ValidUnicode`), the header length in ASCII digits, shapes against the data actually sent (with
 Python's integers: a product past int64 is just too large), and the protocol's parameters of their types (`timeout`,
 `classification`, `binary_data_size` integers, `binary_data` / `binary_data_output` booleans: JSON's true is not 1).
 A response never holds a NaN or an infinity (`ModelOutputError` instead).
@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.errors import BadInput, ModelOutputError, describe_validation, json_error_reason
-from service.protocol import ValidUnicode, ascii_digits
+from service.api.native.protocol import ValidUnicode, ascii_digits
 
 HEADER_LENGTH = "inference-header-content-length"
 # datatype -> numpy dtype (little-endian); BYTES are Python bytes objects

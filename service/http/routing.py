@@ -1,7 +1,7 @@
 """HTTP routers, one per concern: text (translate, generate), images (classify), admin (models, health, metrics).
 
 The text and image routers are built per app (`build_router(models)`), because their request bodies are the app's
-own request models, whose limits come from its settings (`service.protocol.request_models`).
+own request models, whose limits come from its settings (`service.api.native.protocol.request_models`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from service.sse import event as sse_event
+from service.client.sse import event as sse_event
 
 
 def with_body(handler: Callable[..., Awaitable], body_model: type[BaseModel]) -> Callable[..., Awaitable]:

@@ -1,10 +1,10 @@
 """Request and response schemas of the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`), as OpenAI documents them and its Python SDK sends and reads them.
 
-Built per app by `openai_request_models(settings)` (like `service.protocol`), so the server's limits are in the
+Built per app by `openai_request_models(settings)` (like `service.api.native.protocol`), so the server's limits are in the
 schema: a prompt, a chat message's content and each of its text parts are at most `TSERVE_MAX_TEXT_CHARS`
 characters, as a native prompt (the conversation as a whole too: the route checks that, since a schema cannot sum
-lengths), and every string must be valid Unicode (`service.protocol.ValidUnicode`). Fields OpenAI has and this
+lengths), and every string must be valid Unicode (`service.api.native.protocol.ValidUnicode`). Fields OpenAI has and this
 service does not support are accepted only at their no-op value and otherwise answered 400 naming the field
 (`logit_bias`, `suffix`, tools, non-text `response_format`); `user` is ignored.
 """
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from service.protocol import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, Name, ValidUnicode, integer
+from service.api.native.protocol import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, Name, ValidUnicode, integer
 from service.settings import Settings
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat)

@@ -1,6 +1,6 @@
 """The Open Inference Protocol (KServe v2 REST, as Triton serves it and `tritonclient.http` calls it) for the three
 models: server and model metadata, liveness and readiness, and inference. A thin adapter: tensors
-(`service.oip_protocol`) -> the serving layer -> tensors. The same queues, batching, deadlines, limits and metrics
+(`service.api.oip.protocol`) -> the serving layer -> tensors. The same queues, batching, deadlines, limits and metrics
 as the native routes (metrics label `api="oip"`); errors are `{"error": "..."}` as the protocol says.
 
 Tensors per model (also in each model's metadata):
@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from service.errors import BadInput, describe_validation
-from service.imaging import EncodedImage
-from service.oip_protocol import (
+from service.engines.imaging import EncodedImage
+from service.api.oip.protocol import (
     HEADER_LENGTH,
     RESERVED_PARAMETERS,
     ModelMetadata,
@@ -38,9 +38,9 @@ from service.oip_protocol import (
     encode_response,
     parse_request,
 )
-from service.protocol import ascii_digits
-from service.registry import LoadedModel
-from service.routes.text import generation_params, translation_params
+from service.api.native.protocol import ascii_digits
+from service.models.registry import LoadedModel
+from service.api.native.text import generation_params, translation_params
 from service.serving import classify as classification_service
 from service.serving import generate as generation
 from service.serving import translate as translation

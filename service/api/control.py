@@ -1,5 +1,5 @@
 """Triton's model repository extension of the Open Inference Protocol, for loading and unloading model versions
-without a restart (`service.model_control`; off unless `TSERVE_MODEL_CONTROL=true`, guarded by the API keys):
+without a restart (`service.models.control`; off unless `TSERVE_MODEL_CONTROL=true`, guarded by the API keys):
 
 - `POST /v2/repository/index`: every version of every model with its state (READY, LOADING, UNAVAILABLE) and why,
   and every folder the repository skips (a bad version folder name, an unreadable `config.json`) with why;
@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from service.errors import BadInput, json_error_reason
-from service.model_control import parse_version
+from service.models.control import parse_version
 
 SUPPORTED_PARAMETERS = {"version", "unload_dependents"}  # unload_dependents: tritonclient sends it; no ensembles here
 

@@ -17,7 +17,7 @@ receivers of the Collector, Jaeger and Tempo listen for it on port 4318). Tests 
 
 The spans:
 - `POST /v1/generate` (SERVER; `{method} {route template}`, or the method alone when no route matched): started
-  by the request middleware (`service.middleware`) before anything else, a child of the caller's trace when the
+  by the request middleware (`service.http.middleware`) before anything else, a child of the caller's trace when the
   request carries a W3C `traceparent` (and `tracestate`) header; the stable HTTP semantic-convention attributes
   (`http.request.method`, `url.path`, `url.scheme`, `http.route`, `http.response.status_code`, `server.*`,
   `client.address`, `network.protocol.version`, `user_agent.original`) and this service's `tserve.request_id`,
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_NAME = "tserve"
 SERVICE_VERSION = "0.1.0"
-INSTRUMENTATION = "service.tracing"
+INSTRUMENTATION = "service.observability.tracing"
 EXPORTERS = ("otlp", "console")
 UNTRACED_PATHS = frozenset({"/metrics", "/health/live", "/health/ready"})
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible API, as the `openai` SDK and everything built on it call it: `POST /v1/completions`,
-`POST /v1/chat/completions` (the GPT, with the play-script chat template of `service.chat_template`) and
+`POST /v1/chat/completions` (the GPT, with the play-script chat template of `service.api.openai.chat_template`) and
 `GET /v1/models`. A thin adapter: OpenAI's request -> `service.serving.generate` -> OpenAI's response objects and
 server-sent event chunks (ending with `data: [DONE]`), errors in OpenAI's shape (`service.errors`).
 
@@ -22,9 +22,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from tokenizers.decoders import DecodeStream
 
-from service import chat_template
+from service.api.openai import chat_template
 from service.errors import BadInput, openai_error_type
-from service.openai_protocol import (
+from service.api.openai.protocol import (
     DEFAULT_COMPLETION_TOKENS,
     ChatCompletionResponse,
     CompletionResponse,
@@ -32,13 +32,13 @@ from service.openai_protocol import (
     OpenAIError,
     OpenAIRequestModels,
 )
-from service.registry import LoadedModel
-from service.routes import sse_response, with_body
+from service.models.registry import LoadedModel
+from service.http.routing import sse_response, with_body
 from service.serving import generate as generation
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
-from service.sse import event as sse_event
+from service.client.sse import event as sse_event
 
 OWNED_BY = "transformer-serving"
 # JSON has no -inf: a token the model gives no probability at all is reported at this log-probability, as OpenAI does

@@ -1,6 +1,6 @@
 """`POST /v1/translate` and `POST /v1/generate`, the native JSON API: a thin adapter from this API's request to
 the serving layer (`service.serving.translate` / `.generate`) and from its results back to this API's response or
-server-sent events. Validation is the request model's (`service.protocol`); decoding, streaming, deadlines and
+server-sent events. Validation is the request model's (`service.api.native.protocol`); decoding, streaming, deadlines and
 cancellation are the serving layer's.
 """
 
@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from service.errors import BadInput
-from service.protocol import (
+from service.api.native.protocol import (
     ErrorResponse,
     GenerateResponse,
     RequestModels,
@@ -20,13 +20,13 @@ from service.protocol import (
     Translation,
     Usage,
 )
-from service.routes import sse_response, with_body
+from service.http.routing import sse_response, with_body
 from service.serving import generate as generation
 from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
-from service.sse import event as sse_event
+from service.client.sse import event as sse_event
 
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in {
     400: "A request the schema allows but this model cannot serve, with the reason: the prompt's tokens plus "

@@ -32,8 +32,8 @@ from service.errors import (
     UnsupportedMediaType,
     json_error_reason,
 )
-from service.imaging import EncodedImage
-from service.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
+from service.engines.imaging import EncodedImage
+from service.api.native.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
 from service.serving import classify as classification
 from service.serving.context import label, resolve
 from service.settings import Settings

@@ -23,7 +23,7 @@ The comparison takes the same time whichever key matches, or none: the SHA-256 o
 digests of equal length also hides the keys' lengths). The keys themselves are not kept, and are never logged,
 counted or echoed.
 
-A pure ASGI middleware (not `BaseHTTPMiddleware`), installed inside the request middleware (`service.middleware`),
+A pure ASGI middleware (not `BaseHTTPMiddleware`), installed inside the request middleware (`service.http.middleware`),
 so that a rejected request still gets its request id and is logged and counted there like any other, by its status.
 """
 

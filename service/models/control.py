@@ -2,7 +2,7 @@
 interrupting traffic:
 
 - load: the version's sessions are created and warmed with one real inference in a worker thread (its outputs
-  checked, `service.registry`), and only then does it take requests; it becomes the model's active version
+  checked, `service.models.registry`), and only then does it take requests; it becomes the model's active version
   (requests that name no version move to it). A version that fails to load, or whose folder is not a valid model
   (a missing or unreadable `config.json`), answers 400 with the reason and leaves what is serving untouched; the
   index says why.
@@ -24,9 +24,9 @@ import time
 from starlette.concurrency import run_in_threadpool
 
 from service.errors import BadInput, NotFound, ServiceError
-from service.registry import LoadedModel, ModelRegistry
-from service.repository import MAX_VERSION, RepositoryError, VersionNotFound
-from service.repository import parse_version as parse_version_text
+from service.models.registry import LoadedModel, ModelRegistry
+from service.models.repository import MAX_VERSION, RepositoryError, VersionNotFound
+from service.models.repository import parse_version as parse_version_text
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service import onnx_schema as schema
-from service.onnx_schema import past_names, present_names
+from service.engines import onnx_schema as schema
+from service.engines.onnx_schema import past_names, present_names
 
 CAPACITY_STEP = 16  # buffer capacities are multiples of this many slots
 # A full buffer is replaced by one with this much headroom: attention over the buffer costs at most 1 + HEADROOM

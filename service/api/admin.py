@@ -1,5 +1,5 @@
 """Operations endpoints: `/health/live`, `/health/ready` and `/metrics` (`GET /v1/models` is OpenAI's, in
-`service.routes.openai`)."""
+`service.api.openai.router`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.protocol import Liveness, Readiness
+from service.api.native.protocol import Liveness, Readiness
 
 router = APIRouter(tags=["operations"])
 

@@ -1,7 +1,7 @@
 """Logging: one JSON object per line (or plain text), and the per-request access line.
 
 The access line carries the request id (accepted from and echoed in `X-Request-ID`), method, path, model,
-version, mode, status and latency, and with tracing on (`service.tracing`) the request's `trace_id` (32 hex
+version, mode, status and latency, and with tracing on (`service.observability.tracing`) the request's `trace_id` (32 hex
 digits); uvicorn's own access log is turned off in favour of it.
 """
 

@@ -1,6 +1,6 @@
 """ASGI middleware around every request: request id, body size and body time limits, a JSON 500 for anything
 unexpected, the request metrics and the access log, and the request's trace span when tracing is on
-(`service.tracing`; its trace id goes into the access log).
+(`service.observability.tracing`; its trace id goes into the access log).
 
 A pure ASGI middleware (not `BaseHTTPMiddleware`), so streamed responses pass through untouched and the request
 duration runs to the last byte. Routes put `model`, `version` and `mode` into `request.state` for the labels, and
@@ -22,10 +22,10 @@ import re
 import time
 import uuid
 
-from service import tracing
+from service.observability import tracing
 from service.errors import OPENAI_PATHS, ClientBodyError, error_payload
-from service.logs import log_access
-from service.metrics import Metrics
+from service.observability.logs import log_access
+from service.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ answers 400 with the reason), so a version that loads serves.
 
 Each model has an active version, the one a request that names no version gets: the version loaded last (at start,
 the highest). A request holds a lease on the model version it resolved until its response has ended, so that a
-version being unloaded (`service.model_control`) is stopped only once no request can still reach it.
+version being unloaded (`service.models.control`) is stopped only once no request can still reach it.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.errors import NotFound, Unavailable
-from service.metrics import Metrics
-from service.repository import ModelRepository, RepositoryError, parse_version
-from service.runtime import RuntimeOptions
+from service.observability.metrics import Metrics
+from service.models.repository import ModelRepository, RepositoryError, parse_version
+from service.engines.runtime import RuntimeOptions
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def _warm_up(kind: str, engine) -> None:
         _check_logits(engine.logits(engine.normalize(grey)), len(labels), "the config's labels", True, "a grey image")
         return
     if kind == "translation":
-        from service.protocol import MAX_LENGTH_PENALTY
+        from service.api.native.protocol import MAX_LENGTH_PENALTY
 
         penalty = engine.length_penalty  # the served default: held to what a request may ask for
         if not (np.isfinite(penalty) and abs(penalty) <= MAX_LENGTH_PENALTY):
