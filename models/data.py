@@ -11,7 +11,8 @@ and verifies it, see :mod:`models.fetch`; point ``--data-dir`` or ``TSERVE_DATA_
 - ``fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``: Fashion-MNIST in IDX format, gzip.
   Zalando Research, GitHub ``zalandoresearch/fashion-mnist`` (or Debian package ``dataset-fashion-mnist``). MIT.
 
-Every missing or malformed file raises :class:`DataError` with the expected path, format and source.
+The layout (file names, splits, sources) and :class:`~models.datasets.DataError` live in :mod:`models.datasets`, which
+the fetcher shares; every missing or malformed file raises DataError with the expected path, format and source.
 """
 
 from __future__ import annotations
@@ -23,27 +24,27 @@ from pathlib import Path
 
 import numpy as np
 
-ENV_VAR = "TSERVE_DATA_DIR"
-_HINT = f"set --data-dir or {ENV_VAR}, or download the data with `make data` (python -m models.data fetch)"
+from models.datasets import (
+    ENV_VAR,
+    FASHION_MNIST_SOURCE,
+    FASHION_MNIST_SPLITS,
+    MULTI30K_SOURCE,
+    MULTI30K_SPLITS,
+    SHAKESPEARE_SOURCE,
+    DataError,
+)
 
-MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
-MULTI30K_SOURCE = "Multi30k task 1 raw, github.com/multi30k/dataset data/task1/raw"
-SHAKESPEARE_SOURCE = "tinyshakespeare, github.com/karpathy/char-rnn data/tinyshakespeare/input.txt"
-FASHION_MNIST_SOURCE = "Fashion-MNIST, github.com/zalandoresearch/fashion-mnist data/fashion"
+_HINT = f"set --data-dir or {ENV_VAR}, or download the data with `make data` (python -m models.data fetch)"
 
 FASHION_MNIST_LABELS = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
     "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
 )
-FASHION_MNIST_SPLITS = {"train": "train", "test": "t10k"}
 
+SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the characters train, the rest validates (nanoGPT's split)
 _IDX_IMAGES_MAGIC = 0x00000803  # unsigned byte, 3 dims
 _IDX_LABELS_MAGIC = 0x00000801  # unsigned byte, 1 dim
 _READ_ERRORS = (OSError, EOFError, ValueError, zlib.error)  # gzip.BadGzipFile is an OSError
-
-
-class DataError(Exception):
-    """A dataset folder or file is missing or malformed."""
 
 
 def _error(path: Path, expected: str, source: str, problem: str) -> DataError:
@@ -118,7 +119,7 @@ def load_shakespeare(data_dir: str | os.PathLike | None) -> tuple[str, str]:
         raise _error(path, expected, SHAKESPEARE_SOURCE, f"cannot read file ({e})") from e
     if not text:
         raise _error(path, expected, SHAKESPEARE_SOURCE, "file is empty")
-    n = int(len(text) * 0.9)
+    n = int(len(text) * SHAKESPEARE_TRAIN_FRACTION)
     return text[:n], text[n:]
 
 

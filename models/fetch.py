@@ -5,7 +5,7 @@
     python -m models.fetch checksums REFERENCE_DIR [--write]   # regenerate models/data_checksums.py
 
 - Where: ``--data-dir``, else ``$TSERVE_DATA_DIR``, else ``./data`` (created if missing).
-- From: the upstream GitHub repositories (``raw.githubusercontent.com``, see :data:`FILES`), or a mirror
+- From: the upstream GitHub repositories (``raw.githubusercontent.com``, see :data:`models.datasets.FILES`), or a mirror
   (``--mirror`` / ``$TSERVE_DATA_MIRROR``): a base URL (``https://``, ``http://``, ``file://`` or a local folder)
   under which the data folder's own relative paths are found, e.g. ``BASE/multi30k/train.de.gz``, in the same
   form as the data folder (a copy of a complete data folder is a valid mirror).
@@ -18,78 +18,35 @@
   error (never overwritten: delete it and rerun).
 - Exit status 0 when every requested file is present and verified, 1 otherwise.
 
+Code: the files and their upstream URLs are :data:`models.datasets.FILES`; the checksums and the digest of a file's
+content, :mod:`models.fetch_verify`; the transfers (HTTP with ``Range``, ``file://``), :mod:`models.fetch_transfer`;
+this module fetches one file (retries, verification, installation under its final name), then all of them, and runs
+the command line.
+
 Upstream compression vs the loaders' names: every current upstream file is already stored in the form the loaders
-read (Multi30k and Fashion-MNIST gzip, tinyshakespeare plain text); :class:`DataFile` records both forms and the
-fetcher gzips or gunzips explicitly if they ever differ.
+read (Multi30k and Fashion-MNIST gzip, tinyshakespeare plain text); :class:`~models.datasets.DataFile` records both
+forms and the fetcher gzips or gunzips explicitly if they ever differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
-import http.client
 import os
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.data import ENV_VAR, MULTI30K_SPLITS, DataError
+from models.datasets import DATASETS, ENV_VAR, FILES, DataError, DataFile
+from models.fetch_transfer import Interrupted, TransferFailed, transfer
+from models.fetch_verify import CHECKSUMS_MODULE, CHUNK, check_content, committed_checksums, compute_checksums, \
+    render_checksums_module
 
 MIRROR_ENV_VAR = "TSERVE_DATA_MIRROR"
-DATASETS = ("multi30k", "tinyshakespeare", "fashion-mnist")
-CHUNK = 1 << 16
-USER_AGENT = "transformer-serving-data-fetch/1 (+python-urllib)"
-CHECKSUMS_MODULE = Path(__file__).with_name("data_checksums.py")
 _FETCH_COMMAND = "python -m models.data fetch"
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """One file: where the loaders read it (``path``, relative to the data folder; also its path on a mirror) and
-    where it comes from upstream (``url``, gzip-compressed there or not)."""
-
-    dataset: str
-    path: str
-    url: str
-    upstream_gzip: bool
-
-    @property
-    def gzip(self) -> bool:
-        """Whether the data folder (and a mirror) holds it gzip-compressed: the loaders' names say so."""
-        return self.path.endswith(".gz")
-
-
-_MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
-_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-_FASHION_URL = "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/"
-
-FILES: tuple[DataFile, ...] = (
-    *(
-        DataFile("multi30k", f"multi30k/{split}.{lang}.gz", f"{_MULTI30K_URL}{split}.{lang}.gz", upstream_gzip=True)
-        for split in MULTI30K_SPLITS
-        for lang in ("de", "en")
-    ),
-    DataFile("tinyshakespeare", "tinyshakespeare/input.txt", _SHAKESPEARE_URL, upstream_gzip=False),
-    *(
-        DataFile("fashion-mnist", f"fashion-mnist/{prefix}-{kind}-ubyte.gz", f"{_FASHION_URL}{prefix}-{kind}-ubyte.gz",
-                 upstream_gzip=True)
-        for prefix in ("train", "t10k")
-        for kind in ("images-idx3", "labels-idx1")
-    ),
-)
-
-
-def _committed_checksums() -> Mapping[str, Mapping[str, object]]:
-    from models.data_checksums import CHECKSUMS
-
-    return CHECKSUMS
 
 
 class FetchError(Exception):
@@ -106,218 +63,6 @@ class FetchResult:
     @property
     def ok(self) -> bool:
         return not self.failed
-
-
-# --- content digests ---------------------------------------------------------------------------------------------
-
-
-def content_digest(path: str | os.PathLike, gzipped: bool) -> tuple[str, int]:
-    """(SHA-256 hex, size) of the file's content, decompressed first when ``gzipped``.
-
-    Raises EOFError for a cut-off gzip stream, OSError (gzip.BadGzipFile) or zlib.error for other damage."""
-    digest, size = hashlib.sha256(), 0
-    opener = gzip.open if gzipped else open
-    with opener(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
-
-
-def compute_checksums(reference_dir: str | os.PathLike, files: Iterable[DataFile] = FILES) -> dict[str, dict]:
-    """Checksum table ({path: {"sha256", "size"}} of decompressed content) of a complete reference data folder."""
-    root = Path(reference_dir)
-    table = {}
-    for f in files:
-        path = root / f.path
-        if not path.is_file():
-            raise DataError(f"file not found: {path}; the reference folder must hold every file of the layout")
-        try:
-            sha256, size = content_digest(path, f.gzip)
-        except (OSError, EOFError, zlib.error) as e:
-            raise DataError(f"cannot read {path} ({e})") from e
-        table[f.path] = {"sha256": sha256, "size": size}
-    return table
-
-
-def render_checksums_module(table: Mapping[str, Mapping[str, object]]) -> str:
-    lines = [
-        '"""SHA-256 and size of the DECOMPRESSED content of every data file (models/fetch.py verifies downloads',
-        "against it). Generated from the reference copies by",
-        "",
-        "    python -m models.fetch checksums /work/shared/data --write",
-        "",
-        'Do not edit by hand: regenerate it from a verified data folder."""',
-        "",
-        "CHECKSUMS: dict[str, dict[str, object]] = {",
-    ]
-    for path, entry in table.items():
-        lines.append(f'    "{path}":\n        {{"sha256": "{entry["sha256"]}", "size": {entry["size"]}}},')
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def _check_content(path: Path, gzipped: bool, expected: Mapping[str, object]) -> tuple[str, str]:
-    """("ok" | "short" | "bad", detail). "short": a cut-off gzip stream, or a plain file shorter than expected."""
-    try:
-        sha256, size = content_digest(path, gzipped)
-    except EOFError as e:
-        return "short", f"the gzip stream is cut off ({e})"
-    except (OSError, zlib.error) as e:
-        return "bad", f"not a valid gzip file ({e})" if gzipped else f"cannot be read ({e})"
-    if sha256 == expected["sha256"] and size == expected["size"]:
-        return "ok", ""
-    detail = (f"sha256 of the {'decompressed ' if gzipped else ''}content is {sha256} ({size:,} bytes), "
-              f"expected {expected['sha256']} ({int(expected['size']):,} bytes)")
-    # A plain file shorter than expected may be cut off; a complete gzip stream is not (a cut one raises EOFError).
-    return ("short" if not gzipped and size < int(expected["size"]) else "bad"), detail
-
-
-# --- transfers ---------------------------------------------------------------------------------------------------
-
-
-class _Interrupted(Exception):
-    """The transfer stopped early; the .part file keeps what arrived."""
-
-
-class _TransferFailed(Exception):
-    def __init__(self, reason: str, transient: bool):
-        super().__init__(reason)
-        self.transient = transient
-
-
-def _progress_bar(total: int | None, initial: int, label: str, enabled: bool):
-    if enabled:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # the core (serving) install has no tqdm: no bar
-            enabled = False
-        else:
-            return tqdm(total=total, initial=initial, desc=label, unit="B", unit_scale=True, unit_divisor=1024,
-                        leave=False, dynamic_ncols=True, file=sys.stderr)
-
-    class _NoBar:
-        def update(self, n):
-            pass
-
-        def close(self):
-            pass
-
-    return _NoBar()
-
-
-def _copy(src, part: Path, mode: str, offset: int, total: int | None, label: str, progress: bool) -> int:
-    """Copy src into part ("ab" to append, "wb" to restart); returns the bytes copied. Network errors while reading
-    become _Interrupted, with what arrived flushed to part."""
-    copied = 0
-    bar = _progress_bar(total, offset, label, progress)
-    try:
-        with open(part, mode) as out:
-            while True:
-                try:
-                    chunk = src.read(CHUNK)
-                except (http.client.IncompleteRead, OSError) as e:  # OSError: resets, timeouts
-                    raise _Interrupted(f"connection lost after {offset + copied:,} bytes ({e})") from e
-                if not chunk:
-                    break
-                out.write(chunk)
-                copied += len(chunk)
-                bar.update(len(chunk))
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        bar.close()
-    return copied
-
-
-def _parse_content_range(value: str) -> tuple[int | None, int | None]:
-    """'bytes START-END/TOTAL' or 'bytes */TOTAL' -> (START, TOTAL); None where absent or unparsable."""
-    try:
-        _unit, spec = value.strip().split(" ", 1)
-        span, total = spec.split("/", 1)
-        start = None if span == "*" else int(span.split("-", 1)[0])
-        return start, (None if total == "*" else int(total))
-    except ValueError:
-        return None, None
-
-
-def _transfer_http(url: str, part: Path, *, timeout: float, progress: bool, label: str, log) -> tuple[bool, bool]:
-    """Download url into part, resuming from part's size with a Range request. Returns (complete, resumed):
-    complete when the server's length confirmed that the whole file arrived (False: length unknown), resumed when
-    earlier bytes of part were kept. Raises _Interrupted or _TransferFailed."""
-    offset = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"})
-    if offset:
-        request.add_header("Range", f"bytes={offset}-")
-    try:
-        response = urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        with e:
-            if e.code == 416 and offset:  # nothing after `offset`: the .part is complete, or longer than the file
-                _, total = _parse_content_range(e.headers.get("Content-Range", ""))
-                if total == offset:
-                    return True, True
-                log(f"resume    {label}: the server refused the range; downloading again from the start")
-                part.unlink()
-                return _transfer_http(url, part, timeout=timeout, progress=progress, label=label, log=log)
-            raise _TransferFailed(f"HTTP {e.code} {e.reason}", transient=e.code in (408, 425, 429) or e.code >= 500)
-    except urllib.error.URLError as e:
-        raise _TransferFailed(f"cannot connect ({e.reason})", transient=True) from e
-    except (http.client.HTTPException, OSError) as e:
-        raise _TransferFailed(f"cannot connect ({e})", transient=True) from e
-    with response:
-        length = response.headers.get("Content-Length")
-        length = int(length) if length and length.isdigit() else None
-        if offset and response.status == 206:
-            start, total = _parse_content_range(response.headers.get("Content-Range", ""))
-            if start != offset:
-                log(f"resume    {label}: the server answered bytes={offset}- with Content-Range "
-                    f"{response.headers.get('Content-Range')!r}; downloading again from the start")
-                response.close()
-                part.unlink()
-                return _transfer_http(url, part, timeout=timeout, progress=progress, label=label, log=log)
-            log(f"resume    {label}: continuing from byte {offset:,}")
-            mode = "ab"
-            if total is None and length is not None:
-                total = offset + length
-        else:
-            if offset:
-                log(f"resume    {label}: the server ignores Range requests; downloading again from the start")
-            offset, mode, total = 0, "wb", length
-        copied = _copy(response, part, mode, offset, total, label, progress)
-    if total is not None and offset + copied < total:
-        raise _Interrupted(f"connection closed after {offset + copied:,} of {total:,} bytes")
-    return total is not None, offset > 0
-
-
-def _transfer_file(url: str, part: Path, *, progress: bool, label: str, log) -> tuple[bool, bool]:
-    """file:// transfer, resumed by seeking (urllib's file handler ignores Range)."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.netloc not in ("", "localhost"):
-        raise _TransferFailed(f"file URLs on another host ({parsed.netloc}) are not supported", transient=False)
-    source = Path(urllib.request.url2pathname(parsed.path))
-    try:
-        src = open(source, "rb")  # noqa: SIM115 (closed by the with below)
-    except OSError as e:
-        raise _TransferFailed(f"cannot read {source} ({e.strerror or e})", transient=False) from e
-    with src:
-        total = os.fstat(src.fileno()).st_size
-        offset = part.stat().st_size if part.exists() else 0
-        if 0 < offset <= total:
-            log(f"resume    {label}: continuing from byte {offset:,}")
-            src.seek(offset)
-            mode = "ab"
-        else:
-            offset, mode = 0, "wb"
-        _copy(src, part, mode, offset, total, label, progress)
-    return True, offset > 0
-
-
-def _transfer(url: str, part: Path, **kwargs) -> tuple[bool, bool]:
-    if urllib.parse.urlparse(url).scheme == "file":
-        kwargs.pop("timeout", None)
-        return _transfer_file(url, part, **kwargs)
-    return _transfer_http(url, part, **kwargs)
 
 
 # --- one file ----------------------------------------------------------------------------------------------------
@@ -370,7 +115,7 @@ def fetch_file(f: DataFile, data_dir: Path, expected: Mapping[str, object] | Non
         raise FetchError(f"{f.path}: no committed checksum (models/data_checksums.py); regenerate it with "
                          f"`python -m models.fetch checksums REFERENCE_DIR --write`")
     if final.exists():
-        status, detail = _check_content(final, f.gzip, expected)
+        status, detail = check_content(final, f.gzip, expected)
         if status == "ok":
             part.unlink(missing_ok=True)  # a leftover of an earlier run
             log(f"ok        {f.path}: present, sha256 verified")
@@ -383,9 +128,9 @@ def fetch_file(f: DataFile, data_dir: Path, expected: Mapping[str, object] | Non
     attempt, restarted = 0, False
     while True:
         try:
-            complete, resumed = _transfer(url, part, timeout=timeout, progress=progress, label=f.path, log=log)
-        except (_Interrupted, _TransferFailed) as e:
-            transient = isinstance(e, _Interrupted) or e.transient
+            complete, resumed = transfer(url, part, timeout=timeout, progress=progress, label=f.path, log=log)
+        except (Interrupted, TransferFailed) as e:
+            transient = isinstance(e, Interrupted) or e.transient
             if transient and attempt < retries:
                 attempt += 1
                 log(f"retry     {f.path}: {e}; attempt {attempt + 1} of {retries + 1}")
@@ -395,7 +140,7 @@ def fetch_file(f: DataFile, data_dir: Path, expected: Mapping[str, object] | Non
                     f"resume, or {_advice(mirror)}.") if part.exists() and part.stat().st_size else (
                     f" Rerun `{_FETCH_COMMAND}`, or {_advice(mirror)}.")
             raise FetchError(f"{f.path}: download from {url} failed: {e}.{kept}") from e
-        status, detail = _check_content(part, downloaded_gzip, expected)
+        status, detail = check_content(part, downloaded_gzip, expected)
         if status == "ok":
             break
         if status == "short" and not complete and attempt < retries:  # length unknown and the content is cut off
@@ -442,7 +187,7 @@ def fetch(data_dir: str | os.PathLike | None = None, *, mirror: str | None = Non
         mirror = os.environ.get(MIRROR_ENV_VAR) or None
     mirror = mirror or None
     files = FILES if files is None else tuple(files)
-    checksums = _committed_checksums() if checksums is None else checksums
+    checksums = committed_checksums() if checksums is None else checksums
     error_log = error_log or log
     if only:
         unknown = set(only) - {f.dataset for f in files}

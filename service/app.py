@@ -16,9 +16,10 @@ from fastapi import FastAPI
 
 from service.observability import tracing
 from service.http.auth import ApiKeyMiddleware, load_api_keys
-from service.errors import install_error_handlers
 from service.engines.imaging import ImageDecoder
 from service.observability.metrics import Metrics
+from service.http.apis import ApiTable
+from service.http.errors import install_error_handlers
 from service.http.middleware import RequestMiddleware
 from service.models.control import ModelControl
 from service.api.openai.protocol import openai_request_models
@@ -31,6 +32,9 @@ from service.api.openai import router as openai
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
+
+# The OpenAPI document's title and version: the project's (pyproject.toml).
+TITLE, VERSION = "transformer-serving", "0.1.0"
 
 
 def _hook_sigterm(registry: ModelRegistry, drain_delay_s: float) -> None:
@@ -69,8 +73,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.image_decoder.close()
 
     app = FastAPI(
-        title="transformer-serving",
-        version="0.1.0",
+        title=TITLE,
+        version=VERSION,
         summary="German->English translation, Shakespeare text generation and Fashion-MNIST classification, "
                 "served by ONNX Runtime with continuous and dynamic batching.",
         lifespan=lifespan,
@@ -78,16 +82,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings, app.state.metrics, app.state.registry = settings, metrics, registry
     app.state.request_models = models = request_models(settings)
     app.state.model_control = ModelControl(registry, settings.model_control, settings.drain_timeout_s)
-    install_error_handlers(app)
-    app.include_router(text.build_router(models))
-    app.include_router(images.build_router(models, settings))
-    app.include_router(openai.build_router(openai_request_models(settings)))
-    app.include_router(oip.build_router())
-    app.include_router(control.build_router())
-    app.include_router(admin.router)
+    routers = [text.build_router(models), images.build_router(models, settings),
+               openai.build_router(openai_request_models(settings)), oip.build_router(), control.build_router(),
+               admin.router]
+    for router in routers:
+        app.include_router(router)
+    apis = ApiTable(routers)  # each request's API (error shape, metrics labels) by its route
+    install_error_handlers(app, apis)
     # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
     # middleware, which still logs and counts (by status) the requests they reject
     app.add_middleware(ApiKeyMiddleware, keys=load_api_keys(settings))  # a bad key setting raises here
-    app.add_middleware(RequestMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes,
+    app.add_middleware(RequestMiddleware, metrics=metrics, apis=apis, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     return app

@@ -9,6 +9,11 @@ beside the checkout, else ./data (models.data's order); those tests are skipped,
 `TSERVE_TEST_CACHE=DIR` keeps the tiny runs and their repository in DIR between test sessions (for quick
 iterations while developing; CI leaves it unset and trains afresh). They live under a folder named by a
 fingerprint of the tiny presets and the fixture data, so changing either trains afresh.
+
+The servers, built on tests/support/: `serving` (the app in-process, a TestClient) and `server_factory` (a real
+`python -m service` process, `tests.support.server.ServerProcess`); when a test fails, the autouse
+`_print_server_output_on_failure` prints what the server processes it used wrote.
+`tiny_repository_copy` makes a private repository from the tiny one's versions, for tests that change it.
 """
 
 from __future__ import annotations
@@ -17,16 +22,17 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from models.data import ENV_VAR
+from tests.support import ROOT
+from tests.support.app import serving as _serving
+from tests.support.repository import SOURCE_VERSION, copy_versions
+from tests.support.server import ServerProcess, output_on_failure
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-FIXTURE_DATA = PROJECT_ROOT / "tests" / "fixtures" / "data"
+FIXTURE_DATA = ROOT / "tests" / "fixtures" / "data"
 _MAKE_DATA = "get them with `make data` (or set TSERVE_DATA_DIR to a folder that holds them)"
 
 
@@ -47,8 +53,8 @@ def find_full_data() -> tuple[Path | None, str]:
     if explicit:
         folder, how = Path(explicit), ENV_VAR
     else:
-        beside_checkout = PROJECT_ROOT.parent / "shared" / "data"
-        folder, how = (beside_checkout, "default") if beside_checkout.is_dir() else (PROJECT_ROOT / "data", "default")
+        beside_checkout = ROOT.parent / "shared" / "data"
+        folder, how = (beside_checkout, "default") if beside_checkout.is_dir() else (ROOT / "data", "default")
     if not folder.is_dir():
         return None, f"no data folder at {folder.absolute()} ({how})"
     if folder.resolve() == FIXTURE_DATA.resolve():
@@ -75,8 +81,8 @@ def _cache_key() -> str:
 
     digest = hashlib.sha256()
     for folder in ("models", "export"):
-        for path in sorted((PROJECT_ROOT / folder).rglob("*.py")):
-            digest.update(path.relative_to(PROJECT_ROOT).as_posix().encode() + path.read_bytes())
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            digest.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
     for task in ("translation", "gpt", "vit"):
         model_cfg, train_cfg = PRESETS[task]["tiny"]
         digest.update(json.dumps([task, dataclasses.asdict(model_cfg), dataclasses.asdict(train_cfg)],
@@ -124,18 +130,15 @@ def tiny_repository(tmp_path_factory, tiny_runs, data_dir) -> Path:
     return repository
 
 
-@contextmanager
-def _serving(settings):
-    from fastapi.testclient import TestClient
+@pytest.fixture(scope="session")
+def tiny_repository_copy(tiny_repository, tmp_path_factory):
+    """`tiny_repository_copy(name, kinds, versions=("1",))`: a private model repository in a fresh folder, with
+    version 1 of each model in `kinds` from the tiny repository as each of `versions` (`copy_versions`)."""
 
-    from service.app import create_app
+    def make(name: str, kinds, versions=(SOURCE_VERSION,)) -> Path:
+        return copy_versions(tiny_repository, tmp_path_factory.mktemp(name), kinds, versions)
 
-    with TestClient(create_app(settings)) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health/ready").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/health/ready").json()
-            time.sleep(0.1)
-        yield client
+    return make
 
 
 @pytest.fixture(scope="session")
@@ -143,3 +146,23 @@ def serving():
     """`with serving(settings) as client:` a TestClient over the app (lifespan running), once /health/ready says
     the models are loaded."""
     return _serving
+
+
+@pytest.fixture(scope="session")
+def server_factory(tiny_repository, tmp_path_factory):
+    """`with server_factory(name, **knobs) as server:` a real server process (`ServerProcess`: started on entry,
+    stopped on exit) on the tiny repository, or on `repository=`, in a fresh folder; knobs are settings
+    (TSERVE_<NAME>). A module-scoped fixture wraps it to share one server among a module's tests."""
+
+    def make(name: str, repository: Path | None = None, **knobs) -> ServerProcess:
+        workdir = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        return ServerProcess(name, repository or tiny_repository, workdir, **knobs)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _print_server_output_on_failure(request):
+    """On a failing test, print the output of the server processes it used (`output_on_failure`)."""
+    with output_on_failure(request):
+        yield

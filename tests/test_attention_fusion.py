@@ -28,12 +28,11 @@ PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "To be", "KING RICHA
 
 
 @pytest.fixture(scope="module")
-def repositories(tiny_repository, tmp_path_factory) -> tuple[ModelRepository, ModelRepository, dict[str, int]]:
+def repositories(tiny_repository, tiny_repository_copy) -> tuple[ModelRepository, ModelRepository, dict[str, int]]:
     """(the tiny repository, a copy with every graph fused, fused blocks per "kind/file")."""
-    root = tmp_path_factory.mktemp("fused")
+    root = tiny_repository_copy("fused", KINDS)
     counts = {}
     for kind in KINDS:
-        shutil.copytree(tiny_repository / kind / "1", root / kind / "1")
         for path in sorted((root / kind / "1").glob("*.onnx")):
             counts[f"{kind}/{path.name}"] = fuse_attention(path)
     return ModelRepository(tiny_repository), ModelRepository(root), counts

@@ -67,11 +67,9 @@ def _output(kind: str, response) -> object:
 
 
 @pytest.fixture(scope="module")
-def variant_repository(tiny_repository, data_dir, tmp_path_factory) -> tuple[Path, list[tuple[str, int]]]:
+def variant_repository(tiny_repository_copy, data_dir) -> tuple[Path, list[tuple[str, int]]]:
     """The tiny gpt and translation (version 1) and their in-place variants as versions 2, 3, ..."""
-    repository = tmp_path_factory.mktemp("variants")
-    for name in ("gpt", "translation"):
-        shutil.copytree(tiny_repository / name / "1", repository / name / "1")
+    repository = tiny_repository_copy("variants", ("gpt", "translation"))
     made, next_version = [], {"gpt": 2, "translation": 2}
     for name, arguments in VARIANTS:
         version = next_version[name]

@@ -15,13 +15,12 @@ torn down (`docker-compose down -v`), even when a test fails. All traffic goes t
 containers, bounded in count and time.
 
 Without a Docker daemon (or without the images) the module is skipped with one line saying what to do, as the
-other tool-dependent tests are skipped (tests/deploy_support.py, require_tool, which also checks docker-compose
+other tool-dependent tests are skipped (tests/support/deploy.py, require_tool, which also checks docker-compose
 here); with TSERVE_REQUIRE_TOOLS=1 (.ci/run) they fail instead.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import secrets
@@ -34,10 +33,12 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from deploy_support import free_port, require_tool, wait_for
 
 from models.data import load_fashion_mnist
+from service.client.processes import free_port
 from service.client.sse import parse_sse
+from tests.support.deploy import require_tool, wait_for
+from tests.support.images import png_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -201,15 +202,8 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def pngs(data_dir):
-    from PIL import Image
-
     images, labels = load_fashion_mnist(data_dir, "test")
-    encoded = []
-    for array in images[:16]:
-        buffer = io.BytesIO()
-        Image.fromarray(array).save(buffer, format="PNG")
-        encoded.append(buffer.getvalue())
-    return encoded, [int(label) for label in labels[:16]]
+    return [png_bytes(array) for array in images[:16]], [int(label) for label in labels[:16]]
 
 
 # --- the image --------------------------------------------------------------------------------------------------

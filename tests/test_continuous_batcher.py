@@ -12,9 +12,15 @@ from service.engines.translation import TranslationEngine
 from service.errors import Cancelled, DeadlineExceeded, QueueFull
 from service.observability.metrics import Metrics
 from service.models.repository import ModelRepository
-from service.scheduling.continuous import ContinuousBatcher, TextJob
+from service.scheduling.continuous import ContinuousBatcher
+from service.scheduling.jobs import TextJob
+from service.settings import Settings
 
 pytestmark = pytest.mark.slow
+
+DEFAULTS = Settings.model_construct()  # the declared defaults, whatever the environment says
+LIMITS = {"max_rows": DEFAULTS.gpt_max_batch_rows, "max_prefill": DEFAULTS.max_prefill_requests,
+          "max_queue": DEFAULTS.max_queue_size}  # a test's own options replace these
 
 PROMPTS = ["ROMEO:", "To be or not", "KING:\nWhat", "A", "First Citizen:\nWe", "O", "Speak, speak.", "\n\n"]
 GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Kinder laufen am Strand.", "Eine Frau singt.",
@@ -36,7 +42,7 @@ def batcher_for():
     started = []
 
     def make(engine, **options):
-        batcher = ContinuousBatcher(engine, "m", 1, Metrics(), **options)
+        batcher = ContinuousBatcher(engine, "m", 1, Metrics(), **{**LIMITS, **options})
         batcher.start()
         started.append(batcher)
         return batcher
@@ -106,7 +112,7 @@ def test_cancelled_and_expired_requests_leave_and_the_rest_go_on(gpt, batcher_fo
 
 
 def test_a_full_queue_refuses_with_a_retry_hint(gpt):
-    batcher = ContinuousBatcher(gpt, "m", 1, Metrics(), max_queue=2)  # not started: nothing leaves the queue
+    batcher = ContinuousBatcher(gpt, "m", 1, Metrics(), **{**LIMITS, "max_queue": 2})  # not started: nothing leaves the queue
     prompt = gpt.tokenizer.encode("A").ids
     for _ in range(2):
         batcher.submit(TextJob(prompt, GreedySearch(5, gpt.eos_id), "greedy", time.monotonic() + 60))

@@ -17,7 +17,9 @@ import pytest
 import models.fetch as fetch_module
 from models.data import load_fashion_mnist, load_multi30k, load_shakespeare
 from models.data_checksums import CHECKSUMS
-from models.fetch import FILES, DataFile, compute_checksums, content_digest, fetch, main
+from models.datasets import DATASETS, FILES, DataFile
+from models.fetch import fetch, main
+from models.fetch_verify import compute_checksums, content_digest, render_checksums_module
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = "tinyshakespeare/input.txt"
@@ -309,7 +311,7 @@ def test_upstream_compression_differs_from_the_loaders(mirror, tmp_path):
 
 
 def test_command_line_exit_codes_and_mirror_env(mirror, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(fetch_module, "_committed_checksums", lambda: mirror.checksums)
+    monkeypatch.setattr(fetch_module, "committed_checksums", lambda: mirror.checksums)
     monkeypatch.setenv("TSERVE_DATA_MIRROR", mirror.url)
     monkeypatch.setenv("TSERVE_DATA_DIR", str(tmp_path / "data"))
     assert main(["fetch", "--retries", "0"]) == 0
@@ -338,7 +340,7 @@ def test_committed_table_covers_the_layout():
     assert list(CHECKSUMS) == [f.path for f in FILES]
     assert all(len(entry["sha256"]) == 64 and entry["size"] > 0 for entry in CHECKSUMS.values())
     assert all(f.url.startswith("https://raw.githubusercontent.com/") for f in FILES)
-    assert {f.dataset for f in FILES} == set(fetch_module.DATASETS)
+    assert {f.dataset for f in FILES} == set(DATASETS)
 
 
 def test_committed_table_matches_the_reference_copies(full_data_dir):
@@ -346,4 +348,4 @@ def test_committed_table_matches_the_reference_copies(full_data_dir):
     without one) has exactly the committed checksums."""
     assert compute_checksums(full_data_dir) == CHECKSUMS
     committed = (PROJECT_ROOT / "models" / "data_checksums.py").read_text()
-    assert fetch_module.render_checksums_module(CHECKSUMS) == committed  # exactly what the script writes
+    assert render_checksums_module(CHECKSUMS) == committed  # exactly what the script writes

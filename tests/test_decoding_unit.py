@@ -20,7 +20,8 @@ from service.decoding import (
     top_p_filter,
     truncate_at_stop,
 )
-from service.decoding.base import NGramBlocker, top_logprobs
+from service.decoding.distributions import log_normaliser, softmax, top_k_indices, top_logprobs
+from service.decoding.ngrams import NGramBlocker
 
 V = 16
 EOS = 1
@@ -342,11 +343,21 @@ def test_stop_strings_end_with_stop_and_caller_truncates():
     assert truncate_at_stop(decode(h.tokens), ["ef"]) == ("d", True)
 
 
-def test_stop_strings_tail_window_sees_new_occurrences():
-    checker = StopStrings(["xyz"], lambda ids: "".join("xyz"[i % 3] if i < 3 else "-" for i in ids), tail_tokens=3)
-    assert checker(np.array([5, 5, 5, 0, 1, 2]))
-    assert not checker(np.array([0, 1, 2, 5]))  # old occurrence outside the tail was caught earlier
-    assert StopStrings(["xyz"], str, tail_tokens=None).tail_tokens is None
+def test_stop_strings_decode_each_token_once_and_see_new_occurrences():
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return "".join("xyz"[i % 3] if i < 3 else "-" for i in ids)
+
+    checker = StopStrings(["xyz"], decode)
+    tokens = np.array([5, 5, 5, 0, 1, 2, 5])
+    assert [checker(tokens[:n]) for n in range(1, 6)] == [False] * 5
+    assert checker(tokens[:6])  # "---xyz": found when its last token arrives
+    assert max(decoded) <= 2  # a window of one or two tokens per step, never the whole sequence
+    assert checker(tokens[:3]) is False  # a shorter array is a new row: it starts again
+    many = StopStrings(["xyz"], decode)
+    assert not many(tokens[:5]) and many(tokens)  # several new tokens at once
 
 
 # --- sampling ------------------------------------------------------------------------------------------------
@@ -865,3 +876,34 @@ def test_zero_penalties_leave_processing_untouched():
     seen[[2, 3]] = True  # the HF chain, unchanged: repetition penalty, temperature, top-k, top-p
     hf_chain = top_p_filter(top_k_filter(apply_temperature(apply_repetition_penalty(x, seen, 1.3), 0.8), 5), 0.9)
     np.testing.assert_array_equal(b.process_logits(x), hf_chain)
+
+
+# --- distributions: the one copy of log-softmax, softmax and top-k ------------------------------------------------
+
+
+def test_log_normaliser_is_log_softmax_bit_for_bit():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 40)) * 7
+    x[1, :10] = -np.inf
+    peak, log_z = log_normaliser(x)
+    np.testing.assert_array_equal((x - peak[:, None]) - log_z[:, None], log_softmax(x))
+
+
+def test_softmax_keeps_the_dtype_and_is_the_classic_formula():
+    x = np.random.default_rng(4).standard_normal((3, 11)).astype(np.float32) * 5
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    got = softmax(x)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, e / e.sum(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 30, 31, 50])
+def test_top_k_indices_is_a_stable_sort_of_minus_the_scores(k):
+    rng = np.random.default_rng(k)
+    for _ in range(50):
+        row = rng.integers(-3, 4, size=31).astype(np.float64)  # many ties, at the boundary too
+        row[rng.integers(0, 31, size=3)] = -np.inf
+        expected = np.argsort(-row, kind="stable")[:k]
+        np.testing.assert_array_equal(top_k_indices(row, k), expected)
+        rows = np.stack([row, row[::-1]])
+        np.testing.assert_array_equal(top_k_indices(rows, k), np.argsort(-rows, axis=1, kind="stable")[:, :k])

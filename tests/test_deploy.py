@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_support import TOOLS, render_nginx_conf, require_tool
 
 from service.client.launcher import ServiceProcess
 from service.settings import Settings
+from tests.support.deploy import TOOLS, render_nginx_conf, require_tool
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,16 @@ from service.errors import (
     Unavailable,
 )
 from service.observability.metrics import Metrics
-from service.scheduling.dynamic import DynamicBatcher, ImageJob
+from service.scheduling.dynamic import DynamicBatcher
+from service.scheduling.jobs import ImageJob
+from service.settings import Settings
 
 CLASSES = 10
 SHAPE = (1, 4, 4)  # (C, H, W): 16 values per image, the first 10 become its logits
 LABELS = {"model": "vit", "version": "1"}
+DEFAULTS = Settings.model_construct()  # the declared defaults, whatever the environment says
+LIMITS = {"max_batch_size": DEFAULTS.vit_max_batch_size, "max_queue_delay_ms": DEFAULTS.vit_max_queue_delay_ms,
+          "max_queue": DEFAULTS.max_queue_size, "batching": DEFAULTS.vit_batching}  # a test's options replace these
 
 
 class FakeEngine:
@@ -76,7 +81,7 @@ def make(metrics):
     batchers = []
 
     def build(engine, **kwargs) -> DynamicBatcher:
-        batcher = DynamicBatcher(engine, "vit", 1, metrics, **kwargs)
+        batcher = DynamicBatcher(engine, "vit", 1, metrics, **{**LIMITS, **kwargs})
         batcher.start()
         batchers.append(batcher)
         return batcher
@@ -275,7 +280,8 @@ def test_an_engine_error_fails_only_its_batch(make, metrics):
 
 def test_stop_drains_accepted_jobs_then_refuses_new_ones(metrics):
     engine = FakeEngine(delay=0.02)
-    batcher = DynamicBatcher(engine, "vit", 1, metrics, max_batch_size=2, max_queue_delay_ms=1_000)
+    batcher = DynamicBatcher(engine, "vit", 1, metrics,
+                             **{**LIMITS, "max_batch_size": 2, "max_queue_delay_ms": 1_000})
     batcher.start()
     jobs = [batcher.submit(job(1, seed=i)) for i in range(7)]
     started = time.monotonic()
@@ -290,7 +296,7 @@ def test_stop_drains_accepted_jobs_then_refuses_new_ones(metrics):
 
 def test_stop_fails_what_it_could_not_drain_with_unavailable(metrics):
     engine = FakeEngine()
-    batcher = DynamicBatcher(engine, "vit", 1, metrics, max_batch_size=1, max_queue_delay_ms=1)
+    batcher = DynamicBatcher(engine, "vit", 1, metrics, **{**LIMITS, "max_batch_size": 1, "max_queue_delay_ms": 1})
     batcher.start()
     blocker = hold(engine, batcher)
     left = [batcher.submit(job(1, seed=i)) for i in range(3)]

@@ -17,11 +17,9 @@ import time
 
 import httpx
 import pytest
-from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
-    ServerProcess,
-    _print_server_output_on_failure,
-    poll,
-)
+
+from tests.support.server import ServerProcess
+from tests.support.waiting import poll
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +31,9 @@ REQUESTS_BEFORE_SIGTERM = 5  # per client, so every connection is established an
 
 
 @pytest.fixture(scope="module")
-def small_body_server(tiny_repository, tmp_path_factory):
-    process = ServerProcess("body limit server", tiny_repository, tmp_path_factory.mktemp("body-limit"),
-                            models='["gpt"]', max_body_bytes=MAX_BODY_BYTES)
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+def small_body_server(server_factory):
+    with server_factory("body limit server", models='["gpt"]', max_body_bytes=MAX_BODY_BYTES) as process:
+        yield process
 
 
 def _chunks():

@@ -22,14 +22,11 @@ import numpy as np
 import pytest
 import uvicorn
 from PIL import Image
-from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
-    ServerProcess,
-    _print_server_output_on_failure,
-)
 
 from service.app import create_app
-from service.client.launcher import free_port
+from service.client.processes import free_port
 from service.settings import Settings
+from tests.support.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -275,12 +272,9 @@ CLASSIFY_GOOD = ("/v1/classify", CLASSIFY_GOOD_BODY, CLASSIFY_GOOD_HEADERS)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_repository, tmp_path_factory):
-    process = ServerProcess("hostile-input server", tiny_repository, tmp_path_factory.mktemp("hostile"), **KNOBS)
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+def server(server_factory):
+    with server_factory("hostile-input server", **KNOBS) as process:
+        yield process
 
 
 @pytest.mark.parametrize("path, cases, good", [

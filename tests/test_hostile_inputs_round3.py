@@ -19,10 +19,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from service.errors import BadInput, DeadlineExceeded, QueueFull, ServiceError, Unavailable, error_payload
+from service.api.openai.errors import OPENAI
+from service.errors import BadInput, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.http.errors import error_payload
 from service.api.oip.protocol import parse_request
 from service.api.openai.protocol import MAX_CONTENT_PARTS
-from service.api.openai import router as openai_routes
+from service.api.openai import render as openai_render
 from service.serving.streaming import Finished
 from service.settings import Settings
 
@@ -392,7 +394,8 @@ async def _stream_error(error: ServiceError) -> dict:
         yield [Finished(0, error=error)]
 
     request = SimpleNamespace(state=SimpleNamespace())
-    response = openai_routes._stream(request, events(), lambda choices: {"choices": choices}, lambda d: {}, None)
+    response = openai_render.event_stream(request, events(), lambda choices: {"choices": choices}, lambda d: {},
+                                          None)
     chunks = [chunk async for chunk in response.body_iterator]
     events = [json.loads(line[len(b"data: "):]) for chunk in chunks for line in chunk.split(b"\n")
               if line.startswith(b"data: {")]
@@ -405,7 +408,7 @@ async def _stream_error(error: ServiceError) -> dict:
                          ids=lambda e: type(e).__name__)
 def test_an_openai_stream_error_has_the_type_of_the_same_error_unstreamed(error):
     streamed = asyncio.run(_stream_error(error))
-    _, unstreamed = error_payload("/v1/chat/completions", error.status, error.type, error.message)
+    _, unstreamed = error_payload(OPENAI, error.status, error.type, error.message)
     assert streamed == unstreamed["error"], (streamed, unstreamed)
 
 

@@ -20,15 +20,11 @@ import httpx
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
-    ServerProcess,
-    _print_server_output_on_failure,
-    poll,
-)
 
 from service.http.limits import limited_http_protocol
-from service.client.launcher import free_port
+from service.client.processes import free_port
 from service.settings import Settings
+from tests.support.waiting import poll
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +37,11 @@ REJECTED = "tserve_rejected_connections_total"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_repository, tmp_path_factory):
-    process = ServerProcess("limits server", tiny_repository, tmp_path_factory.mktemp("limits-server"),
-                            models='["gpt"]', header_timeout_s=HEADER_TIMEOUT_S, max_header_bytes=MAX_HEADER_BYTES,
-                            max_header_count=MAX_HEADER_COUNT, drain_delay_s=0)
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+def server(server_factory):
+    with server_factory("limits server", models='["gpt"]', header_timeout_s=HEADER_TIMEOUT_S,
+                        max_header_bytes=MAX_HEADER_BYTES, max_header_count=MAX_HEADER_COUNT,
+                        drain_delay_s=0) as process:
+        yield process
 
 
 # --- raw HTTP/1.1 over a socket ----------------------------------------------------------------------------------

@@ -379,7 +379,8 @@ def _cpu_seconds(pid: int) -> float:
 
 @pytest.mark.slow
 def test_decompression_attack_is_504_at_the_deadline_with_bounded_memory(tiny_repository, tmp_path):
-    from test_server_process import ServerProcess, poll
+    from tests.support.server import ServerProcess
+    from tests.support.waiting import poll
 
     server = ServerProcess("decode attack", tiny_repository, tmp_path, models='["vit"]', drain_delay_s=0).start()
     try:

@@ -175,7 +175,7 @@ def test_the_rewrite_composes_with_attention_fusion(tiny_repository, tmp_path, o
 def test_a_step_graph_with_one_slot_for_all_rows_is_refused_with_the_fix(tiny_repository, tmp_path):
     """A step graph of the earlier export (one `cache_slot` scalar shared by every row) cannot keep rows where they
     would be alone: the engine refuses it by name instead of failing at the first step."""
-    from service.engines.kv_cache import InPlaceStep
+    from service.engines.iobinding import InPlaceStep
     from service.engines.runtime import create_session
 
     version = tmp_path / "gpt" / "1"

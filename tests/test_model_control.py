@@ -12,11 +12,9 @@ import time
 import httpx
 import pytest
 import tritonclient.http as triton
-from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
-    ServerProcess,
-    _print_server_output_on_failure,
-)
 from tritonclient.utils import InferenceServerException
+
+from tests.support.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +28,8 @@ def rss_mib(pid: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def repository(tiny_repository, tmp_path_factory):
-    root = tmp_path_factory.mktemp("control-repository")
-    for version in ("1", "2"):
-        shutil.copytree(tiny_repository / "gpt" / "1", root / "gpt" / version)
-    return root
+def repository(tiny_repository_copy):
+    return tiny_repository_copy("control-repository", ["gpt"], versions=("1", "2"))
 
 
 def test_rolling_a_version_under_load_loses_no_request(repository, tmp_path):

@@ -41,12 +41,9 @@ CLASSIFY = {"images": [png()]}
 
 
 @pytest.fixture(scope="module")
-def repository(tiny_repository, tmp_path_factory):
+def repository(tiny_repository_copy):
     """A private copy of the tiny repository (version 1 of each model), for the tests to break."""
-    root = tmp_path_factory.mktemp("lifecycle-repository")
-    for kind in KINDS:
-        shutil.copytree(tiny_repository / kind / "1", root / kind / "1")
-    return root
+    return tiny_repository_copy("lifecycle-repository", KINDS)
 
 
 @pytest.fixture(scope="module")

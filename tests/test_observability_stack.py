@@ -16,7 +16,6 @@ A missing binary fails the test with the Debian package .ci/run must install (de
 from __future__ import annotations
 
 import base64
-import io
 import json
 import math
 import os
@@ -31,16 +30,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_support import (
-    free_port,
-    render_nginx_conf,
-    require_tool,
-    stop_process_group,
-    wait_for,
-)
 
 from models.data import load_fashion_mnist, load_multi30k
 from service.client.launcher import ServiceProcess
+from service.client.processes import free_port, stop_process_group
+from tests.support.deploy import render_nginx_conf, require_tool, wait_for
+from tests.support.images import png_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -107,16 +102,9 @@ def processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def inputs(data_dir):
-    from PIL import Image
-
     sentences = [de for de, _ in load_multi30k(data_dir, "val")[:50]]
     images, _ = load_fashion_mnist(data_dir, "test")
-    pngs = []
-    for image in images[:20]:
-        buffer = io.BytesIO()
-        Image.fromarray(image).save(buffer, format="PNG")
-        pngs.append(buffer.getvalue())
-    return sentences, pngs
+    return sentences, [png_bytes(image) for image in images[:20]]
 
 
 # --- Prometheus -------------------------------------------------------------------------------------------------

@@ -14,10 +14,6 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 from PIL import Image
-from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
-    ServerProcess,
-    _print_server_output_on_failure,
-)
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.slow
@@ -26,12 +22,9 @@ GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_repository, tmp_path_factory):
-    process = ServerProcess("oip server", tiny_repository, tmp_path_factory.mktemp("oip"), max_new_tokens=60)
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+def server(server_factory):
+    with server_factory("oip server", max_new_tokens=60) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
-    ServerProcess,
-    _print_server_output_on_failure,
-)
+
+from tests.support.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +26,9 @@ MESSAGES = [{"role": "user", "content": "Good morrow, sweet lady."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_repository, tmp_path_factory):
-    process = ServerProcess("openai server", tiny_repository, tmp_path_factory.mktemp("openai"), models='["gpt"]',
-                            max_new_tokens=60, api_keys=f'["{API_KEY}"]')
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+def server(server_factory):
+    with server_factory("openai server", models='["gpt"]', max_new_tokens=60, api_keys=f'["{API_KEY}"]') as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +248,50 @@ def test_chat_accepts_text_response_format_and_named_speakers(client):
         client.chat.completions.create(model="gpt", max_tokens=2, messages=MESSAGES,
                                        response_format={"type": "json_object"})
     assert unsupported.value.body["param"] == "response_format"
+
+
+def test_a_chat_prompt_is_encoded_once_and_checked_against_the_context(serving, tiny_repository, monkeypatch):
+    """The rendered conversation is tokenized once per request: with the tokens asked for, or (none asked for) with
+    room for one and then as many as the context leaves; too many asked for is a 400 naming the context."""
+    from service.serving import generate as generation
+    from service.settings import Settings
+
+    encode, calls = generation.encode_prompt, []
+    monkeypatch.setattr(generation, "encode_prompt", lambda *args: calls.append(args) or encode(*args))
+    with serving(Settings(repository=tiny_repository, models=["gpt"], drain_delay_s=0)) as client:
+        chat = {"model": "gpt", "messages": MESSAGES, "temperature": 0}
+        answered = client.post("/v1/chat/completions", json={**chat, "max_tokens": 2})
+        assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] <= 2
+        assert len(calls) == 1 and calls[0][2] == 2
+        calls.clear()
+        context = client.app.state.registry.resolve("gpt", None, None).engine.context_length
+        unbounded = client.post("/v1/chat/completions", json=chat)
+        assert unbounded.status_code == 200, unbounded.text
+        usage = unbounded.json()["usage"]
+        assert len(calls) == 1 and usage["prompt_tokens"] + usage["completion_tokens"] <= context
+        calls.clear()
+        too_many = client.post("/v1/chat/completions", json={**chat, "max_tokens": context})
+        assert too_many.status_code == 400 and "context" in too_many.json()["error"]["message"]
+        assert len(calls) == 1
+
+
+def test_each_openai_request_maps_its_options_to_the_serving_parameters():
+    """`to_params`: OpenAI's defaults for what is left out, best_of at temperature 0 a beam search of that width,
+    the chat turn's end an implicit stop string, top_logprobs only with logprobs."""
+    from service.api.openai import chat_template
+    from service.api.openai.protocol import DEFAULT_COMPLETION_TOKENS, openai_request_models
+    from service.settings import Settings
+
+    models = openai_request_models(Settings())
+    plain = models.completion.model_validate({"model": "gpt", "prompt": "A"}).to_params()
+    assert (plain.max_new_tokens, plain.temperature, plain.top_p, plain.num_beams, plain.stop, plain.logprobs) == (
+        DEFAULT_COMPLETION_TOKENS, 1.0, 1.0, 1, (), None)
+    ranked = models.completion.model_validate({"model": "gpt", "prompt": "A", "temperature": 0, "best_of": 3,
+                                               "stop": "x", "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                                               "seed": 4, "max_tokens": 5, "logprobs": 2}).to_params()
+    assert (ranked.num_beams, ranked.stop, ranked.presence_penalty, ranked.frequency_penalty, ranked.seed,
+            ranked.max_new_tokens, ranked.logprobs) == (3, ("x",), 0.5, -0.5, 4, 5, 2)
+    chat = {"model": "gpt", "messages": MESSAGES, "stop": ["x"], "top_logprobs": 3}
+    assert models.chat.model_validate(chat).to_params(6).logprobs is None
+    params = models.chat.model_validate({**chat, "logprobs": True}).to_params(6)
+    assert (params.max_new_tokens, params.stop, params.logprobs) == (6, ("x", chat_template.END_OF_TURN), 3)

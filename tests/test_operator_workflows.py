@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from deploy_support import require_tool
 
 from models.data import load_fashion_mnist
 from service.client.launcher import ServiceProcess, clean_environment
+from tests.support.deploy import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

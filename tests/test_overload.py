@@ -16,13 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from PIL import Image
-from test_server_process import (  # noqa: F401 (the autouse fixture prints a failing test's server output)
-    ServerProcess,
-    _print_server_output_on_failure,
-    metric,
-    poll,
-    scrape,
-)
+
+from tests.support.metrics import metric, scrape
+from tests.support.server import ServerProcess
+from tests.support.waiting import poll
 
 pytestmark = pytest.mark.slow
 

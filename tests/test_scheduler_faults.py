@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, VOCAB, FakeBackend, alone
 
 from service.decoding import BeamSearch, GreedySearch, SamplingSearch
 from service.errors import (
@@ -27,10 +26,16 @@ from service.errors import (
 )
 from service.observability.metrics import Metrics
 from service.scheduling import queueing
-from service.scheduling.continuous import ContinuousBatcher, TextJob
-from service.scheduling.dynamic import DynamicBatcher, ImageJob
+from service.scheduling.continuous import ContinuousBatcher
+from service.scheduling.dynamic import DynamicBatcher
+from service.scheduling.jobs import ImageJob, TextJob
+from service.settings import Settings
+from tests.support.fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, VOCAB, FakeBackend, alone
 
 LABELS = {"model": "m", "version": "1"}
+DEFAULTS = Settings.model_construct()  # the declared defaults, whatever the environment says
+LIMITS = {"max_rows": DEFAULTS.gpt_max_batch_rows, "max_prefill": DEFAULTS.max_prefill_requests,
+          "max_queue": DEFAULTS.max_queue_size}  # a test's own options replace these
 LATE_AFTER_DEADLINE_S = 0.5  # how late a queued job may fail after its deadline on a busy machine
 
 
@@ -85,7 +90,7 @@ def batcher():
 
     def make(backend=None, **options):
         metrics = Metrics()
-        b = ContinuousBatcher(backend or FakeBackend(), "m", 1, metrics, **options)
+        b = ContinuousBatcher(backend or FakeBackend(), "m", 1, metrics, **{**LIMITS, **options})
         b.start()
         started.append(b)
         return b
@@ -230,7 +235,7 @@ def test_the_row_cap_holds_when_the_batch_starts_empty(batcher):
 
 
 def test_retry_after_is_never_longer_than_the_request_may_wait():
-    b = ContinuousBatcher(FakeBackend(), "m", 1, Metrics(), max_queue=2)  # not started: nothing leaves
+    b = ContinuousBatcher(FakeBackend(), "m", 1, Metrics(), **{**LIMITS, "max_queue": 2})  # not started: nothing leaves
     for _ in range(2):
         b.submit(job([1], GreedySearch(5, EOS)))
     b._retry._interval = 500.0  # as if requests left the queue every 500 s
@@ -238,6 +243,27 @@ def test_retry_after_is_never_longer_than_the_request_may_wait():
         with pytest.raises(QueueFull) as refused:
             b.submit(job([1], GreedySearch(5, EOS), timeout=timeout))
         assert 1 <= int(refused.value.headers["Retry-After"]) <= max(1, int(timeout))
+
+
+@pytest.mark.parametrize("estimate, may_wait, header", [
+    (0.2, float("inf"), 1), (1.0, float("inf"), 1), (1.01, float("inf"), 2), (500.0, 3.0, 3), (500.0, 3.9, 3),
+    (500.0, 0.5, 1), (2.5, 30.0, 3), (-1.0, float("inf"), 1),
+])
+def test_retry_after_is_whole_seconds_rounded_up_within_the_wait(estimate, may_wait, header):
+    assert queueing.retry_after_seconds(estimate, may_wait) == header
+    assert QueueFull("full", header).headers["Retry-After"] == str(header)
+
+
+def test_a_streamed_request_gets_each_token_once_in_order(batcher):
+    b = batcher()
+    got: list[int] = []
+    streamed = b.submit(job([5], SamplingSearch(12, EOS, temperature=0.9, seed=3), on_tokens=got.extend))
+    beam_tokens: list[int] = []
+    beam = b.submit(job([6], BeamSearch(3, 8, EOS, prefix=[6]), on_tokens=beam_tokens.extend))
+    (result,) = outcome(streamed)
+    assert got == result[0] == alone([5], SamplingSearch(12, EOS, temperature=0.9, seed=3))[0][0]
+    assert outcome(beam) == alone([6], BeamSearch(3, 8, EOS, prefix=[6])) and beam_tokens == []  # beams: no stream
+    assert streamed.phases.generated == len(got) and beam.phases.generated is None
 
 
 # --- shutdown --------------------------------------------------------------------------------------------------
@@ -325,7 +351,7 @@ def test_image_gauges_equal_the_truth_after_any_mix(seed):
     rng = random.Random(seed)
     engine, metrics = FakeImageEngine(), Metrics()
     b = DynamicBatcher(engine, "m", 1, metrics, max_batch_size=rng.choice([2, 8]), max_queue_delay_ms=1,
-                       max_queue=rng.choice([3, 50]))
+                       max_queue=rng.choice([3, 50]), batching=True)
     b.start()
     try:
         jobs = []

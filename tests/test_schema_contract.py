@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_server_process import ServerProcess
+from tests.support.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 

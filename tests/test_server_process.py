@@ -20,18 +20,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from service.client.launcher import ServiceProcess, ServiceStartError
 from service.client.sse import parse_sse
+from tests.support.metrics import metric, scrape
+from tests.support.server import ServerProcess
+from tests.support.waiting import poll
 
 pytestmark = pytest.mark.slow
 
-READY_TIMEOUT_S = 90.0
 GPT_CONTEXT = 64  # the tiny gpt preset's context, in (byte-level) tokens
 
 PROMPTS = ["ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY V:\n", "To be, or not", "What say you",
@@ -44,55 +43,11 @@ HEAVY_TRANSLATE = {"text": [GERMAN, "Zwei Hunde spielen im Schnee.", "Kinder lau
                    "num_beams": 8, "max_new_tokens": 120, "min_new_tokens": 120}
 
 
-# --- the server process: the shared launcher (service.client.launcher), with the tests' defaults and pytest glue ------
-
-class ServerProcess(ServiceProcess):
-    """`service.client.launcher.ServiceProcess` as the tests use it: `(name, repository, workdir, **knobs)`, no drain delay
-    unless a knob says so, idle threads that sleep; a server that does not start fails the test with its output,
-    and the autouse fixture below prints what the servers wrote during a failing test."""
-
-    def __init__(self, name: str, repository: Path, workdir: Path, **knobs):
-        knobs.setdefault("drain_delay_s", 0)  # a test stops its servers at once unless it tests the drain
-        super().__init__(name, repository, workdir, env={"OMP_WAIT_POLICY": "PASSIVE"}, ready_timeout=READY_TIMEOUT_S,
-                         **knobs)
-        _SERVERS.append(self)
-
-    def start(self, timeout: float | None = None) -> ServerProcess:
-        try:
-            return super().start(timeout)
-        except ServiceStartError as error:
-            message = str(error)
-        pytest.fail(message)
-
-
-_SERVERS: list[ServerProcess] = []
-
-
-@pytest.fixture(autouse=True)
-def _print_server_output_on_failure(request):
-    """On a failing test, print the output of the servers it used (shown as 'Captured stdout teardown'): what
-    each wrote during the test, or the last lines of a shared server that wrote nothing new."""
-    failed_before = request.session.testsfailed
-    marks = {id(s): (len(s.stdout), len(s.stderr)) for s in _SERVERS}
-    yield
-    if request.session.testsfailed > failed_before:
-        for server in _SERVERS:
-            since = marks.get(id(server), (0, 0))
-            if (len(server.stdout), len(server.stderr)) == since:
-                if server.proc is None or server.proc.poll() is not None:
-                    continue  # finished before this test
-                since = (max(0, since[0] - 60), max(0, since[1] - 60))
-            print(server.output(since))
-
-
 @pytest.fixture(scope="module")
-def server(tiny_repository, tmp_path_factory):
+def server(server_factory):
     """The shared server: every model of the tiny repository, default settings."""
-    process = ServerProcess("shared server", tiny_repository, tmp_path_factory.mktemp("shared-server"))
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+    with server_factory("shared server") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -102,30 +57,6 @@ def client(server):
 
 
 # --- helpers --------------------------------------------------------------------------------------------------
-
-def scrape(client: httpx.Client) -> list:
-    """Every sample of `/metrics`."""
-    response = client.get("/metrics")
-    assert response.status_code == 200, response.text
-    return [s for family in text_string_to_metric_families(response.text) for s in family.samples]
-
-
-def metric(samples: list, name: str, **labels: str) -> float:
-    """Sum of the samples called `name` whose labels include `labels` (0 when there is none)."""
-    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def poll(condition, timeout: float, interval: float = 0.05, message: str = "condition"):
-    """Call `condition()` until it returns something truthy (returned), at most `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
-
 
 def assert_error(response: httpx.Response, status: int, error_type: str) -> dict:
     assert response.status_code == status, response.text
@@ -478,11 +409,10 @@ class DrainRun:
 
 
 @pytest.fixture(scope="module")
-def drain_run(tiny_repository, tmp_path_factory) -> DrainRun:
+def drain_run(server_factory) -> DrainRun:
     """Start a server, put IN_FLIGHT long translate requests in flight, SIGTERM it and record what happens."""
     run = DrainRun()
-    process = ServerProcess("drain server", tiny_repository, tmp_path_factory.mktemp("drain-server"),
-                            models='["translation"]', drain_delay_s=DRAIN_DELAY_S)
+    process = server_factory("drain server", models='["translation"]', drain_delay_s=DRAIN_DELAY_S)
     try:
         process.start()
         with httpx.Client(base_url=process.url, timeout=60) as c:

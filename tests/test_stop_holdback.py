@@ -2,8 +2,9 @@
 string, i.e. the longest end of the text so far that is the start of a stop string (`StopStrings.held_back`),
 never a fixed `max(len(stop)) - 1` characters; the pieces concatenate to the stop-truncated text, never split a
 UTF-8 character, and keep the undecided window shorter than the longest stop string; the search's checker sees a
-stop string of multi-byte characters (its tail is counted in bytes). Then the same through the native and the
-OpenAI completions streams with a 64-character stop string: text arrives before the end."""
+stop string of multi-byte characters (its row's detokeniser releases each character once whole, as `tokenizers`'
+DecodeStream does). Then the same through the native and the OpenAI completions streams with a 64-character stop
+string: text arrives before the end."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import random
 
 import numpy as np
 import pytest
+from tokenizers.decoders import DecodeStream
 
 from models.tokenization import build_byte_tokenizer
-from service.decoding import StopStrings, truncate_at_stop
+from service.decoding import Detokenizer, StopStrings, text_offsets, truncate_at_stop
 from service.serving.streaming import IncrementalText
 from service.settings import Settings
 from service.client.sse import parse_sse
@@ -73,10 +75,35 @@ def test_held_back_matches_the_definition_on_random_texts():
     "x\u20ac" * 32,  # 128 bytes in 64 characters
 ])
 def test_the_checker_sees_a_stop_string_of_multi_byte_characters(tokenizer, stop):
-    checker = StopStrings([stop], tokenizer.decode)
     ids = np.array(tokenizer.encode("\u00e9tait " * 20 + stop).ids, dtype=np.int64)
-    assert checker(ids)  # its tail covers the stop string's bytes, not just its characters
-    assert not checker(ids[:-1])
+    checker = StopStrings([stop], tokenizer.decode)
+    assert not any(checker(ids[:n]) for n in range(1, len(ids)))  # token by token, as the search calls it
+    assert checker(ids)  # found when the last byte of its last character arrives
+    assert StopStrings([stop], tokenizer.decode)(ids)  # all at once
+    assert not StopStrings([stop], tokenizer.decode)(ids[:-1])
+
+
+# --- Detokenizer: one row's text, token by token ------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["ROMEO:\nWhat light", "le caf\u00e9 \u00e9tait", "I \U0001f600 you \U0001f600!",
+                                  "x\u20ac" * 20])
+def test_the_detokeniser_releases_whole_characters_and_ends_as_the_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text).ids
+    row, stream, pieces = Detokenizer(tokenizer.decode), DecodeStream(skip_special_tokens=True), []
+    for token in ids:
+        piece = row.add([token])
+        assert "\ufffd" not in piece
+        assert piece == (stream.step(tokenizer, token) or "")  # tokenizers' own incremental decoding
+        pieces.append(piece)
+    assert "".join(pieces) == row.text == tokenizer.decode(ids) == text and row.rest() == ""
+    cut = Detokenizer(tokenizer.decode)
+    cut.add(ids[:-1])  # the last character incomplete when it ends in a multi-byte one
+    assert cut.text + cut.rest() == tokenizer.decode(ids[:-1])
+
+
+def test_text_offsets_count_characters_and_a_completing_token_starts_its_character(tokenizer):
+    ids = tokenizer.encode("a\u00e9b").ids  # a, the two bytes of é, b
+    assert text_offsets(tokenizer.decode, ids, 10) == [10, 11, 11, 12]
 
 
 # --- IncrementalText: the stream's pieces ------------------------------------------------------------------------

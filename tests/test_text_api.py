@@ -284,3 +284,19 @@ def test_metrics_describe_the_traffic(client):
                  "tserve_ready 1.0"):
         assert name in text, name
     assert 'tserve_request_failures_total{model="translation",reason="bad_input",version="1"}' in text
+
+
+def test_each_native_request_maps_every_option_to_the_serving_parameters():
+    """`to_params` is the one place a native request (and an inference request's options) becomes the serving
+    call's parameters: every option given arrives there, under its own name."""
+    from service.api.native.protocol import request_models
+
+    models = request_models(Settings(max_new_tokens=60))
+    translate = {"num_beams": 3, "length_penalty": 0.5, "early_stopping": "never", "num_return_sequences": 2,
+                 "max_new_tokens": 7, "min_new_tokens": 1, "no_repeat_ngram_size": 2}
+    params = models.translate.model_validate({"text": "Hallo.", **translate}).to_params()
+    assert {name: getattr(params, name) for name in translate} == translate
+    generate = {"max_new_tokens": 9, "min_new_tokens": 2, "temperature": 0.7, "top_k": 5, "top_p": 0.9,
+                "repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "seed": 11, "num_beams": 2}
+    params = models.generate.model_validate({"prompt": "A", "stop": ["x", "yz"], **generate}).to_params()
+    assert {name: getattr(params, name) for name in generate} == generate and params.stop == ("x", "yz")

@@ -1,9 +1,10 @@
-"""The batched decoding step and the running batch, against the fake numpy model (tests/fake_decoding.py).
+"""The batched decoding step and the running batch, against the fake numpy model (tests/support/fake_decoding.py).
 
 - `step_searches` over a mixed batch (greedy, sampling with every processor, beam search; logprobs on and off)
   makes, bit for bit, the choices each search makes stepped alone: tokens, scores, finish reasons, log-probs;
 - `TextBatch` under random joins (prefill + concatenate), departures (filter) and steps decodes every request as
-  the reference driver does alone, and never keeps more than a quarter of its rows dead;
+  the reference driver does alone, and never keeps more than a quarter of its rows dead; its `Generation`s hand
+  back each single-row search's tokens (and log-probabilities) once each, in order, and every result when done;
 - a search that raises inside a batched step fails alone, wherever the failure happens.
 """
 
@@ -14,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from fake_decoding import EOS, POISON, FakeBackend, alone, extend, history_of, logits_of
 
 from service.decoding import (
     BeamSearch,
@@ -24,8 +24,9 @@ from service.decoding import (
     run_search,
     step_searches,
 )
-from service.scheduling.continuous import TextJob
+from service.scheduling.jobs import TextJob
 from service.scheduling.text_batch import DEAD_ROWS_BEFORE_COMPACTION, TextBatch
+from tests.support.fake_decoding import EOS, POISON, FakeBackend, alone, extend, history_of, logits_of
 
 
 def random_search(rng: random.Random, prompt: list[int]):
@@ -128,28 +129,51 @@ def test_a_batch_under_random_joins_and_departures_decodes_each_request_as_alone
         waiting.append((prompt, rng.getstate()))
         rng.random()  # the next request's search gets other parameters
     built, finished, dropped, max_dead_fraction = {}, [], set(), 0.0
+    streamed: dict = {}  # job -> (token ids, log-probabilities) its generations handed back
+    results: dict = {}  # job -> the hypotheses of its last generation
+
+    def take(generations) -> list:
+        """Record what the generations hand back; the jobs that are done."""
+        assert all(g.error is None for g in generations)
+        for g in generations:
+            ids, logprobs = streamed.setdefault(g.job, ([], []))
+            ids += g.token_ids
+            logprobs += g.logprobs or []
+            assert g.done == (g.hypotheses is not None)
+            results[g.job] = g.hypotheses
+        return [g.job for g in generations if g.done]
+
     while waiting or (batch is not None and batch.jobs):
+        done = []
         if waiting and (batch is None or not batch.jobs or rng.random() < 0.4):
             newcomers = []
             for prompt, state in waiting[: rng.randint(1, 3)]:
                 newcomers.append(job(prompt, build(prompt, state)))
                 built[newcomers[-1]] = state
             del waiting[: len(newcomers)]
-            joined, outcomes = TextBatch.prefill(backend, newcomers)
-            assert all(isinstance(o, StepResult) for o in outcomes)
+            joined, generations = TextBatch.prefill(backend, newcomers)
+            assert [g.job for g in generations] == newcomers and all(g.rows == 1 for g in generations)
+            done = take(generations)
             batch = joined if batch is None else TextBatch.concatenate([batch, joined])
-        done = [j for j in batch.jobs if batch.pending[j].done]
         finished += done
         leaving = {j for j in batch.jobs if j not in done and rng.random() < 0.05}
         dropped |= leaving
         batch.filter([j for j in batch.jobs if j not in done and j not in leaving])
         if not batch.jobs:
             continue
-        outcomes = batch.generate_token()
-        assert all(isinstance(o, StepResult) for o in outcomes)
+        generations = batch.generate_token()
+        assert [g.job for g in generations] == batch.jobs
+        assert sum(g.rows for g in generations) == batch.live_rows
         max_dead_fraction = max(max_dead_fraction, 1 - batch.live_rows / batch.rows)  # the rows it stepped
+        done = take(generations)
+        finished += done
+        batch.filter([j for j in batch.jobs if j not in done])
     assert len(finished) + len(dropped) == 24
     assert finished and max_dead_fraction <= DEAD_ROWS_BEFORE_COMPACTION + 1e-9
     for j in finished:
-        assert [(h.tokens, h.finish_reason) for h in j.search.results()] == \
-            alone(j.input_ids, build(j.input_ids, built[j]))
+        assert [(h.tokens, h.finish_reason) for h in results[j]] == alone(j.input_ids, build(j.input_ids, built[j]))
+        if j.search.single_row:  # what was handed back is the hypothesis, token by token
+            (hypothesis,) = results[j]
+            assert streamed[j] == (hypothesis.tokens, hypothesis.logprobs or [])
+        else:
+            assert streamed[j] == ([], [])

@@ -23,12 +23,14 @@ ROOFLINE_REPEATS = 5
 
 
 def gpt_roofline(architecture: dict, batch: int, threads: int) -> dict:
-    """The fp32 matmul roofline of one decoding step of the served GPT's shape at `batch` rows (bench_engine.py's
-    `run_roofline_gpt`: the step's matmuls in torch, same threads), as a pseudo-case for `evaluate_goals`."""
+    """The fp32 matmul roofline of one decoding step of the served GPT's shape at `batch` rows (bench_engine.py's,
+    `enginebench.scaling.run_roofline_gpt`: the step's matmuls in torch, same threads), as a pseudo-case for
+    `evaluate_goals`."""
     import statistics
 
     import torch
-    from bench_engine import GptSpec, run_roofline_gpt
+    from enginebench.scaling import run_roofline_gpt
+    from enginebench.workloads import GptSpec
 
     torch.set_num_threads(threads)
     spec = GptSpec(vocab_size=architecture["vocab_size"], d_model=architecture["d_model"],

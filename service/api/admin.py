@@ -8,8 +8,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.api.native.protocol import Liveness, Readiness
+from service.http.apis import OPERATIONS
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], route_class=OPERATIONS.route_class)
 
 
 @router.get("/health/live", summary="Liveness: the process answers", response_model=Liveness)

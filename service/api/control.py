@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from service.errors import BadInput, json_error_reason
+from service.api.oip.errors import OIP
 from service.models.control import parse_version
 
 SUPPORTED_PARAMETERS = {"version", "unload_dependents"}  # unload_dependents: tritonclient sends it; no ensembles here
@@ -30,7 +31,7 @@ ERRORS = {status: {"description": text, "content": {"application/json": {"exampl
 
 
 def build_router() -> APIRouter:
-    router = APIRouter(tags=["model repository"])
+    router = APIRouter(tags=["model repository"], route_class=OIP.route_class)
     router.add_api_route("/v2/repository/index", index, methods=["POST"], responses=ERRORS,
                          summary="Every model version and its state")
     router.add_api_route("/v2/repository/models/{name}/load", load, methods=["POST"], responses=ERRORS,

@@ -15,7 +15,8 @@ benchmarks (bench/) and `export.verify_served`.
   `log_records()`, `access_records()`), or with `log_path` written to that file by the process itself: no thread
   of this process spends time on it (what a benchmark wants).
 - `stop()`: SIGTERM, then SIGKILL after a grace period, to the process's group (it runs in its own session, so
-  a Ctrl-C in the terminal reaches the client only, which stops it); it always reaps the process.
+  a Ctrl-C in the terminal reaches the client only, which stops it); it always reaps the process. The port and
+  process-group helpers are `service.client.processes`.
 - `command(port)` runs something else that answers /health/ready (the benchmark's baseline server) the same way,
   with `env` and no TSERVE_* defaults.
 
@@ -30,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,25 +42,34 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Self
 
-__all__ = ["ServiceProcess", "ServiceStartError", "clean_environment", "free_port", "stop_process_group"]
+from service.client.processes import (
+    LOOPBACK,
+    REAP_TIMEOUT_S,
+    STOP_GRACE_S,
+    die_with_parent,
+    free_port,
+    signal_group,
+    stop_process_group,
+)
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # where `service` is imported from
+__all__ = ["ServiceProcess", "ServiceStartError", "clean_environment"]
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # where `service` is imported from (service/client/ -> root)
 READY_PATH = "/health/ready"
-PORT_ATTEMPTS = 3
+PORT_ATTEMPTS = 3  # spawns on a fresh port when the one chosen was taken before the server bound it
+# Readiness: the poll's per-request timeout, the pause between polls, and how long start() waits by default (a
+# model repository loads and warms up in well under it).
+READY_POLL_TIMEOUT_S, READY_POLL_INTERVAL_S, READY_TIMEOUT_S = 2.0, 0.1, 120.0
+READY_STATUS = 200
+ERROR_BODY_CHARS = 300  # of a not-ready answer's body, shown in a start error
+READER_JOIN_S = 5.0  # how long stop() waits for the output reader threads once the process is gone
 # what log_records() and access_records() read: JSON lines, the access log's INFO records (knobs override them)
-DEFAULTS = {"TSERVE_HOST": "127.0.0.1", "TSERVE_LOG_FORMAT": "json", "TSERVE_LOG_LEVEL": "INFO"}
+DEFAULTS = {"TSERVE_HOST": LOOPBACK, "TSERVE_LOG_FORMAT": "json", "TSERVE_LOG_LEVEL": "INFO"}
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through an http_proxy
 
 
 class ServiceStartError(RuntimeError):
     """The service exited before it was ready, or was not ready in time; the message ends with its output."""
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 now (another process may take it before it is bound: start() retries)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -71,40 +80,6 @@ def clean_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
-
-
-def _signal(process: subprocess.Popen, signum: int) -> None:
-    """`signum` to the process's group when it leads one (start_new_session=True: it and its children), else to it."""
-    try:
-        if os.getpgid(process.pid) == process.pid:
-            os.killpg(process.pid, signum)
-        else:
-            process.send_signal(signum)
-    except ProcessLookupError:
-        pass
-
-
-def stop_process_group(process: subprocess.Popen, grace: float = 20.0) -> int:
-    """SIGTERM, then SIGKILL if it has not exited after `grace` seconds (to its group when it leads one); reaps it
-    and returns its exit status. No signal once it has exited."""
-    if process.poll() is None:
-        _signal(process, signal.SIGTERM)
-        try:
-            process.wait(grace)
-        except subprocess.TimeoutExpired:
-            _signal(process, signal.SIGKILL)
-            process.wait(10)
-    return process.returncode
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: stop() still ends the process
-        pass
 
 
 class ServiceProcess:
@@ -120,7 +95,7 @@ class ServiceProcess:
     def __init__(self, name: str = "service", repository: str | os.PathLike | None = None,
                  workdir: str | os.PathLike | None = None, *, command: Callable[[int], list[str]] | None = None,
                  env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 ready_timeout: float = 120.0, die_with_parent: bool = False, **knobs):
+                 ready_timeout: float = READY_TIMEOUT_S, die_with_parent: bool = False, **knobs):
         self.name = name
         self.repository = None if repository is None else Path(repository).resolve()
         self.workdir = None if workdir is None else Path(workdir)
@@ -142,7 +117,7 @@ class ServiceProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{LOOPBACK}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -158,7 +133,7 @@ class ServiceProcess:
         self.environment = env = self._environment()
         self.command = self._command(self.port) if self._command else [sys.executable, "-m", "service"]
         options = {"cwd": self.workdir or self._tmpdir, "env": env, "stdin": subprocess.DEVNULL,
-                   "start_new_session": True, "preexec_fn": _die_with_parent if self._die_with_parent else None}
+                   "start_new_session": True, "preexec_fn": die_with_parent if self._die_with_parent else None}
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("ab" if self.proc else "wb") as log:  # a retry appends to the failed attempt's
@@ -194,10 +169,10 @@ class ServiceProcess:
 
     def _readiness(self) -> tuple[bool, str]:
         try:
-            with _DIRECT.open(self.url + READY_PATH, timeout=2) as response:
-                return response.status == 200, str(response.status)
+            with _DIRECT.open(self.url + READY_PATH, timeout=READY_POLL_TIMEOUT_S) as response:
+                return response.status == READY_STATUS, str(response.status)
         except urllib.error.HTTPError as error:  # 503 while loading
-            body = error.read(300).decode("utf-8", "replace") if error.fp else ""
+            body = error.read(ERROR_BODY_CHARS).decode("utf-8", "replace") if error.fp else ""
             error.close()
             return False, f"{error.code} {body}"
         except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out
@@ -220,7 +195,7 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 raise ServiceStartError(f"{self.name}: not ready after {timeout:.0f} s (last answer: {answer})\n"
                                         f"{self.output()}")
-            time.sleep(0.1)
+            time.sleep(READY_POLL_INTERVAL_S)
 
     def start(self, timeout: float | None = None) -> Self:
         """spawn() and wait_ready(); on another port if the port was taken. Stops the process on any failure."""
@@ -257,7 +232,7 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, timeout: float = 20.0) -> int | None:
+    def stop(self, timeout: float = STOP_GRACE_S) -> int | None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; always reaps the process and joins
         the reader threads. Returns the exit status (None if it never started)."""
         if self.proc is not None:
@@ -271,13 +246,13 @@ class ServiceProcess:
     def kill(self) -> None:
         """SIGKILL at once (a crash, for tests of what survives one); reaps the process."""
         if self.proc is not None and self.proc.poll() is None:
-            _signal(self.proc, signal.SIGKILL)
-            self.proc.wait(10)
+            signal_group(self.proc, signal.SIGKILL)
+            self.proc.wait(REAP_TIMEOUT_S)
         self._join_readers()
 
     def _join_readers(self) -> None:
         for reader in self._readers:
-            reader.join(timeout=5)
+            reader.join(timeout=READER_JOIN_S)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -19,13 +19,16 @@ __all__ = ["DONE", "SSEError", "SSEParser", "event", "parse_sse"]
 
 DONE = "[DONE]"
 _DATA = "data: "
+_END = "\n\n"  # an event's line and the blank line after it
+# How much of a bad event (its start) or of a bad body (its end, and its last events) an SSEError quotes.
+_QUOTED_CHARS, _QUOTED_TAIL_CHARS, _QUOTED_EVENTS = 300, 200, 3
 
 
 def event(payload) -> bytes:
     """One server-sent event: `data: <JSON>` (or a bare string such as [DONE]) and the blank line after it. Strict
     JSON (a non-finite number raises instead of writing NaN); a lone surrogate is written as its escape."""
     text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
-    return f"{_DATA}{text}\n\n".encode("utf-8", "backslashreplace")
+    return f"{_DATA}{text}{_END}".encode("utf-8", "backslashreplace")
 
 
 class SSEError(ValueError):
@@ -36,9 +39,9 @@ def _event(data: str) -> dict:
     try:
         event = json.loads(data)
     except ValueError as error:
-        raise SSEError(f"event is not JSON: {data[:300]!r}") from error
+        raise SSEError(f"event is not JSON: {data[:_QUOTED_CHARS]!r}") from error
     if not isinstance(event, dict):
-        raise SSEError(f"event is not a JSON object: {data[:300]!r}")
+        raise SSEError(f"event is not a JSON object: {data[:_QUOTED_CHARS]!r}")
     return event
 
 
@@ -47,15 +50,15 @@ def parse_sse(body: str | bytes) -> list[dict]:
     final [DONE], data after it, an event of several lines or with other fields, a missing blank line) raises
     SSEError."""
     text = body.decode("utf-8") if isinstance(body, bytes) else body
-    if not text.endswith("\n\n"):
-        raise SSEError(f"the body does not end with a blank line: {text[-200:]!r}")
-    chunks = text[:-2].split("\n\n")
+    if not text.endswith(_END):
+        raise SSEError(f"the body does not end with a blank line: {text[-_QUOTED_TAIL_CHARS:]!r}")
+    chunks = text[:-len(_END)].split(_END)
     if chunks[-1] != _DATA + DONE:
-        raise SSEError(f"the body does not end with `data: [DONE]`: {chunks[-3:]!r}")
+        raise SSEError(f"the body does not end with `data: [DONE]`: {chunks[-_QUOTED_EVENTS:]!r}")
     events = []
     for chunk in chunks[:-1]:
         if not chunk.startswith(_DATA) or "\n" in chunk:
-            raise SSEError(f"not one `data: ` line: {chunk[:300]!r}")
+            raise SSEError(f"not one `data: ` line: {chunk[:_QUOTED_CHARS]!r}")
         events.append(_event(chunk[len(_DATA):]))
     return events
 
@@ -80,7 +83,7 @@ class SSEParser:
             return None
         data = line[len("data:"):].removeprefix(" ")
         if self.done:
-            raise SSEError(f"data after [DONE]: {data[:300]!r}")
+            raise SSEError(f"data after [DONE]: {data[:_QUOTED_CHARS]!r}")
         if data == DONE:
             self.done = True
             return None

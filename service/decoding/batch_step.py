@@ -1,9 +1,9 @@
 """One decoding step for all the searches of a batch at once (`step_searches`), and the offline driver built on it.
 
 A step's logits arrive as one (rows, V) array with each search's rows together, in order. Single-row searches
-(greedy, sampling) go through the batched sampler (`service.decoding.sampler`) as one group, whatever their
-parameters; beam searches share one log-softmax over all their rows, then each selects its own continuations
-(its finished set and stopping rule are its own). The batching scheduler and `run_search` both step through
+(greedy, sampling) go through the batched sampler as one group (`service.decoding.sampling.step_single_rows`),
+whatever their parameters; beam searches share one log-softmax over all their rows, then each selects its own
+continuations (its finished set and stopping rule are its own). The batching scheduler and `run_search` both step through
 here, so offline decoding and serving make the same choices.
 """
 
@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .base import Search, StepResult, log_softmax
-from .sampler import step_single_rows
+from .distributions import log_softmax
+from .sampling import step_single_rows
+from .types import Search, StepResult
 
 __all__ = ["run_search", "step_searches"]
 

@@ -31,20 +31,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .base import (
-    Hypothesis,
-    NGramBlocker,
-    Search,
-    StepResult,
-    eos_ids,
-    finished_step,
-    log_softmax,
-)
+from .distributions import log_softmax, top_k_indices
+from .ngrams import NGramBlocker
+from .types import Hypothesis, Search, StepResult, eos_ids, finished_step
 
 __all__ = ["BeamSearch"]
 
 # HF marks unfilled finished slots with -1e9; the early-stop heuristic compares against it.
 _EMPTY_SLOT_SCORE = -1.0e9
+# HF keeps max(2, 1 + n_eos) candidates per beam: enough that num_beams of them go on even when the rest stop.
+_MIN_CANDIDATES_PER_BEAM = 2
 
 
 class BeamSearch(Search):
@@ -84,7 +80,7 @@ class BeamSearch(Search):
         self.num_return_sequences = int(num_return_sequences)
         self.no_repeat_ngram_size = int(no_repeat_ngram_size)
         self.min_new_tokens = int(min_new_tokens)
-        self._k = max(2, 1 + self.eos.size) * self.num_beams  # candidates kept per step
+        self._k = max(_MIN_CANDIDATES_PER_BEAM, 1 + self.eos.size) * self.num_beams  # candidates kept per step
         prefix_arr = np.asarray(list(prefix), dtype=np.int64)
         self._p = prefix_arr.size
         # (num_beams, P + max_new_tokens): prefix + generated tokens of each running beam, row = beam
@@ -152,9 +148,7 @@ class BeamSearch(Search):
         cand = (self._scores[:, None] + lp).ravel()  # (R * V,)
 
         # c. top-K continuations, best first
-        k = min(self._k, cand.size)
-        top = np.argpartition(-cand, k - 1)[:k] if k < cand.size else np.arange(cand.size)
-        top = top[np.argsort(-cand[top], kind="stable")]  # (K,)
+        top = top_k_indices(cand, self._k)  # (K,) ties by lower index: by beam, then by token
         top_scores = cand[top]
         beams, toks = np.divmod(top, vocab)  # (K,) row each candidate extends, its token
         is_eos = np.isin(toks, self.eos)

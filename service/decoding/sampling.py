@@ -1,4 +1,6 @@
-"""Multinomial sampling with HF ``generate(do_sample=True)`` logits processing, plus the filters it uses.
+"""Single-row decoding: `SamplingSearch`, one sequence sampled with HF ``generate(do_sample=True)`` logits
+processing (greedy decoding is its temperature 0, see `GreedySearch`), and `step_single_rows`, the step of many
+such searches at once through the batched sampler (`service.decoding.sampler`).
 
 Per step, on the raw logits of the single row, in the order of HF ``GenerationMixin._get_logits_processor``:
 repetition penalty (prompt/prefix + generated tokens, ``RepetitionPenaltyLogitsProcessor``), then OpenAI's
@@ -10,11 +12,13 @@ EOS masking, then the warpers temperature (``TemperatureLogitsWarper``), top-k (
 (``TopPLogitsWarper``), then a draw from the softmax with ``np.random.default_rng(seed)`` (same seed, same
 output; HF's torch RNG is not reproduced). ``temperature == 0`` means greedy: argmax after the repetition
 penalty, the OpenAI penalties, the n-gram ban and the EOS masking. The hypothesis score is the sum of the
-model's log-probabilities of the chosen tokens (raw logits, before any processing), as in `GreedySearch`; so
-are the recorded ``logprobs``.
+model's log-probabilities of the chosen tokens (log-softmax of the raw logits, before any processing), EOS
+included when the sequence ends with it. With ``logprobs=N`` the search also records, per generated token (EOS
+excluded), that raw log-probability and the N most likely tokens of the same raw distribution (OpenAI
+``logprobs`` / ``top_logprobs``, see `TokenLogprob`).
 
-The processors live in `service.decoding.processors` (re-exported here); `service.decoding.sampler` applies them
-and draws for many requests at once.
+A search holds its request's state; `step_single_rows` hands the sampler that state as arrays (`RowParams`) and
+each search the token chosen for it (`SamplingSearch.accept`).
 """
 
 from __future__ import annotations
@@ -23,42 +27,37 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .base import StopStrings, truncate_at_stop
-from .greedy import GreedySearch
-from .processors import (
-    GREEDY_TEMPERATURE,
-    apply_openai_penalties,
-    apply_repetition_penalty,
-    apply_temperature,
-    top_k_filter,
-    top_p_filter,
-)
-from .sampler import process_rows
+from . import sampler
+from .distributions import log_normaliser, top_logprobs
+from .ngrams import NGramBlocker
+from .processors import GREEDY_TEMPERATURE
+from .types import Hypothesis, Search, StepResult, TokenLogprob, eos_ids, finished_step
 
-__all__ = [
-    "SamplingSearch",
-    "StopStrings",
-    "apply_openai_penalties",
-    "apply_repetition_penalty",
-    "apply_temperature",
-    "top_k_filter",
-    "top_p_filter",
-    "truncate_at_stop",
-]
+__all__ = ["SamplingSearch", "step_single_rows"]
+
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_OPENAI_PENALTY = 2.0
+
+_ZERO = np.zeros(1, dtype=np.int64)  # every single-row step continues row 0: one shared, read-only array
+_ZERO.flags.writeable = False
 
 
-class SamplingSearch(GreedySearch):
+class SamplingSearch(Search):
     """Sample one sequence (see the module docstring for the processing order).
 
+    ``stop_checker(generated_tokens) -> bool`` (e.g. `StopStrings`) is called with the int64 array of generated
+    tokens after every non-EOS token; True ends the sequence with finish_reason "stop".
     ``prefix``: tokens already in the sequence that the repetition penalty and the n-gram ban also cover (HF's
     processors see the whole ``input_ids``: the prompt for a decoder-only model, the decoder start token for an
-    encoder-decoder one). ``no_repeat_ngram_size``: 0 = off, see `GreedySearch`.
-    ``stop_checker``: see `GreedySearch` / `StopStrings`. ``logprobs``: see `GreedySearch` (always the raw
-    distribution, before any of the processing here).
+    encoder-decoder one). ``no_repeat_ngram_size``: 0 = off.
+    ``logprobs``: None records nothing (no cost); N >= 0 records one `TokenLogprob` per generated token (the
+    chosen token's raw log-prob and the top N of the raw distribution), see `token_logprobs`.
     ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI): subtract ``presence_penalty`` from the logit of
     every token generated at least once and ``frequency_penalty`` times its count; negative values encourage
     repetition. The prefix does not count.
     """
+
+    single_row = True  # steps through `step_single_rows`, many requests at once
 
     def __init__(
         self,
@@ -77,8 +76,12 @@ class SamplingSearch(GreedySearch):
         frequency_penalty: float = 0.0,
         logprobs: int | None = None,
     ):
-        super().__init__(max_new_tokens, eos_token_id, min_new_tokens=min_new_tokens, stop_checker=stop_checker,
-                         no_repeat_ngram_size=no_repeat_ngram_size, prefix=prefix, logprobs=logprobs)
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if no_repeat_ngram_size < 0:
+            raise ValueError("no_repeat_ngram_size must be >= 0")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError("logprobs must be None or >= 0")
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         if top_k < 0:
@@ -87,24 +90,76 @@ class SamplingSearch(GreedySearch):
             raise ValueError("top_p must be in (0, 1]")
         if repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
-        if not -2.0 <= presence_penalty <= 2.0:
+        if not -MAX_OPENAI_PENALTY <= presence_penalty <= MAX_OPENAI_PENALTY:
             raise ValueError("presence_penalty must be in [-2, 2]")
-        if not -2.0 <= frequency_penalty <= 2.0:
+        if not -MAX_OPENAI_PENALTY <= frequency_penalty <= MAX_OPENAI_PENALTY:
             raise ValueError("frequency_penalty must be in [-2, 2]")
+        self.max_new_tokens = int(max_new_tokens)
+        self.eos = eos_ids(eos_token_id)  # (n_eos,)
+        self._eos_set = frozenset(self.eos.tolist())  # `in` on a set, not on an array, every step
+        self.min_new_tokens = int(min_new_tokens)
+        self.stop_checker = stop_checker
+        self.no_repeat_ngram_size = int(no_repeat_ngram_size)
+        self._prefix = np.asarray(list(prefix), dtype=np.int64)  # (P,)
+        # incremental n-gram ban over prefix + generated tokens; None when off
+        self._ngrams = NGramBlocker(self.no_repeat_ngram_size, self._prefix) if self.no_repeat_ngram_size else None
+        self._tokens = np.zeros(self.max_new_tokens, dtype=np.int64)  # generated tokens, EOS excluded
+        self._n = 0  # tokens generated so far, EOS included
+        self._score = 0.0
+        self._reason: str | None = None
+        self.logprobs = None if logprobs is None else int(logprobs)
+        # one entry per generated token (EOS excluded), aligned with `generated`; None when not recording
+        self._logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         # below GREEDY_TEMPERATURE, sampling is greedy (as vLLM): logits / 1e-300 overflow to inf and NaN
         self.temperature = 0.0 if temperature < GREEDY_TEMPERATURE else float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.repetition_penalty = float(repetition_penalty)
-        self._rng = np.random.default_rng(seed)
         self.presence_penalty = float(presence_penalty)
         self.frequency_penalty = float(frequency_penalty)
+        # this request's own random generator (sampling only): one uniform draw per step
+        self.generator = np.random.default_rng(seed) if self.temperature > 0.0 else None
         self._seen: np.ndarray | None = None  # (V,) bool: tokens in prefix + generated, built on the first step
         # (V,) int64: how often each token was generated (prefix excluded), built on the first step; None when the
         # OpenAI penalties are off
         self._counts: np.ndarray | None = None
+        # every choice is processed (sampling, penalties); else only while a ban applies
         self.always_processed = bool(self.temperature > 0.0 or self.repetition_penalty != 1.0
                                      or self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self._reason is not None else 1
+
+    @property
+    def done(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def generated(self) -> np.ndarray:
+        """Tokens generated so far, EOS excluded (a view, shape (n,))."""
+        return self._tokens[: self._n - (self._reason == "eos")]
+
+    @property
+    def token_logprobs(self) -> list[TokenLogprob]:
+        """Recorded log-probs, ``token_logprobs[i]`` for ``generated[i]`` (same length at every step; empty when
+        ``logprobs`` is None). The live list, not a copy: read it, do not mutate it."""
+        return self._logprobs if self._logprobs is not None else []
+
+    # --- the row state the sampler reads (`step_single_rows` gathers it) ----------------------------------------
+
+    def needs_processing(self) -> bool:
+        """Whether the next choice is more than the argmax of the raw logits."""
+        return (self.always_processed or (self._n < self.min_new_tokens and bool(self._eos_set))
+                or (self._ngrams is not None and bool(self._ngrams.banned())))
+
+    def mask_banned(self, banned: np.ndarray) -> None:
+        """In place on a ban mask (V,) bool: True for the tokens that would repeat an n-gram
+        (``no_repeat_ngram_size``), and for EOS while fewer than ``min_new_tokens`` tokens were generated."""
+        if self._ngrams is not None and self._ngrams.banned():
+            banned[self._ngrams.banned_ids(banned.shape[-1])] = True
+        if self._n < self.min_new_tokens and self.eos.size:
+            banned[self.eos] = True
 
     def seen_tokens(self, vocab: int) -> np.ndarray:
         """(V,) bool: the tokens of prefix + generated so far (the repetition penalty's set), built on first use."""
@@ -119,16 +174,114 @@ class SamplingSearch(GreedySearch):
             self._counts = np.zeros(vocab, dtype=np.int64)
         return self._counts
 
-    def draw_uniform(self) -> float:
-        """This request's next uniform draw in [0, 1)."""
-        return self._rng.random()
+    def process_logits(self, row: np.ndarray) -> np.ndarray:
+        """Raw logits (V,) -> processed logits (V,) for the next draw (-inf = removed), given the tokens so far."""
+        x = np.array(row, dtype=np.float64)[None, :]
+        return sampler.process(x, row_params([self], x.shape[1]))[0]
 
-    def _note_choice(self, tok: int) -> None:
+    # --- one step ------------------------------------------------------------------------------------------------
+
+    def step(self, logits: np.ndarray) -> StepResult:
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != 1:
+            raise ValueError(f"expected logits of shape (1, V), got {logits.shape}")
+        return step_single_rows([self], logits)[0]
+
+    def accept(self, tok: int, lp: float, top: list[tuple[int, float]]) -> StepResult:
+        """Record the chosen token ``tok``, its raw log-probability ``lp`` and the top alternatives ``top`` (read
+        only for ``logprobs``); decides whether the sequence ends."""
         if self._seen is not None:
             self._seen[tok] = True
         if self._counts is not None:  # an EOS is counted too, but it ends the sequence
             self._counts[tok] += 1
+        self._score += lp
+        self._n += 1
+        if tok in self._eos_set:
+            self._reason = "eos"
+        else:
+            self._tokens[self._n - 1] = tok
+            if self._logprobs is not None:  # before the stop check: aligned with `generated` at every step
+                self._logprobs.append(TokenLogprob(tok, lp, top))
+            if self._ngrams is not None:
+                self._ngrams.append(tok)
+            if self.stop_checker is not None and self.stop_checker(self._tokens[: self._n]):
+                self._reason = "stop"
+            elif self._n >= self.max_new_tokens:
+                self._reason = "length"
+        if self._reason is not None:
+            return finished_step()
+        return StepResult(tokens=np.array([tok], dtype=np.int64), parents=_ZERO, done=False)
 
-    def process_logits(self, row: np.ndarray) -> np.ndarray:
-        """Raw logits (V,) -> processed logits (V,) for the next draw (-inf = removed), given the tokens so far."""
-        return process_rows([self], np.array(row, dtype=np.float64)[None, :])[0]
+    def results(self) -> list[Hypothesis]:
+        if self._reason is None:
+            raise RuntimeError("results() before the search is done")
+        logprobs = None if self._logprobs is None else list(self._logprobs)
+        return [Hypothesis(tokens=self.generated.tolist(), score=self._score, finish_reason=self._reason,
+                           logprobs=logprobs)]
+
+
+def row_params(searches: Sequence[SamplingSearch], vocab: int) -> sampler.RowParams:
+    """The sampler's view of `searches` (one row each): their parameters and state as arrays."""
+    banned = np.zeros((len(searches), vocab), dtype=bool)
+    for row, search in enumerate(searches):
+        search.mask_banned(banned[row])
+    return sampler.RowParams(
+        temperature=np.array([s.temperature for s in searches]),
+        top_k=np.array([s.top_k for s in searches], dtype=np.int64),
+        top_p=np.array([s.top_p for s in searches]),
+        repetition_penalty=np.array([s.repetition_penalty for s in searches]),
+        presence_penalty=np.array([s.presence_penalty for s in searches]),
+        frequency_penalty=np.array([s.frequency_penalty for s in searches]),
+        seen=[s.seen_tokens(vocab) if s.repetition_penalty != 1.0 else None for s in searches],
+        counts=[s.token_counts(vocab) if s.presence_penalty or s.frequency_penalty else None for s in searches],
+        banned=banned,
+        generators=[s.generator for s in searches],
+    )
+
+
+def step_single_rows(searches: Sequence[SamplingSearch], logits: np.ndarray, isolate: bool = False
+                     ) -> list[StepResult | Exception]:
+    """One step of single-row searches: `logits` (len(searches), V), row i for searches[i].
+
+    ``isolate``: a search that raises gets its exception in its place in the result and the others go on (a
+    failure in the shared array work is retried one row at a time, so that it concerns only the rows that
+    cause it); otherwise the first exception propagates."""
+    x = np.array(logits, dtype=np.float64)  # a copy: the processors work on their own
+    if x.ndim != 2 or x.shape[0] != len(searches):
+        raise ValueError(f"expected logits of shape ({len(searches)}, V), got {x.shape}")
+    if any(s.done for s in searches):
+        raise RuntimeError("step() called on a finished search")
+    if not isolate:
+        return [search.accept(*chosen) for search, chosen in zip(searches, _choose(searches, x))]
+    try:
+        chosen = _choose(searches, x)
+    except Exception:
+        if len(searches) == 1:
+            raise
+        return [_isolated(_step_one, search, x[row]) for row, search in enumerate(searches)]
+    return [_isolated(search.accept, *c) for search, c in zip(searches, chosen)]
+
+
+def _isolated(function, *arguments) -> StepResult | Exception:
+    """``function(*arguments)``, or the exception it raised."""
+    try:
+        return function(*arguments)
+    except Exception as error:  # noqa: BLE001 - handed back to the caller, who fails that request only
+        return error
+
+
+def _step_one(search: SamplingSearch, row: np.ndarray) -> StepResult:
+    return search.accept(*_choose([search], row[None, :].copy())[0])
+
+
+def _choose(searches: Sequence[SamplingSearch], x: np.ndarray) -> list[tuple[int, float, list]]:
+    """`accept`'s arguments for each row of raw logits ``x`` (left as is): the token, its raw log-probability
+    (the same float64 operations as `log_softmax`, for all rows at once) and its top alternatives."""
+    peak, log_z = log_normaliser(x)
+    processed = [i for i, s in enumerate(searches) if s.needs_processing()]
+    tokens = np.argmax(x, axis=1) if len(processed) < len(searches) else np.empty(len(searches), np.int64)
+    if processed:
+        tokens[processed] = sampler.choose(x[processed], row_params([searches[i] for i in processed], x.shape[1]))
+    logprobs = ((x[np.arange(len(tokens)), tokens] - peak) - log_z).tolist()
+    return [(tok, lp, top_logprobs(x[row], s.logprobs, peak[row], log_z[row]) if s.logprobs else [])
+            for row, (s, tok, lp) in enumerate(zip(searches, tokens.tolist(), logprobs))]

@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from service.engines import onnx_schema as schema
 from service.decoding import Search, run_search
-from service.engines.kv_cache import InPlaceStep, KVCache
-from service.models.repository import TOKENIZER_FILE, ModelVersion
+from service.engines import onnx_schema as schema
+from service.engines.iobinding import InPlaceStep
+from service.engines.kv_cache import KVCache
 from service.engines.runtime import RuntimeOptions, active_provider, create_session
+from service.models.repository import TOKENIZER_FILE, ModelVersion
 
 
 class GPTEngine:
@@ -37,7 +38,7 @@ class GPTEngine:
             if step_file else None
         self.context_length = config["context_length"]
         self.eos_id = config["special_tokens"]["eos_id"]
-        self.pad_id = 0
+        self.pad_id = schema.PAD_ID  # the GPT config names none
 
     def _run(self, cache: KVCache, ids: np.ndarray, positions: np.ndarray, new_mask: np.ndarray) -> np.ndarray:
         """Feed ids (R, T) at positions (R, T) after the cache; returns logits of the last column (R, V)."""

@@ -48,7 +48,10 @@ from service.settings import Settings
 # (Pillow stores multi-band images, RGB included, and 32-bit single-band ones, I and F, in 4 bytes per pixel).
 ONE_BYTE_MODES = frozenset({"1", "L", "P"})
 TWO_BYTE_MODE_PREFIX = "I;16"
+TWO_PIXEL_BYTES = 2
 WIDE_PIXEL_BYTES = 4
+# base64 writes every 3 bytes (a group, the last one padded) as 4 characters.
+BASE64_GROUP_BYTES, BASE64_GROUP_CHARS = 3, 4
 # What `ViTEngine.preprocess` holds besides the decoded image, all alive at once: the image in the model's mode
 # ("L": 1 byte per pixel, "RGB": 4; a copy even when the mode is already right) and, for an image with
 # transparency, the RGBA copies of one strip of rows that is being composited on white (`engine.on_white`: the
@@ -87,7 +90,7 @@ class ImageHeader:
 def storage_bytes_per_pixel(mode: str) -> int:
     if mode in ONE_BYTE_MODES:
         return 1
-    return 2 if mode.startswith(TWO_BYTE_MODE_PREFIX) else WIDE_PIXEL_BYTES
+    return TWO_PIXEL_BYTES if mode.startswith(TWO_BYTE_MODE_PREFIX) else WIDE_PIXEL_BYTES
 
 
 def decode_cost(mode: str, width: int, height: int, transparent: bool, model_channels: int) -> int:
@@ -288,7 +291,8 @@ def b64decode(image: EncodedImage, settings: Settings) -> bytes:
     if text.startswith("data:"):  # a data URL: data:image/png;base64,....
         text = text.partition(",")[2]
     text = "".join(text.split())  # line-wrapped base64 (as `base64` prints it) is fine
-    if len(text) > (settings.max_image_bytes + 2) // 3 * 4:
+    groups = -(-settings.max_image_bytes // BASE64_GROUP_BYTES)  # the base64 of the largest image allowed
+    if len(text) > groups * BASE64_GROUP_CHARS:
         raise PayloadTooLarge(f"{image.name} has more than {settings.max_image_bytes} bytes, the limit")
     try:
         return base64.b64decode(text, validate=True)

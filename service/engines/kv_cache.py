@@ -18,7 +18,7 @@ Two storage modes, after vLLM's and gpt-fast's pre-allocated caches:
   after them are zero and masked. A step writes each row's token into its own slot `lengths[row]` in place
   (`export.kv_inplace`'s graph, with the buffers bound as both past and present); capacity grows with a headroom
   (`capacity_for`), so attention over the whole buffer costs at most 1 + HEADROOM times the used length.
-  `InPlaceStep` runs such steps with one IO binding that lasts as long as the buffers do.
+  `service.engines.iobinding.InPlaceStep` runs such steps with one IO binding that lasts as long as the buffers do.
 
 Buffers keep every row where it would be alone (slot 0 onwards), whatever the batch: this is what makes a row's
 logits bit-identical alone and in any batch (batch invariance). ONNX Runtime's attention reductions (softmax sum,
@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.engines import onnx_schema as schema
-from service.engines.onnx_schema import past_names, present_names
+from service.engines.onnx_schema import past_names
 
 CAPACITY_STEP = 16  # buffer capacities are multiples of this many slots
 # A full buffer is replaced by one with this much headroom: attention over the buffer costs at most 1 + HEADROOM
@@ -45,20 +44,14 @@ CAPACITY_STEP = 16  # buffer capacities are multiples of this many slots
 # at batch 16 and 64 (attention over up to twice the slots); growing by 16 slots made them faster at batch 16 and
 # 64 (1.24x, 1.16x) but copied the cache every 16 steps.
 HEADROOM = 0.25
+# A same-size reorder that moves at most this fraction of the rows (beams swapping a few parents) copies just those
+# rows in place; one that moves more gathers every row into a fresh cache in one pass instead.
+IN_PLACE_REORDER_FRACTION = 0.5
 
 
 def capacity_for(slots: int) -> int:
     """The buffer capacity for `slots` used slots: `HEADROOM` more, rounded up to a multiple of CAPACITY_STEP."""
     return max(CAPACITY_STEP, -(-int(slots * (1 + HEADROOM)) // CAPACITY_STEP) * CAPACITY_STEP)
-
-
-def bind_array(binding, name: str, array: np.ndarray, output: bool = False) -> np.ndarray:
-    """Bind a C-contiguous CPU array to an ONNX Runtime IO binding by address (no copy); returns the array, which
-    the caller keeps alive until the run is over."""
-    array = np.ascontiguousarray(array)
-    bind = binding.bind_output if output else binding.bind_input
-    bind(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-    return array
 
 
 @dataclass
@@ -69,7 +62,8 @@ class KVCache:
     positions: np.ndarray
     encoder_row: np.ndarray | None = None
     lengths: np.ndarray | None = None  # (rows,) int64 slots in use per row in capacity buffers; None: exact storage
-    step_binding: _StepBinding | None = field(default=None, repr=False, compare=False)  # `InPlaceStep`'s
+    # the IO binding `service.engines.iobinding.InPlaceStep` made for these buffers (a `StepBinding`), if any
+    step_binding: object | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, rows: int, n_layers: int, n_heads: int, head_dim: int) -> KVCache:
@@ -131,16 +125,6 @@ class KVCache:
         np.add(self.lengths, 1, out=self.lengths)
         np.add(self.positions, 1, out=self.positions)
 
-    def bind(self, binding) -> list[np.ndarray]:
-        """Buffers: bind each layer's past and present to the same buffer (an ONNX Runtime IO binding), so the
-        in-place graph writes the new slot without copying the past; returns what the binding points into."""
-        bound = []
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            for name, present, array in zip(past_names(i), present_names(i), (k, v)):
-                bound.append(bind_array(binding, name, array))
-                bind_array(binding, present, array, output=True)
-        return bound
-
     def feeds(self) -> dict[str, np.ndarray]:
         """Exact storage: the past inputs of the graph."""
         feeds = {}
@@ -167,7 +151,7 @@ class KVCache:
             moved = np.flatnonzero(rows != np.arange(self.rows))
             if moved.size == 0:
                 return  # nothing moves: greedy and sampling rows keep their place
-            if 2 * moved.size <= self.rows:
+            if moved.size <= IN_PLACE_REORDER_FRACTION * self.rows:
                 sources, used = rows[moved], self.length
                 for array in (*self.keys, *self.values):
                     array[moved, :, :used] = array[sources, :, :used]  # the right side is gathered first
@@ -279,60 +263,3 @@ def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray
         return out * keep[:, None, :, None].astype(array.dtype)  # what is masked is zero, as a fresh buffer
 
     return [moved(k) for k in keys], [moved(v) for v in values], keep.astype(np.int64), lengths
-
-
-@dataclass
-class _StepBinding:
-    """An IO binding of the in-place step graph and the arrays it points into (`InPlaceStep`)."""
-
-    key: tuple
-    binding: object
-    ids: np.ndarray  # (R, 1) int64, written each step
-    slot: np.ndarray  # (R,) int64: each row's slot, written each step
-    logits: np.ndarray  # (R, 1, V) float32, the graph's output
-    held: list[np.ndarray]  # kept alive as long as the binding
-
-
-class InPlaceStep:
-    """Runs an in-place step graph (`export.kv_inplace`) over a buffered `KVCache`, through one ONNX Runtime IO
-    binding that lasts as long as the arrays it points into: a step writes the token ids and the slot into arrays
-    the binding already holds and runs, so it costs no binding calls and no allocation unless the cache's buffers
-    were replaced (growth, compaction, a join) or the other inputs changed. The binding lives on the cache, so
-    one engine may step several caches (from several threads)."""
-
-    def __init__(self, session, vocab_size: int):
-        slot = next((i for i in session.get_inputs() if i.name == schema.CACHE_SLOT), None)
-        if slot is None or len(slot.shape) != 1:
-            raise ValueError(f"the step graph's {schema.CACHE_SLOT} input must be one slot per row (rows,), got "
-                             f"{None if slot is None else slot.shape}: a graph exported before each row wrote its own "
-                             f"slot; derive it again with `python -m export.convert ... --kv-cache inplace`")
-        self.session = session
-        self.vocab_size = vocab_size
-
-    def run(self, cache: KVCache, tokens: np.ndarray, inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
-        """Feed one token per row (R,) and return the next-token logits (R, V); `inputs`: the graph's other
-        inputs (e.g. the encoder's), bound by address as they are."""
-        inputs = inputs or {}
-        slots = cache.open_slot()
-        arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
-        key = (cache.rows, cache.capacity, *(a.ctypes.data for a in arrays), *(a.shape for a in inputs.values()))
-        bound = cache.step_binding
-        if bound is None or bound.key != key:
-            bound = cache.step_binding = self._bind(key, cache, inputs)
-        bound.ids[:, 0] = tokens
-        bound.slot[:] = slots
-        self.session.run_with_iobinding(bound.binding)
-        cache.advance()
-        return bound.logits[:, -1].copy()
-
-    def _bind(self, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray]) -> _StepBinding:
-        binding = self.session.io_binding()
-        ids, slot = np.zeros((cache.rows, 1), np.int64), np.zeros(cache.rows, np.int64)
-        logits = np.empty((cache.rows, 1, self.vocab_size), np.float32)
-        held = [bind_array(binding, schema.INPUT_IDS, ids),
-                bind_array(binding, schema.POSITION_IDS, cache.positions.reshape(-1, 1)),
-                bind_array(binding, schema.ATTENTION_MASK, cache.mask),
-                bind_array(binding, schema.CACHE_SLOT, slot),
-                bind_array(binding, schema.LOGITS, logits, output=True), *cache.bind(binding)]
-        held += [bind_array(binding, name, array) for name, array in inputs.items()]
-        return _StepBinding(key, binding, ids, slot, logits, held)

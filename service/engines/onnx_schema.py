@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 # file names inside a model version folder
 GPT_DECODER_FILE = "decoder.onnx"
-DECODER_STEP_FILE = "decoder_step.onnx"  # optional: the in-place one-token step graph (export.kv_inplace)
 ENCODER_FILE = "encoder.onnx"
 DECODER_FILE = "decoder.onnx"
 DECODER_STEP_FILE = "decoder_step.onnx"  # optional: the in-place one-token step graph (export.kv_inplace)
@@ -38,6 +37,11 @@ ENCODER_ROW = "encoder_row"
 CACHE_SLOT = "cache_slot"
 LOGITS = "logits"
 PIXEL_VALUES = "pixel_values"
+
+# The token id fed where the attention mask is 0 (a right-padded prompt's tail, a batch's dead rows): such slots
+# never reach a real row's output, so any id of the vocabulary serves, and 0 is in every one. A config that names
+# its own (`special_tokens.pad_id`, the translator's, which it was trained with) is read instead.
+PAD_ID = 0
 
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
 SOURCE, SOURCES = "source", "sources"

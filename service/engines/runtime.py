@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+# ONNX Runtime's log severity for its own messages: 3 = errors only (0 verbose, 1 info, 2 warnings, 4 fatal);
+# shape-inference chatter is not useful in service logs.
+ORT_LOG_ERRORS_ONLY = 3
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions())
     settings.intra_op_num_threads = options.intra_op_threads
     settings.inter_op_num_threads = options.inter_op_threads
     settings.graph_optimization_level = _LEVELS[options.graph_optimization]
-    settings.log_severity_level = 3  # errors only; shape-inference chatter is not useful in service logs
+    settings.log_severity_level = ORT_LOG_ERRORS_ONLY
     spin = "1" if options.spin else "0"
     settings.add_session_config_entry("session.intra_op.allow_spinning", spin)
     settings.add_session_config_entry("session.inter_op.allow_spinning", spin)

@@ -16,13 +16,20 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from service.engines import onnx_schema as schema
 from service.decoding import Search, run_search
-from service.engines.kv_cache import InPlaceStep, KVCache
-from service.models.repository import TOKENIZER_FILE, ModelVersion
+from service.engines import onnx_schema as schema
+from service.engines.iobinding import InPlaceStep
+from service.engines.kv_cache import KVCache
 from service.engines.runtime import RuntimeOptions, active_provider, create_session
+from service.models.repository import TOKENIZER_FILE, ModelVersion
 
 DEFAULT_LENGTH_PENALTY = 1.0  # beam search's, for a version whose config.json does not choose one (transformers')
+# A request that sets no max_new_tokens gets TARGET_PER_SOURCE_TOKEN tokens per source token plus
+# TARGET_SLACK_TOKENS (within the positional table): room for a translation up to twice as long as its source, and
+# a few tokens more for short sources, whose translations vary most in length, while a row that never emits EOS
+# still ends.
+TARGET_PER_SOURCE_TOKEN = 2
+TARGET_SLACK_TOKENS = 10
 
 
 @dataclass
@@ -180,8 +187,9 @@ class TranslationEngine:
         return DecoderBatch(KVCache.concatenate([b.cache for b in batches], offsets, rows), encoded)
 
     def default_max_new_tokens(self, source_length: int) -> int:
-        """Room for a translation: twice the source plus 10 tokens, within the positional table."""
-        return min(2 * source_length + 10, self.max_target_length - 1)
+        """Room for a translation (`TARGET_PER_SOURCE_TOKEN`, `TARGET_SLACK_TOKENS`), within the positional table."""
+        room = TARGET_PER_SOURCE_TOKEN * source_length + TARGET_SLACK_TOKENS
+        return min(room, self.max_target_length - 1)  # the start token takes position 0
 
     def translate_ids(self, sources: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
         """Decode a batch offline: encode once, start, then steps until every search is done."""

@@ -7,15 +7,19 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from service.decoding.distributions import softmax, top_k_indices
 from service.engines import onnx_schema as schema
-from service.models.repository import ModelVersion
 from service.engines.runtime import RuntimeOptions, active_provider, create_session
+from service.models.repository import ModelVersion
 
 TRANSPARENT_MODES = ("RGBA", "LA", "PA")
 # Rows composited on white at a time: the RGBA copies that compositing needs exist for one strip, not for the
 # whole image (a 4000x4000 image: 12 MB of strips instead of 192 MB of copies), and each strip holds the GIL
 # for milliseconds, not for the 100 ms a whole large image takes. The result is the same to the byte.
 COMPOSITE_STRIP_ROWS = 256
+WHITE = (255, 255, 255, 255)  # the opaque RGBA background a transparent image is composited on
+MAX_PIXEL_VALUE = 255.0  # 8-bit pixels: divided by this, they lie in [0, 1], where the config's mean and std apply
+DEFAULT_TOP_K = 5  # labels per image `classify` returns unless asked for another number
 
 
 def non_finite_rows(outputs: np.ndarray) -> list[int]:
@@ -35,7 +39,7 @@ def on_white(image: Image.Image, mode: str) -> Image.Image:
     for top in range(0, height, COMPOSITE_STRIP_ROWS):
         box = (0, top, width, min(height, top + COMPOSITE_STRIP_ROWS))
         strip = image.crop(box).convert("RGBA")
-        white = Image.new("RGBA", strip.size, (255, 255, 255, 255))
+        white = Image.new("RGBA", strip.size, WHITE)
         out.paste(Image.alpha_composite(white, strip).convert(mode), box)
     return out
 
@@ -60,7 +64,7 @@ class ViTEngine:
         image = on_white(image, mode) if has_transparency(image) else image.convert(mode)
         if image.size != (self.size, self.size):
             image = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
-        pixels = np.asarray(image, dtype=np.float32) / 255.0
+        pixels = np.asarray(image, dtype=np.float32) / MAX_PIXEL_VALUE
         pixels = pixels[None] if self.channels == 1 else pixels.transpose(2, 0, 1)  # (C, H, W)
         return self.normalize(pixels)
 
@@ -72,10 +76,8 @@ class ViTEngine:
         """Preprocessed images (B, C, H, W) -> logits (B, classes)."""
         return self.session.run(None, {schema.PIXEL_VALUES: np.ascontiguousarray(batch, dtype=np.float32)})[0]
 
-    def classify(self, images: Sequence[Image.Image], top_k: int = 5) -> list[list[tuple[str, int, float]]]:
+    def classify(self, images: Sequence[Image.Image], top_k: int = DEFAULT_TOP_K) -> list[list[tuple[str, int, float]]]:
         """Top-k (label, index, probability) per image."""
-        logits = self.logits(np.stack([self.preprocess(image) for image in images]))
-        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probabilities = shifted / shifted.sum(axis=1, keepdims=True)
-        top = np.argsort(-probabilities, axis=1, kind="stable")[:, :top_k]
+        probabilities = softmax(self.logits(np.stack([self.preprocess(image) for image in images])))  # (B, classes)
+        top = top_k_indices(probabilities, top_k)
         return [[(self.labels[i], int(i), float(p[i])) for i in row] for p, row in zip(probabilities, top)]

@@ -40,9 +40,15 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# A key shorter than this is refused at app creation: too few characters to withstand guessing.
 MIN_KEY_CHARS = 16
+# A key's characters: visible ASCII, from "!" to "~" (anything else could not travel in a header as it is).
+VISIBLE_ASCII = ("!", "~")
+# The paths that need a key, with everything under them: the inference and model-listing APIs.
 PROTECTED_PREFIXES = ("/v1", "/v2")
-WWW_AUTHENTICATE = b"Bearer"
+# A rejected HTTP request: 401 with this challenge; a rejected WebSocket: closed with "policy violation" (RFC 6455).
+UNAUTHORIZED_STATUS, WWW_AUTHENTICATE = 401, b"Bearer"
+POLICY_VIOLATION = 1008
 
 
 class ApiKeyConfigError(ValueError):
@@ -53,7 +59,7 @@ def _check_key(key: str, where: str) -> None:
     if len(key) < MIN_KEY_CHARS:
         raise ApiKeyConfigError(f"{where}: a key is {len(key)} characters long; API keys must have at least "
                                 f"{MIN_KEY_CHARS} characters")
-    if not all("!" <= c <= "~" for c in key):
+    if not all(VISIBLE_ASCII[0] <= c <= VISIBLE_ASCII[1] for c in key):
         raise ApiKeyConfigError(f"{where}: a key contains whitespace, control or non-ASCII characters; API keys "
                                 f"must be visible ASCII")
 
@@ -147,11 +153,11 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             if (await receive())["type"] == "websocket.connect":  # close the handshake: the server answers 403
-                await send({"type": "websocket.close", "code": 1008, "reason": "authentication required"})
+                await send({"type": "websocket.close", "code": POLICY_VIOLATION, "reason": "authentication required"})
             return
         body = json.dumps({"error": {"message": problem, "type": "authentication_error", "param": None,
                                      "code": "invalid_api_key"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
+        await send({"type": "http.response.start", "status": UNAUTHORIZED_STATUS,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", WWW_AUTHENTICATE)]})
         await send({"type": "http.response.body", "body": body})

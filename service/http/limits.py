@@ -42,6 +42,7 @@ from collections.abc import Callable
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from service.http.apis import native_error
 from service.settings import Settings
 
 log = logging.getLogger("tserve.http")
@@ -55,6 +56,8 @@ LINGER_MAX_S = 30.0
 # request's transit time, well below Kubernetes' 30 s termination grace.
 SHUTDOWN_IDLE_GRACE_S = 1.0
 HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS = "header_timeout", "headers_too_large", "too_many_headers"
+# A head that did not arrive in time (408), one too large or with too many headers (431).
+HEADER_TIMEOUT_STATUS, HEADERS_TOO_LARGE_STATUS = 408, 431
 REJECT_REASONS = (HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS)
 # bytes of a head that httptools' callbacks do not report: "<method> <url> HTTP/1.1\r\n" spaces and version,
 # the final empty line, and per header ": " and "\r\n"
@@ -162,8 +165,8 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
             self._header_count += 1
             self._head_size += len(name) + len(value) + HEADER_OVERHEAD
             if self._header_count > max_count:
-                self._reject(431, TOO_MANY_HEADERS, f"more than {max_count} request headers "
-                                                    f"(TSERVE_MAX_HEADER_COUNT={max_count})")
+                self._reject(HEADERS_TOO_LARGE_STATUS, TOO_MANY_HEADERS,
+                             f"more than {max_count} request headers (TSERVE_MAX_HEADER_COUNT={max_count})")
                 raise _Rejected
             super().on_header(name, value)
 
@@ -199,12 +202,12 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
 
         def _head_timed_out(self) -> None:
             self._timer = None
-            self._reject(408, HEADER_TIMEOUT, f"request line and headers not received within {timeout_s:g} s "
-                                              f"(TSERVE_HEADER_TIMEOUT_S={timeout_s:g})")
+            self._reject(HEADER_TIMEOUT_STATUS, HEADER_TIMEOUT, f"request line and headers not received within "
+                         f"{timeout_s:g} s (TSERVE_HEADER_TIMEOUT_S={timeout_s:g})")
 
         def _reject_too_large(self) -> None:
-            self._reject(431, HEADERS_TOO_LARGE, f"request line and headers over {max_bytes} bytes "
-                                                 f"(TSERVE_MAX_HEADER_BYTES={max_bytes})")
+            self._reject(HEADERS_TOO_LARGE_STATUS, HEADERS_TOO_LARGE,
+                         f"request line and headers over {max_bytes} bytes (TSERVE_MAX_HEADER_BYTES={max_bytes})")
 
         def _reject(self, status: int, reason: str, message: str) -> None:
             if self._rejected:
@@ -219,7 +222,8 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
             if self.cycle is not None and not self.cycle.response_complete:
                 self.cycle.keep_alive = False  # a response is being written: close after it, write nothing
                 return
-            body = json.dumps({"error": {"type": reason, "message": message}}).encode()
+            _, payload = native_error(status, reason, message)
+            body = json.dumps(payload).encode()
             headers = [*self.server_state.default_headers, (b"content-type", b"application/json"),
                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
             self.transport.write(b"".join([STATUS_LINE[status], *(k + b": " + v + b"\r\n" for k, v in headers),

@@ -1,7 +1,10 @@
-"""HTTP routers, one per concern: text (translate, generate), images (classify), admin (models, health, metrics).
+"""What the API routers share to build their endpoints: `with_body`, an endpoint whose JSON body is validated as a
+given request model (the app's own, built from its settings' limits: `service.api.native.protocol.request_models`),
+and `sse_response`, a server-sent event stream (`service.client.sse.event` framing, `data: [DONE]` last) that
+counts a client that leaves early as cancelled and closes the serving events either way.
 
-The text and image routers are built per app (`build_router(models)`), because their request bodies are the app's
-own request models, whose limits come from its settings (`service.api.native.protocol.request_models`).
+Each API's router (`service.api.native`, `service.api.openai`, `service.api.oip`) builds its routes with these;
+the APIs' error shapes and metrics labels are registered apart, through their route classes (`service.http.apis`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from service.client.sse import DONE
 from service.client.sse import event as sse_event
 
 
@@ -36,7 +40,7 @@ def sse_response(request: Request, chunks: AsyncIterator[bytes], events: AsyncIt
         try:
             async for chunk in chunks:
                 yield chunk
-            yield sse_event("[DONE]")
+            yield sse_event(DONE)
             delivered = True
         finally:
             if not delivered and not getattr(request.state, "failure_reason", None):  # the client went away

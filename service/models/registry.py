@@ -5,10 +5,9 @@ Models load in a background thread after the server starts, so `/health/live` an
 `/health/ready` says 503, with reasons, until every configured model is loaded (Kubernetes' startup pattern), and
 again whenever a configured model has no loaded version (every version unloaded through model control).
 
-Every version is warmed with one real inference before it takes a request, and the warm-up checks what it got: the
-ViT's normalisation is finite with `std > 0`, its outputs are one score per label, a text model's logits cover its
-tokenizer's vocabulary, and every output is finite. A version that fails these is not loaded (a model-control load
-answers 400 with the reason), so a version that loads serves.
+A version is loaded as its kind says (`service.models.kinds`: engine, scheduler, warm-up) and warmed with one real
+inference, its outputs checked (`service.models.warmup`), before it takes a request: a version that fails the
+warm-up is not loaded (a model-control load answers 400 with the reason), so a version that loads serves.
 
 Each model has an active version, the one a request that names no version gets: the version loaded last (at start,
 the highest). A request holds a lease on the model version it resolved until its response has ended, so that a
@@ -23,10 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.errors import NotFound, Unavailable
-from service.observability.metrics import Metrics
-from service.models.repository import ModelRepository, RepositoryError, parse_version
 from service.engines.runtime import RuntimeOptions
+from service.errors import NotFound, Unavailable
+from service.models.kinds import KIND_TABLE
+from service.models.repository import ModelRepository, RepositoryError, parse_version
+from service.observability.metrics import Metrics
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,8 @@ class LoadedModel:
     name: str
     version: int
     kind: str
-    engine: Any  # TranslationEngine | GPTEngine | ViTEngine
-    scheduler: Any  # ContinuousBatcher | DynamicBatcher
+    engine: Any  # its kind's engine (`service.models.kinds`)
+    scheduler: Any  # its kind's scheduler: a ContinuousBatcher or the DynamicBatcher
     provider: str
     load_seconds: float
     leases: int = 0  # requests that resolved this version and have not ended
@@ -57,13 +57,6 @@ class LoadedModel:
         """Block until no request holds this version (True), or `timeout` seconds passed (False)."""
         with self._released:
             return self._released.wait_for(lambda: self.leases <= 0, timeout=timeout)
-
-
-WARM_UP_GREY = 0.5  # the ViT's warm-up image: mid-grey, scaled to [0, 1] as a decoded image is before normalising
-
-
-class WarmUpFailed(RuntimeError):
-    """A version whose sessions load but whose warm-up inference shows it cannot serve (the reason in the message)."""
 
 
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
@@ -116,30 +109,16 @@ class ModelRegistry:
                 self.pending.remove(label)
 
     def load(self, name: str, version: int | None = None) -> LoadedModel:
-        """Load a version (default: the highest), warm it up (`_warm_up`: one real inference, checked) before any
-        request can reach it, and make it the active one."""
-        from service.engines.gpt import GPTEngine
-        from service.engines.translation import TranslationEngine
-        from service.engines.vit import ViTEngine
-        from service.scheduling.continuous import ContinuousBatcher
-
+        """Load a version (default: the highest) as its kind says, warm it up (one real inference, checked:
+        `service.models.warmup.WarmUpFailed`) before any request can reach it, and make it the active one."""
         s = self.settings
         model = self.repository.get(name, version)
+        kind = KIND_TABLE[model.kind]
         options = RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin)
         started = time.perf_counter()
-        if model.kind == "vit":
-            from service.scheduling.dynamic import DynamicBatcher
-
-            engine = ViTEngine(model, options)
-            scheduler = DynamicBatcher(engine, model.name, model.version, self.metrics,
-                                       max_batch_size=s.vit_max_batch_size, max_queue_delay_ms=s.vit_max_queue_delay_ms,
-                                       max_queue=s.max_queue_size, batching=s.vit_batching)
-        else:
-            engine = (TranslationEngine if model.kind == "translation" else GPTEngine)(model, options)
-            max_rows = s.translation_max_batch_rows if model.kind == "translation" else s.gpt_max_batch_rows
-            scheduler = ContinuousBatcher(engine, model.name, model.version, self.metrics, max_rows=max_rows,
-                                          max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size)
-        _warm_up(model.kind, engine)
+        engine = kind.engine(model, options)
+        scheduler = kind.scheduler(engine, model, self.metrics, s)
+        kind.warm_up(engine)
         scheduler.start()
         seconds = time.perf_counter() - started
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds)
@@ -151,7 +130,7 @@ class ModelRegistry:
         if previous is not None:  # the same version loaded again: the old copy is retired by its caller
             log.info("replaced %s version %d", model.name, model.version)
         labels = {"model": model.name, "version": str(model.version)}
-        self.metrics.declare_model(model.name, model.version, model.kind)
+        self.metrics.declare_model(model.name, model.version, kind.decoding_modes)
         self.metrics.model_load_seconds.labels(**labels).set(seconds)
         self.metrics.model_info.labels(model=model.name).info(
             {"kind": model.kind, "version": str(model.version), "provider": engine.provider})
@@ -253,43 +232,3 @@ class ModelRegistry:
         for loaded in self.loaded.values():
             loaded.scheduler.stop(max(0.0, deadline - time.monotonic()))
 
-
-def _warm_up(kind: str, engine) -> None:
-    """One real inference through a freshly loaded engine (sessions initialised, first-run allocations made), so
-    that the first request does not pay for it, and its outputs checked, so that a version that would answer every
-    request with an error or a non-finite number fails here (`WarmUpFailed`), before it takes requests."""
-    import numpy as np
-
-    if kind == "vit":
-        labels = engine.labels
-        if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
-            raise WarmUpFailed(f"config labels must be a non-empty list of strings, got {labels!r}")
-        if not (np.isfinite(engine.mean) and np.isfinite(engine.std) and engine.std > 0):
-            raise WarmUpFailed(f"config image normalisation must be finite with std > 0, got mean {engine.mean}, "
-                               f"std {engine.std}")
-        grey = np.full((1, engine.channels, engine.size, engine.size), WARM_UP_GREY, np.float32)  # (B, C, H, W)
-        _check_logits(engine.logits(engine.normalize(grey)), len(labels), "the config's labels", True, "a grey image")
-        return
-    if kind == "translation":
-        from service.api.native.protocol import MAX_LENGTH_PENALTY
-
-        penalty = engine.length_penalty  # the served default: held to what a request may ask for
-        if not (np.isfinite(penalty) and abs(penalty) <= MAX_LENGTH_PENALTY):
-            raise WarmUpFailed(f"config generation.length_penalty must be a finite number in [-{MAX_LENGTH_PENALTY:g}, "
-                               f"{MAX_LENGTH_PENALTY:g}], got {penalty}")
-    prompt = engine.source_ids("Hallo.") if kind == "translation" else engine.tokenizer.encode("A").ids
-    logits, state = engine.prefill([prompt])
-    engine.step(state, logits.argmax(-1))  # a decoding step too (the in-place step graph, where there is one)
-    _check_logits(logits, engine.tokenizer.get_vocab_size(), "the tokenizer's vocabulary", False, "a short prompt")
-
-
-def _check_logits(logits, size: int, what: str, exact: bool, probe: str) -> None:
-    """Warm-up outputs (1, V) for `probe`: V equal to `size` (exact) or covering it, every value finite."""
-    import numpy as np
-
-    width = logits.shape[-1] if logits.ndim == 2 and logits.shape[0] == 1 else None
-    if width is None or (width != size if exact else width < size):
-        raise WarmUpFailed(f"the model outputs shape {list(logits.shape)}, which does not match {what} ({size}"
-                           f"{'' if exact else ' or more'} per input)")
-    if not np.isfinite(logits).all():
-        raise WarmUpFailed(f"the model's outputs for {probe} hold NaN or infinite values")

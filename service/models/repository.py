@@ -24,7 +24,10 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
-KINDS = ("translation", "gpt", "vit")
+# The kinds a version's config.json may name (what each kind is, its engine, scheduler and warm-up:
+# `service.models.kinds`; they are named here, where a config is read, which the engines' modules import).
+TRANSLATION, GPT, VIT = "translation", "gpt", "vit"
+KINDS = (TRANSLATION, GPT, VIT)
 # A version as a folder name or as a request writes it: ASCII digits without a leading zero (so `03` cannot stand
 # beside `3` as a second copy of it), at most 9 of them (every such number fits an int32, as Triton's versions do).
 VERSION_DIGITS = 9

@@ -14,6 +14,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 
+# The `mode` label's values: how a text request decodes (what each kind offers: `service.models.kinds`), or
+# `classify` for an image request.
+GREEDY, BEAM, SAMPLE, CLASSIFY = "greedy", "beam", "sample", "classify"
+
 FAILURE_REASONS = ("bad_input", "unauthorized", "queue_full", "timeout", "cancelled", "internal", "unavailable")
 
 
@@ -63,14 +67,16 @@ class Metrics:
         self.ready = Gauge("tserve_ready", "1 when every configured model is loaded and the server is not draining.",
                            registry=r)
 
-    def declare_model(self, model: str, version: int, kind: str) -> None:
-        """Create a loaded model's series at zero, so that rate() and alerts see its first events too."""
+    def declare_model(self, model: str, version: int, decoding_modes: tuple[str, ...]) -> None:
+        """Create a loaded model's series at zero, so that rate() and alerts see its first events too: a text
+        model's prompt tokens and its generated tokens per decoding mode, or (no decoding modes) an image model's
+        images."""
         labels = {"model": model, "version": str(version)}
         for reason in FAILURE_REASONS:
             self.failures.labels(**labels, reason=reason)
-        if kind == "vit":
+        if not decoding_modes:
             self.images.labels(**labels)
             return
         self.prompt_tokens.labels(**labels)
-        for mode in ("greedy", "beam") + (("sample",) if kind == "gpt" else ()):
+        for mode in decoding_modes:
             self.generated_tokens.labels(**labels, mode=mode)

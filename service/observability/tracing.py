@@ -15,28 +15,10 @@ processor (`OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_MAX_QUEUE_SIZE`, ...) and the ex
 compression and certificates (`OTEL_EXPORTER_OTLP_*`). Only the HTTP/protobuf protocol is installed (the OTLP
 receivers of the Collector, Jaeger and Tempo listen for it on port 4318). Tests and embedders call `setup(exporter)`.
 
-The spans:
-- `POST /v1/generate` (SERVER; `{method} {route template}`, or the method alone when no route matched): started
-  by the request middleware (`service.http.middleware`) before anything else, a child of the caller's trace when the
-  request carries a W3C `traceparent` (and `tracestate`) header; the stable HTTP semantic-convention attributes
-  (`http.request.method`, `url.path`, `url.scheme`, `http.route`, `http.response.status_code`, `server.*`,
-  `client.address`, `network.protocol.version`, `user_agent.original`) and this service's `tserve.request_id`,
-  `tserve.model`, `tserve.version`, `tserve.mode`. Its trace id goes into the request's access-log line
-  (`trace_id`). Status ERROR for a 5xx, a 499 (the client went away) or a failure after the status was sent (a
-  stream); other 4xx are the client's errors and leave the status unset, as the conventions say.
-  The probes and the scrape (`/health/*`, `/metrics`) are not traced, as they are not access-logged.
-- per text job (one per prompt and choice, or per text to translate; `tserve.job` = its index in the request):
-  `queue_wait` (arrival to admission into the batch), `prefill` (admission to its first token) and `decode` (first
-  token to its end), with `tserve.model`, `tserve.version`, `tserve.mode`, `tserve.rows` (the rows it held in the
-  batch: its beam width), `tserve.prompt_tokens` and `tserve.generated_tokens`;
-- per image job: `queue_wait` and `inference` (`tserve.images`: the request's, `tserve.batch_size`: the batch's).
-A job that failed or was given up ends its last phase (at the moment it was seen) with status ERROR.
-
-The schedulers' worker threads create no spans: they only stamp the phase boundaries on the job (time.monotonic():
-`arrived`, `admitted_at`, `first_token_at`, `finished_at`; images `started_at`, `finished_at`), and the serving
-layer creates the child spans afterwards, on the event loop, with those times converted to epoch nanoseconds by
-one offset taken at setup. The server span's own start and end are taken on the same clock, so a request's spans
-nest and order exactly.
+The spans: one SERVER span per HTTP request (`start_request`, `service.observability.request_span`) and, per
+scheduler job, the spans of its phases (`text_spans`, `image_spans`, `service.observability.job_spans`), created by
+the serving layer from the times the schedulers stamp on the jobs, converted to epoch nanoseconds (`epoch_ns`) by
+one offset taken at setup.
 """
 
 from __future__ import annotations
@@ -46,10 +28,10 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from service.observability import request_span
+from service.observability.job_spans import OFF, JobSpans, Off
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +39,14 @@ DEFAULT_SERVICE_NAME = "tserve"
 SERVICE_VERSION = "0.1.0"
 INSTRUMENTATION = "service.observability.tracing"
 EXPORTERS = ("otlp", "console")
-UNTRACED_PATHS = frozenset({"/metrics", "/health/live", "/health/ready"})
+FLUSH_TIMEOUT_S = 5.0  # how long `flush` waits for the buffered spans to be exported (at shutdown)
+MS_PER_S = 1000  # the SDK's flush timeout counts milliseconds
+NS_PER_S = 1_000_000_000  # time.monotonic() counts seconds, the spans nanoseconds
 
 # The module's state: `tracer` is None while tracing is off (the check the request path makes).
 tracer: trace.Tracer | None = None
 _provider = None  # the SDK's TracerProvider, while on
 _offset_ns = 0  # epoch ns - monotonic ns, taken once at setup
-_propagator = TraceContextTextMapPropagator()
 
 
 # --- switching on and off ---------------------------------------------------------------------------------------
@@ -147,10 +130,10 @@ def _install(processors: Sequence) -> None:
     _provider, tracer = provider, provider.get_tracer(INSTRUMENTATION, SERVICE_VERSION)
 
 
-def flush(timeout_s: float = 5.0) -> None:
+def flush(timeout_s: float = FLUSH_TIMEOUT_S) -> None:
     """Export the spans still buffered (at shutdown)."""
     if _provider is not None:
-        _provider.force_flush(int(timeout_s * 1000))
+        _provider.force_flush(int(timeout_s * MS_PER_S))
 
 
 def shutdown() -> None:
@@ -163,178 +146,27 @@ def shutdown() -> None:
 
 def epoch_ns(monotonic_s: float) -> int:
     """A time.monotonic() reading as epoch nanoseconds (the spans' clock)."""
-    return _offset_ns + int(monotonic_s * 1e9)
+    return _offset_ns + int(monotonic_s * NS_PER_S)
 
 
-# --- the request's span (the request middleware) ----------------------------------------------------------------
+# --- the spans (the request middleware, the serving layer) ------------------------------------------------------
 
-class RequestSpan:
-    """The SERVER span of one request, current (in the OpenTelemetry context) until `end`."""
-
-    __slots__ = ("_token", "span")
-
-    def __init__(self, span, token):
-        self.span, self._token = span, token
-
-    @property
-    def trace_id(self) -> str | None:
-        """32 hex digits, or None when the span has no valid trace id."""
-        context = self.span.get_span_context()
-        return trace.format_trace_id(context.trace_id) if context.trace_id else None
-
-    def end(self, scope, state: Mapping, status: int, error: BaseException | None = None) -> str | None:
-        """Set the outcome's attributes and status, end the span now; returns its trace id (for the access log)."""
-        otel_context.detach(self._token)
-        span = self.span
-        if span.is_recording():
-            route = getattr(scope.get("route"), "path", None)
-            if route:
-                span.update_name(f"{scope.get('method', '')} {route}")
-                span.set_attribute("http.route", route)
-            span.set_attribute("http.response.status_code", status)
-            for key in ("model", "version", "mode"):
-                if state.get(key) not in (None, ""):
-                    span.set_attribute(f"tserve.{key}", state[key])
-            reason = state.get("failure_reason")
-            if error is not None:
-                span.record_exception(error)
-            if status >= 500 or status == 499 or reason or error is not None:
-                span.set_attribute("error.type", reason or (type(error).__name__ if error else str(status)))
-                span.set_status(Status(StatusCode.ERROR, reason or (str(error) if error else None)))
-        span.end(end_time=epoch_ns(time.monotonic()))
-        return self.trace_id
-
-
-def start_request(scope, headers: Mapping[bytes, bytes]) -> RequestSpan | None:
+def start_request(scope, headers: Mapping[bytes, bytes]) -> request_span.RequestSpan | None:
     """Start the SERVER span of an HTTP request (a child of its `traceparent`, if any) and make it current; None
     for the paths that are not traced. Only call while tracing is on (`tracer is not None`)."""
-    path = scope.get("path", "")
-    if path in UNTRACED_PATHS or tracer is None:
-        return None
-    carrier = {}
-    for name in ("traceparent", "tracestate"):
-        value = headers.get(name.encode())
-        if value:
-            carrier[name] = value.decode("latin-1")
-    parent = _propagator.extract(carrier)  # an empty context without a valid traceparent: a new trace
-    method = scope.get("method", "")
-    attributes = {"http.request.method": method, "url.path": path, "url.scheme": scope.get("scheme", "http"),
-                  "network.protocol.version": scope.get("http_version", "1.1")}
-    server, client = scope.get("server"), scope.get("client")
-    if server:
-        attributes["server.address"], attributes["server.port"] = server[0], server[1] or 0
-    if client:
-        attributes["client.address"] = client[0]
-    agent = headers.get(b"user-agent")
-    if agent:
-        attributes["user_agent.original"] = agent.decode("latin-1")
-    request_id = scope.get("state", {}).get("request_id")
-    if request_id:
-        attributes["tserve.request_id"] = request_id
-    span = tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes=attributes,
-                             start_time=epoch_ns(time.monotonic()))
-    return RequestSpan(span, otel_context.attach(trace.set_span_in_context(span, parent)))
+    return None if tracer is None else request_span.start(tracer, epoch_ns, scope, headers)
 
 
-# --- the scheduler's phases (the serving layer) -----------------------------------------------------------------
-
-class _Off:
-    """What `text_spans` / `image_spans` return while tracing is off: does nothing."""
-
-    __slots__ = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-    def record(self, error: BaseException | None = None) -> None:
-        pass
+def _current() -> trace.Tracer | None:
+    """The tracer now (None once switched off): what a job's spans look at when they are recorded."""
+    return tracer
 
 
-_OFF = _Off()
-
-
-class JobSpans:
-    """The phase spans of a request's scheduler jobs, created once the request's wait for them is over: on leaving
-    `with` (given the error that ended the wait, if any), or by `record()`. The parent is the span current when
-    this was made (the request's), whenever `record` runs."""
-
-    def __init__(self, loaded, jobs: Sequence, image: bool):
-        self.loaded, self.jobs, self.image = loaded, jobs, image
-        self.parent = otel_context.get_current()
-        self.recorded = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        self.record(error)
-        return False
-
-    def record(self, error: BaseException | None = None) -> None:
-        """Create the spans (once); `error`: what ended the request's wait, for jobs left unfinished."""
-        if self.recorded or tracer is None:
-            return
-        self.recorded = True
-        now = time.monotonic()
-        base = {"tserve.model": self.loaded.name, "tserve.version": self.loaded.version}
-        for index, job in enumerate(self.jobs):
-            attributes = dict(base)
-            failure = _failure(job.future, error)
-            if self.image:
-                attributes.update({"tserve.mode": "classify", "tserve.images": job.size})
-                phases = [("queue_wait", job.arrived, job.started_at, {}),
-                          ("inference", job.started_at, job.finished_at, {"tserve.batch_size": job.batch_size})]
-            else:
-                generated = _generated_tokens(job, failure)
-                attributes.update({"tserve.job": index, "tserve.mode": job.mode,
-                                   "tserve.rows": job.search.max_rows,
-                                   "tserve.prompt_tokens": len(job.input_ids)})
-                if generated is not None:
-                    attributes["tserve.generated_tokens"] = generated
-                phases = [("queue_wait", job.arrived, job.admitted_at, {}),
-                          ("prefill", job.admitted_at, job.first_token_at, {}),
-                          ("decode", job.first_token_at, job.finished_at, {})]
-            _phase_spans(phases, attributes, failure, now, self.parent)
-
-
-def text_spans(loaded, jobs: Sequence) -> JobSpans | _Off:
+def text_spans(loaded, jobs: Sequence) -> JobSpans | Off:
     """`with tracing.text_spans(loaded, jobs): <await the jobs>`: their queue_wait / prefill / decode spans."""
-    return _OFF if tracer is None else JobSpans(loaded, jobs, image=False)
+    return OFF if tracer is None else JobSpans(_current, epoch_ns, loaded, jobs, image=False)
 
 
-def image_spans(loaded, job) -> JobSpans | _Off:
+def image_spans(loaded, job) -> JobSpans | Off:
     """`with tracing.image_spans(loaded, job): <await the job>`: its queue_wait / inference spans."""
-    return _OFF if tracer is None else JobSpans(loaded, [job], image=True)
-
-
-def _failure(future, seen: BaseException | None) -> BaseException | str | None:
-    """Why a job did not succeed: its own error, or (given up, unfinished) what ended the wait; None if it did."""
-    if future.done() and not future.cancelled():
-        return future.exception()
-    return seen if seen is not None else "cancelled"
-
-
-def _generated_tokens(job, failure) -> int | None:
-    if failure is None:
-        return max((len(h.tokens) for h in job.future.result()), default=0)
-    generated = getattr(job.search, "generated", None)  # single-row searches: what it got to
-    return None if generated is None else len(generated)
-
-
-def _phase_spans(phases, attributes: dict, failure, now: float, parent) -> None:
-    """One span per phase that started, each from its start to the next boundary; the last one ends at its own
-    end, or `now` when the job never got there, and carries the failure."""
-    started = [(name, start, end, extra) for name, start, end, extra in phases if start is not None]
-    for i, (name, start, end, extra) in enumerate(started):
-        last = i == len(started) - 1
-        span = tracer.start_span(name, context=parent, attributes={**attributes, **extra},
-                                 start_time=epoch_ns(start))
-        if last and failure is not None:
-            message = failure if isinstance(failure, str) else f"{type(failure).__name__}: {failure}"
-            kind = failure if isinstance(failure, str) else getattr(failure, "type", type(failure).__name__)
-            span.set_attribute("error.type", kind)
-            span.set_status(Status(StatusCode.ERROR, message))
-        span.end(end_time=epoch_ns(end if end is not None else max(now, start)))
+    return OFF if tracer is None else JobSpans(_current, epoch_ns, loaded, [job], image=True)

@@ -16,17 +16,15 @@ what was accepted before failing leftovers with 503.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from service.errors import ServiceError
 from service.observability.metrics import Metrics
-from service.scheduling.queueing import IDLE_WAIT_S, QueuedScheduler, fail, settle
+from service.scheduling.jobs import ImageJob
+from service.scheduling.queueing import IDLE_WAIT_S, MS_PER_S, QueuedScheduler, fail, settle
 
 log = logging.getLogger(__name__)
 
@@ -39,39 +37,17 @@ class ImageBackend(Protocol):
     def logits(self, batch: np.ndarray) -> np.ndarray: ...
 
 
-@dataclass(eq=False)
-class ImageJob:
-    """One request inside the batcher: its preprocessed images and where their logits go."""
-
-    pixels: np.ndarray  # (n, C, H, W) float32, already preprocessed
-    deadline: float  # time.monotonic() seconds
-    future: Future = field(default_factory=Future)  # resolves to logits (n, classes) float32
-    arrived: float = field(default_factory=time.monotonic)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    # for the tracing spans, which the serving layer creates afterwards: its batch's start (time.monotonic()),
-    # how many images that batch held, and when its logits were ready
-    started_at: float | None = None
-    batch_size: int = 0
-    finished_at: float | None = None
-
-    @property
-    def size(self) -> int:
-        """Number of images."""
-        return len(self.pixels)
-
-    def cancel(self) -> None:
-        """Ask the batcher to drop this job if it has not run yet."""
-        self.cancelled.set()
-
-
 class DynamicBatcher(QueuedScheduler):
-    def __init__(self, engine: ImageBackend, model: str, version: int, metrics: Metrics, max_batch_size: int = 64,
-                 max_queue_delay_ms: float = 5.0, max_queue: int = 256, batching: bool = True):
+    """The limits come from `service.settings` (`vit_max_batch_size`, `vit_max_queue_delay_ms`, `max_queue_size`,
+    `vit_batching`)."""
+
+    def __init__(self, engine: ImageBackend, model: str, version: int, metrics: Metrics, *, max_batch_size: int,
+                 max_queue_delay_ms: float, max_queue: int, batching: bool):
         if max_batch_size < 1 or max_queue_delay_ms < 0:
             raise ValueError("max_batch_size must be >= 1 and max_queue_delay_ms >= 0")
         self.engine = engine
         self.max_batch_size = max_batch_size
-        self.max_queue_delay = max_queue_delay_ms / 1000.0
+        self.max_queue_delay = max_queue_delay_ms / MS_PER_S  # the clock counts seconds
         self.batching = batching
         super().__init__(model, version, metrics, max_queue)
 
@@ -185,10 +161,10 @@ class DynamicBatcher(QueuedScheduler):
     def _observe_start(self, jobs: list[ImageJob], started: float) -> None:
         images = min(sum(job.size for job in jobs), self.max_batch_size)  # a chunked job: its chunks' size
         for job in jobs:
-            job.started_at, job.batch_size = started, images
-            self.metrics.queue_wait.labels(**self.labels, mode="classify").observe(started - job.arrived)
+            job.phases.started_at, job.phases.batch_size = started, images
+            self.metrics.queue_wait.labels(**self.labels, mode=job.mode).observe(started - job.arrived)
 
     def _complete(self, job: ImageJob, logits: np.ndarray) -> None:
         self.metrics.images.labels(**self.labels).inc(job.size)
-        job.finished_at = time.monotonic()
+        job.phases.finished_at = time.monotonic()
         settle(job.future, logits.copy())  # a no-op if the caller gave up (deadline or disconnect) meanwhile

@@ -8,6 +8,7 @@ queue, and gauges that read the scheduler's own state.
 - `RetryAfter`: a full queue answers 429 with the time until it has room for one more request, estimated from
   the measured rate at which requests leave it (admitted, expired or cancelled), and never longer than the
   refused request itself may wait: a client told to come back later than its deadline could never be served.
+  `retry_after_seconds` is the one rounding of that estimate to the header's whole seconds.
 - `bind_gauges`: queue depth and running requests are read from the scheduler when Prometheus scrapes, so they
   equal the truth after any mix of success, timeout, cancellation, rejection and error (a gauge that is `set()`
   on some paths goes stale on the others).
@@ -43,6 +44,15 @@ INITIAL_DEPARTURE_INTERVAL_S = 0.1
 # retry-after-ms is spread over [estimate, (1 + RETRY_JITTER) x estimate]: a refused burst would otherwise retry in
 # step
 RETRY_JITTER = 1.0
+MIN_RETRY_AFTER_S = 1  # the least Retry-After worth sending: 0 would tell the client to retry at once
+MS_PER_S = 1000  # milliseconds per second: retry-after-ms and the queue delay count milliseconds
+
+
+def retry_after_seconds(estimate_s: float, may_wait_s: float = math.inf) -> int:
+    """The Retry-After header's whole seconds for an estimate: rounded up, at least MIN_RETRY_AFTER_S, and no
+    more than the whole seconds the refused request may still wait (`may_wait_s`; infinite: no cap)."""
+    cap = math.floor(may_wait_s) if math.isfinite(may_wait_s) else math.ceil(estimate_s)
+    return max(MIN_RETRY_AFTER_S, min(math.ceil(estimate_s), cap))
 
 
 def settle(future: Future, result) -> bool:
@@ -95,17 +105,15 @@ class RetryAfter:
             self._last = now
 
     def seconds(self, waiting: int, capacity: int, may_wait_s: float) -> int:
-        """Whole seconds (>= 1, as the header needs) until `waiting` requests in a queue of `capacity` have
-        drained by one, at the measured rate; capped at `may_wait_s`, the longest the request may wait."""
-        estimate = self._estimate(waiting, capacity)
-        cap = math.floor(may_wait_s) if math.isfinite(may_wait_s) else math.ceil(estimate)
-        return max(1, min(math.ceil(estimate), cap))
+        """Whole seconds (`retry_after_seconds`) until `waiting` requests in a queue of `capacity` have drained
+        by one, at the measured rate; capped at `may_wait_s`, the longest the request may wait."""
+        return retry_after_seconds(self._estimate(waiting, capacity), may_wait_s)
 
     def milliseconds(self, waiting: int, capacity: int, may_wait_s: float) -> int:
         """The same estimate in milliseconds (OpenAI's `retry-after-ms`), spread by up to RETRY_JITTER of itself so
         that the clients refused together do not all come back at the same instant; capped at `may_wait_s`."""
         estimate = self._estimate(waiting, capacity) * (1 + RETRY_JITTER * random.random())
-        return max(1, math.ceil(1000 * min(estimate, max(may_wait_s, 0.001))))
+        return max(1, math.ceil(MS_PER_S * min(estimate, may_wait_s)))  # at least 1 ms, as a wait just ending
 
     def _estimate(self, waiting: int, capacity: int) -> float:
         return max(1, waiting - capacity + 1) * self._interval

@@ -8,8 +8,10 @@ each request's rows are. After text-generation-inference's ``Batch`` (``filter``
   a departure); they are dropped at the next compaction;
 - `TextBatch.concatenate(batches)`: one batch from several, in one copy of the caches that also drops dead rows;
 - `generate_token()`: one decoding step over every row, then every search of the batch at once
-  (`service.decoding.step_searches`); each request's outcome is handed back, a search that raised as an
-  exception that concerns that request only.
+  (`service.decoding.step_searches`); each request's outcome is handed back as a `Generation` (its new final
+  tokens, done and its hypotheses, or the error of a search that raised, which concerns that request only).
+
+The batch is the one place that talks to the searches: the scheduler reads the `Generation`s only.
 
 If every request keeps its row count and few rows are dead, the rows stay where they are (beams reordered in
 place, dead rows fed a pad token and recycled by the engine); otherwise the batch is compacted in one gather.
@@ -18,14 +20,12 @@ place, dead rows fed a pad token and recycled by the engine); otherwise the batc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from service.decoding import StepResult, step_searches
-
-if TYPE_CHECKING:
-    from service.scheduling.continuous import TextJob
+from service.scheduling.jobs import Generation, TextJob
 
 DEAD_ROWS_BEFORE_COMPACTION = 0.25  # fraction of the rows that may be dead before a step compacts the batch
 PAD_TOKEN = 0  # what a dead row is fed (its output is never read)
@@ -46,28 +46,29 @@ class DecodingBackend(Protocol):
         """Rows whose content no longer matters: keep them valid for the next steps (e.g. positions in range)."""
 
 
-Outcome = StepResult | Exception
-
-
 class TextBatch:
     """Rows of `state` belong to `jobs` (in order) at `spans[job] = (first row, rows)`; rows of no job are dead.
-    `pending[job]` is the job's last `StepResult`: the tokens its rows are fed next and which rows they continue."""
+    `pending[job]` is the job's last `StepResult`: the tokens its rows are fed next and which rows they continue;
+    `handed[job]`: how many of its search's tokens a `Generation` already handed back."""
 
     def __init__(self, backend: DecodingBackend, state: Any, rows: int, jobs: list[TextJob],
-                 spans: dict[TextJob, tuple[int, int]], pending: dict[TextJob, StepResult]):
+                 spans: dict[TextJob, tuple[int, int]], pending: dict[TextJob, StepResult],
+                 handed: dict[TextJob, int]):
         self.backend = backend
         self.state = state
         self.rows = rows
         self.jobs = jobs
         self.spans = spans
         self.pending = pending
+        self.handed = handed
 
     @classmethod
-    def prefill(cls, backend: DecodingBackend, jobs: list[TextJob]) -> tuple[TextBatch, list[Outcome]]:
+    def prefill(cls, backend: DecodingBackend, jobs: list[TextJob]) -> tuple[TextBatch, list[Generation]]:
         """The newcomers' prompt pass, their searches stepped on the first logits. The returned batch holds every
-        newcomer; the caller filters out those whose outcome is done or an exception. Raises if the pass fails."""
+        newcomer; the caller filters out those whose generation is done or an error. Raises if the pass fails."""
         logits, state = backend.prefill([job.input_ids for job in jobs])
-        batch = cls(backend, state, len(jobs), list(jobs), {job: (row, 1) for row, job in enumerate(jobs)}, {})
+        batch = cls(backend, state, len(jobs), list(jobs), {job: (row, 1) for row, job in enumerate(jobs)}, {},
+                    {job: 0 for job in jobs})
         return batch, batch._step_searches(logits)
 
     @property
@@ -85,6 +86,7 @@ class TextBatch:
         kept = set(jobs)
         self.spans = {job: span for job, span in self.spans.items() if job in kept}
         self.pending = {job: step for job, step in self.pending.items() if job in kept}
+        self.handed = {job: count for job, count in self.handed.items() if job in kept}
         self.jobs = list(jobs)
         return self
 
@@ -96,7 +98,7 @@ class TextBatch:
             return batches[0]
         first = batches[0]
         state = first.backend.concatenate([b.state for b in batches], rows=[b.row_indices() for b in batches])
-        jobs, spans, pending, row = [], {}, {}, 0
+        jobs, spans, pending, handed, row = [], {}, {}, {}, 0
         for batch in batches:
             for job in batch.jobs:
                 rows = batch.spans[job][1]
@@ -104,12 +106,12 @@ class TextBatch:
                 spans[job] = (row, rows)
                 row += rows
             pending.update(batch.pending)
-        return TextBatch(first.backend, state, row, jobs, spans, pending)
+            handed.update(batch.handed)
+        return TextBatch(first.backend, state, row, jobs, spans, pending, handed)
 
-    def generate_token(self) -> list[Outcome]:
-        """One decoding step: feed every request's pending tokens, then step every search. Returns one outcome
-        per job (in order): its new `StepResult`, or the exception its search raised. Raises if the engine
-        step fails (the state is unusable then)."""
+    def generate_token(self) -> list[Generation]:
+        """One decoding step: feed every request's pending tokens, then step every search. Returns one
+        `Generation` per job, in order. Raises if the engine step fails (the state is unusable then)."""
         parents, tokens = self._plan()
         self.state = self.backend.select(self.state, parents)
         logits = self.backend.step(self.state, tokens)  # (rows, V)
@@ -140,9 +142,29 @@ class TextBatch:
         self.rows = row
         return parents, tokens
 
-    def _step_searches(self, logits: np.ndarray) -> list[Outcome]:
+    def _step_searches(self, logits: np.ndarray) -> list[Generation]:
+        """Step every search on its rows of `logits` (rows, V), in job order; one `Generation` per job."""
+        fed = [self.spans[job][1] for job in self.jobs]  # the rows each job was stepped on
         outcomes = step_searches([job.search for job in self.jobs], logits, isolate=True)
-        for job, outcome in zip(self.jobs, outcomes):
-            if isinstance(outcome, StepResult):
+        generations = []
+        for job, rows, outcome in zip(self.jobs, fed, outcomes):
+            try:
+                if isinstance(outcome, Exception):
+                    raise outcome
                 self.pending[job] = outcome
-        return outcomes
+                generations.append(self._generation(job, rows, outcome.done))
+            except Exception as error:  # its search raised (stepping, or collecting its results)
+                generations.append(Generation(job, rows, error=error))
+        return generations
+
+    def _generation(self, job: TextJob, rows: int, done: bool) -> Generation:
+        """The job's new final tokens (a single-row search's, with their log-probabilities when recorded) and,
+        once done, its hypotheses."""
+        search, ids, logprobs = job.search, [], None
+        if search.single_row:
+            start, generated = self.handed[job], search.generated
+            ids = generated[start:].tolist()
+            self.handed[job] = len(generated)
+            if search.token_logprobs:
+                logprobs = search.token_logprobs[start : start + len(ids)]
+        return Generation(job, rows, ids, logprobs, done, search.results() if done else None)

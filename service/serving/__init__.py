@@ -8,5 +8,6 @@ only map their protocol's request to a serving call and its result back.
 - translate.py: the translator
 - classify.py: the ViT (image decoding in `service.engines.imaging`)
 - streaming.py: token streams, incremental detokenisation; outputs.py: `Completion`
-- awaiting.py: waiting under the deadline while watching the client; context.py: deadline and metric labels
+- awaiting.py: waiting under the deadline while watching the client, and `run_text_jobs` (submit, await, trace);
+  context.py: deadline and metric labels
 """

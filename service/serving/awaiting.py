@@ -1,5 +1,6 @@
 """Awaiting a request's work from a route (image decoding, the scheduler's futures): the result, or an error at
-the request's deadline or when its client goes away, and the work dropped in both cases.
+the request's deadline or when its client goes away, and the work dropped in both cases. `run_text_jobs` is the
+one way a serving module runs text jobs to their results: submit, await, trace.
 
 Starlette does not cancel a handler when its client disconnects (only streaming responses listen), so the wait
 polls for a disconnect; the deadline is awaited to the moment, not at the next poll.
@@ -14,7 +15,11 @@ from concurrent.futures import Future
 
 from fastapi import Request
 
+from service.decoding import Hypothesis
 from service.errors import Cancelled, DeadlineExceeded
+from service.observability import tracing
+from service.scheduling.jobs import TextJob
+from service.serving.streaming import submit
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting route checks whether its client is still there
 
@@ -46,3 +51,13 @@ async def await_results(request: Request, futures: Sequence[Future], deadline: f
     """The scheduler futures' results, in order, watched as `watched` says (`abandon` tells the scheduler)."""
     return await watched(request, asyncio.gather(*(asyncio.wrap_future(future) for future in futures)), deadline,
                          abandon)
+
+
+async def run_text_jobs(request: Request, loaded, jobs: Sequence[TextJob],
+                        deadline: float) -> list[list[Hypothesis]]:
+    """Submit every job (or none: `streaming.submit`), then each job's hypotheses, best first, in order, awaited as
+    `watched` says (the jobs cancelled when the request ends early); their phase spans once over (tracing on)."""
+    submit(loaded, jobs)
+    with tracing.text_spans(loaded, jobs):
+        return await await_results(request, [job.future for job in jobs], deadline,
+                                   abandon=lambda: [job.cancel() for job in jobs])

@@ -16,7 +16,7 @@ from service.engines.vit import non_finite_rows
 from service.errors import ModelOutputError
 from service.engines.imaging import EncodedImage
 from service.models.registry import LoadedModel
-from service.scheduling.dynamic import ImageJob
+from service.scheduling.jobs import ImageJob
 from service.serving.awaiting import await_results, watched
 
 log = logging.getLogger(__name__)

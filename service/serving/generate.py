@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from service.observability import tracing
 from service.decoding import BeamSearch, SamplingSearch, Search, StopStrings
 from service.errors import BadInput
 from service.models.registry import LoadedModel
-from service.scheduling.continuous import TextJob
-from service.serving.awaiting import await_results
+from service.scheduling.jobs import TextJob
+from service.serving.awaiting import run_text_jobs
 from service.serving.context import check_new_tokens
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
@@ -30,7 +29,6 @@ from service.serving.streaming import (
     IncrementalText,
     Piece,
     stream_jobs,
-    submit,
 )
 
 
@@ -112,10 +110,7 @@ async def generate(request: Request, loaded: LoadedModel, prompts: Sequence[list
     samples = max(n, best_of or n)
     per_prompt = [_jobs(loaded, prompt, params, samples, n, deadline) for prompt in prompts]
     jobs = [job for group in per_prompt for job in group]
-    submit(loaded, jobs)
-    with tracing.text_spans(loaded, jobs):  # the jobs' phases, once they are over (tracing on)
-        results = await await_results(request, [job.future for job in jobs], deadline,
-                                      abandon=lambda: [job.cancel() for job in jobs])
+    results = await run_text_jobs(request, loaded, jobs, deadline)
     decode = loaded.engine.tokenizer.decode
     out, i = [], 0
     for prompt, group in zip(prompts, per_prompt):

@@ -1,7 +1,7 @@
 """Token streams from the scheduler to a response, for any API: the scheduler thread hands each request's new
 tokens to the event loop (one loop wake-up per decoding step for all streams: `service.serving.handoff`), and each
-choice's text grows in O(1) per token with `tokenizers`' own incremental decoding (`DecodeStream`, which holds a
-token back while it ends in half a UTF-8 character), as TGI's `decode_token` does.
+choice's text grows in O(1) per token through its own incremental detokeniser (`service.decoding.Detokenizer`,
+TGI's `decode_token`: a token is held back while it ends in half a UTF-8 character), the one its stop strings read.
 
 A piece of text is released only once it can no longer change: text that could still turn into a stop string is
 held back until it cannot, so concatenating the pieces gives exactly the final (stop-truncated) text. The events
@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 from service.observability import tracing
 from service.decoding import StopStrings, truncate_at_stop
@@ -56,9 +55,7 @@ class IncrementalText:
     text, and cuts where `truncate_at_stop` cuts the final text (the earliest occurrence of any stop string)."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
-        self.tokenizer = tokenizer
-        self.decoder = DecodeStream(skip_special_tokens=True)
-        self.stops = StopStrings(stops, tokenizer.decode)
+        self.stops = StopStrings(stops, tokenizer.decode)  # its `text`: this choice's detokeniser
         self.pending = ""  # decoded, not released (may still be the start of a stop string)
         self.released = 0  # characters released so far
         self.stopped = False
@@ -67,10 +64,7 @@ class IncrementalText:
         """Decode the new tokens; the text that is now final (nothing more once a stop string was found)."""
         if self.stopped:
             return ""
-        for token in ids:
-            piece = self.decoder.step(self.tokenizer, token)  # None while the token ends in half a character
-            if piece:
-                self.pending += piece
+        self.pending += self.stops.text.add(ids)
         cut, hit = truncate_at_stop(self.pending, self.stops.stops)
         stable = len(cut) if hit else len(self.pending) - self.stops.held_back(self.pending)
         piece, self.pending = self.pending[:stable], self.pending[stable:]

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from service.observability import tracing
 from service.decoding import BeamSearch, GreedySearch, Search
 from service.errors import BadInput
 from service.models.registry import LoadedModel
-from service.scheduling.continuous import TextJob
-from service.serving.awaiting import await_results
+from service.scheduling.jobs import TextJob
+from service.serving.awaiting import run_text_jobs
 from service.serving.context import check_new_tokens
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
@@ -23,7 +22,6 @@ from service.serving.streaming import (
     IncrementalText,
     Piece,
     stream_jobs,
-    submit,
 )
 
 
@@ -73,10 +71,7 @@ async def translate(request: Request, loaded: LoadedModel, texts: Sequence[str],
                     deadline: float) -> list[list[Completion]]:
     """An n-best list (`num_return_sequences` long, best first) per text."""
     jobs = await run_in_threadpool(_jobs, loaded, texts, params, deadline)
-    submit(loaded, jobs)
-    with tracing.text_spans(loaded, jobs):  # the jobs' phases, once they are over (tracing on)
-        results = await await_results(request, [job.future for job in jobs], deadline,
-                                      abandon=lambda: [job.cancel() for job in jobs])
+    results = await run_text_jobs(request, loaded, jobs, deadline)
     decode = loaded.engine.tokenizer.decode
     return [[completion_from(h, decode, (), len(job.input_ids)) for h in hypotheses[: params.num_return_sequences]]
             for job, hypotheses in zip(jobs, results)]

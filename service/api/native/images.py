@@ -5,7 +5,8 @@ model's `DynamicBatcher` -> await the logits within the deadline -> top-k softma
 Two request shapes are accepted (like Triton's and TorchServe's HTTP frontends):
 - `multipart/form-data`: one or more `files` parts (any image Pillow reads, any size or mode) and optional
   `top_k`, `model`, `version`, `timeout_ms` fields;
-- `application/json`: the `ClassifyJSONRequest` model, images as base64 strings (a `data:image/...;base64,` prefix is fine).
+- `application/json`: the `ClassifyJSONRequest` model, images as base64 strings (a `data:image/...;base64,` prefix
+  is fine).
 
 Bad input is never a 500: 415 for another content type, 422 for invalid fields, 413 for too many / too large
 images (the pixel count is read from the header before any pixel is decoded), 400 naming the image that could
@@ -27,13 +28,15 @@ from starlette.exceptions import HTTPException
 
 from service.errors import (
     BadInput,
-    ClientBodyError,
     PayloadTooLarge,
     UnsupportedMediaType,
     json_error_reason,
 )
 from service.engines.imaging import EncodedImage
+from service.http.apis import NATIVE
+from service.http.errors import ClientBodyError
 from service.api.native.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
+from service.models.repository import VIT
 from service.serving import classify as classification
 from service.serving.context import label, resolve
 from service.settings import Settings
@@ -41,6 +44,7 @@ from service.settings import Settings
 ACCEPTED_TYPES = ("multipart/form-data", "application/json")
 FORM_FIELDS = ("top_k", "model", "version", "timeout_ms")
 MAX_FORM_FIELDS = 32  # plain fields a multipart body may hold (Starlette's parser stops beyond)
+MS_PER_SECOND = 1000  # `timeout_ms` is in milliseconds; the deadline, from the body's arrival, in seconds
 
 
 @cache
@@ -116,7 +120,7 @@ TSERVE_VIT_MAX_QUEUE_DELAY_MS for a batch to fill)."""
 def build_router(models: RequestModels, settings: Settings) -> APIRouter:
     """The classify route, its two body types documented with this app's limits."""
     json_schema = models.classify.model_json_schema(ref_template="#/components/schemas/{model}")
-    router = APIRouter(tags=["images"])
+    router = APIRouter(tags=["images"], route_class=NATIVE.route_class)
     router.add_api_route(
         "/v1/classify", classify, methods=["POST"], response_model=ClassifyResponse, summary="Classify images (ViT)",
         description=_DESCRIPTION, responses=_RESPONSES,
@@ -136,8 +140,8 @@ async def classify(request: Request) -> ClassifyResponse:
     request.state.mode = "classify"
     settings: Settings = request.app.state.settings
     options, encoded = await _parse(request, settings)
-    deadline = received + (options.timeout_ms or settings.default_timeout_ms) / 1000
-    loaded = resolve(request, "vit", options.model, options.version)
+    deadline = received + (options.timeout_ms or settings.default_timeout_ms) / MS_PER_SECOND
+    loaded = resolve(request, VIT, options.model, options.version)
     label(request, loaded, "classify")
     probabilities = await classification.classify(request, loaded, encoded, deadline)  # (n, classes)
     return ClassifyResponse(model=loaded.name, version=loaded.version,

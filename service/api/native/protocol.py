@@ -6,10 +6,11 @@ images, deadline) appear in `/openapi.json` as maxLength / maxItems / maximum an
 validation; anything that does not conform is a 422 naming the field. Validation is strict (`"stream": 0` is not a
 boolean, `"4"` is not an integer) and every string must be valid Unicode: a lone surrogate (which JSON can carry as
 an escape, and no UTF-8 can) in any string or field name is a 422 naming where it is, before any field is read
-(`ValidUnicode`, shared by the OpenAI-compatible and Open Inference Protocol requests). What a schema cannot express
-is checked by the routes and answered 400 with the reason: a prompt whose tokens plus `max_new_tokens` exceed the
-model's context, `num_return_sequences` above `num_beams`, `min_new_tokens` above `max_new_tokens`, an image that
-does not decode.
+(`service.api.fields.ValidUnicode`, shared with the OpenAI-compatible and Open Inference Protocol requests). What
+a schema cannot express is checked by the routes and answered 400 with the reason: a prompt whose tokens plus
+`max_new_tokens` exceed the model's context, `num_return_sequences` above `num_beams`, `min_new_tokens` above
+`max_new_tokens`, an image that does not decode. Each text request maps itself to the serving layer's parameters
+in one place, its `to_params` (vLLM's `to_sampling_params`); the Open Inference Protocol's options reuse it.
 """
 
 from __future__ import annotations
@@ -17,21 +18,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from service.api.fields import (
+    MAX_JSON_INTEGER,
+    MAX_LENGTH_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    STRICT,
+    Name,
+    Seed,
+    StopString,
+    ValidUnicode,
+    integer,
+)
+from service.serving.generate import GenerationParams
+from service.serving.translate import TranslationParams
 from service.settings import Settings
 
-MAX_NAME_CHARS = 128  # model names
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 64
-MAX_NGRAM_SIZE = 10
-MAX_LENGTH_PENALTY = 5.0
-MAX_TEMPERATURE = 5.0
-MAX_REPETITION_PENALTY = 10.0
-MAX_SEED = 2**53 - 1  # the largest integer every JSON parser reads exactly
+MAX_NGRAM_SIZE = 10  # the longest n-gram `no_repeat_ngram_size` may forbid: longer ones never repeat in a sentence
+MAX_TEMPERATURE = 5.0  # beyond it sampling is as good as uniform
+MAX_REPETITION_PENALTY = 10.0  # beyond it a token already present is as good as banned
 NON_BLANK = r"\S"  # a JSON-schema pattern (unanchored): at least one character that is not whitespace
-# A base64 image of n bytes is 4 * ceil(n / 3) characters; allow line breaks every 76 (as `base64` wraps) and a
-# `data:image/...;base64,` prefix on top.
+# Beam width of a translation that names none: what the translator was validated with (and below it, what fits).
+DEFAULT_NUM_BEAMS = 4
+DEFAULT_GENERATE_TOKENS = 64  # `max_new_tokens` of a generate request that names none (below it, what fits)
+DEFAULT_TOP_K_LABELS = 5  # predictions per image of a classify request that names no top_k
+# The OpenAPI page's examples must be valid requests: these values, or the settings' limit when that is lower.
+EXAMPLE_NEW_TOKENS, EXAMPLE_TEXT_TIMEOUT_MS, EXAMPLE_IMAGE_TIMEOUT_MS = 40, 10_000, 5_000
+# A base64 image of n bytes is 4 characters per 3 bytes (rounded up); allow line breaks every 76 (as `base64`
+# wraps) and a `data:image/...;base64,` prefix on top.
+BASE64_CHARS_PER_GROUP, BYTES_PER_GROUP = 4, 3
 BASE64_LINE, DATA_URL_PREFIX_CHARS = 76, 64
 # A 28x28 PNG of a Fashion-MNIST ankle boot (test image 0): the example the OpenAPI page offers, and it works.
 EXAMPLE_PNG_BASE64 = (
@@ -44,84 +61,12 @@ EXAMPLE_PNG_BASE64 = (
 
 def base64_chars(max_bytes: int) -> int:
     """The longest base64 text (line-wrapped, with a data-URL prefix) of a file of at most `max_bytes` bytes."""
-    chars = 4 * -(-max_bytes // 3)
+    chars = BASE64_CHARS_PER_GROUP * -(-max_bytes // BYTES_PER_GROUP)
     return chars + chars // BASE64_LINE + DATA_URL_PREFIX_CHARS
 
 
-def ascii_digits(text: str) -> bool:
-    """Whether `text` is a non-negative decimal integer in ASCII digits: `str.isdigit()` also holds for "²" (which
-    `int()` refuses) and for other scripts' digits, which a number in a header or a path must not be."""
-    return text.isascii() and text.isdigit()
-
-
-def _surrogate_in(text: str) -> str | None:
-    """The first lone surrogate of `text` (what UTF-8 cannot hold), or None; ASCII, the common case, costs nothing."""
-    if text.isascii():
-        return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        return text[error.start]
-    return None
-
-
-_SCALARS = frozenset({int, float, bool, type(None)})  # the JSON values that hold no string
-
-
-def lone_surrogate(data) -> tuple[tuple, str | None, str] | None:
-    """The first lone surrogate in parsed JSON, in document order: (its location, the field name that holds it or
-    None when a value does, the surrogate), or None when every string and field name is valid Unicode. Iterative,
-    so that nesting as deep as the JSON parser allows is no problem here."""
-    stack = [((), data)]
-    while stack:
-        location, value = stack.pop()
-        if isinstance(value, str):
-            if (surrogate := _surrogate_in(value)) is not None:
-                return location, None, surrogate
-        elif isinstance(value, dict):
-            for key in value:
-                if isinstance(key, str) and (surrogate := _surrogate_in(key)) is not None:
-                    return location, key, surrogate
-            stack.extend(((*location, key), item) for key, item in reversed(value.items()))
-        elif isinstance(value, list) and not _SCALARS.issuperset(map(type, value)):  # a list of numbers: skipped
-            for index in range(len(value) - 1, -1, -1):
-                if isinstance(value[index], (str, dict, list)):
-                    stack.append(((*location, index), value[index]))
-    return None
-
-
-class ValidUnicode(BaseModel):
-    """A request model whose every string and field name must be valid Unicode, checked on the raw input before any
-    field (a string that reached an unconstrained field would otherwise fail later, in a tokenizer or in rendering
-    a response): otherwise a validation error located where the lone surrogate is."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        if (found := lone_surrogate(data)) is not None:
-            location, key, surrogate = found
-            escaped = surrogate.encode("utf-8", "backslashreplace").decode()
-            message = (f"{'a field name' if key is not None else 'Input'} should be a valid unicode string: it holds "
-                       f"the lone surrogate {escaped} (half of a UTF-16 pair)")
-            raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
-                type=PydanticCustomError("string_unicode", message), loc=location, input=escaped)])
-        return data
-
-
 class _Strict(ValidUnicode):
-    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
-
-
-def _integral(value):
-    """JSON Schema counts 7.0 as an integer; strict pydantic does not. Accept integral floats (only)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def integer(**bounds):
-    """An integer field type with its bounds (ge, le): 7.0 is accepted as 7; "7", 7.5 and true are not integers."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+    model_config = STRICT
 
 
 def _model_field(default: str):
@@ -147,11 +92,14 @@ def request_models(settings: Settings) -> RequestModels:
     timeout_doc = (f"Deadline for queueing + decoding, in milliseconds; default {s.default_timeout_ms} "
                    f"(TSERVE_DEFAULT_TIMEOUT_MS), at most {s.max_timeout_ms} (TSERVE_MAX_TIMEOUT_MS). Past it: 504.")
     version_doc = "Model version; default: the highest loaded version."
-    some_new_tokens = min(40, s.max_new_tokens)  # the examples must be valid requests
+    some_new_tokens = min(EXAMPLE_NEW_TOKENS, s.max_new_tokens)
+    default_beams = min(DEFAULT_NUM_BEAMS, s.max_num_beams)
+    text_timeout = min(EXAMPLE_TEXT_TIMEOUT_MS, s.max_timeout_ms)
+    image_timeout = min(EXAMPLE_IMAGE_TIMEOUT_MS, s.max_timeout_ms)
 
     class TranslateRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={
-            "examples": [{"text": "Ein Mann fährt Fahrrad.", "num_beams": min(4, s.max_num_beams)}],
+            "examples": [{"text": "Ein Mann fährt Fahrrad.", "num_beams": default_beams}],
             # stream=true needs greedy decoding of a single text
             "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
             "then": {"properties": {"num_beams": {"const": 1}, "text": {"type": "string"}},
@@ -160,8 +108,8 @@ def request_models(settings: Settings) -> RequestModels:
         text: Text | Annotated[list[Text], Field(min_length=1, max_length=s.max_texts)] = Field(
             ..., description=f"German sentence, or a list of up to {s.max_texts} sentences (TSERVE_MAX_TEXTS), each "
             f"up to {s.max_text_chars} characters (TSERVE_MAX_TEXT_CHARS).", examples=["Ein Mann fährt Fahrrad."])
-        num_beams: Beams = Field(min(4, s.max_num_beams), description="Beam width; 1 = greedy decoding.",
-                                 examples=[min(4, s.max_num_beams)])
+        num_beams: Beams = Field(default_beams, description="Beam width; 1 = greedy decoding.",
+                                 examples=[default_beams])
         length_penalty: float | None = Field(
             None, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, examples=[1.0],
             description="Beam score = sum of log-probs / generated_length ** length_penalty. Default: the model's, "
@@ -180,7 +128,14 @@ def request_models(settings: Settings) -> RequestModels:
                                    "text).", examples=[False])
         model: Name | None = _model_field("translation")
         version: Version | None = Field(None, description=version_doc, examples=[1])
-        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[min(10_000, s.max_timeout_ms)])
+        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[text_timeout])
+
+        def to_params(self) -> TranslationParams:
+            """The serving parameters of this request (the Open Inference Protocol's translation options too)."""
+            return TranslationParams(
+                num_beams=self.num_beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+                num_return_sequences=self.num_return_sequences, max_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.min_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size)
 
     class GenerateRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={
@@ -192,14 +147,15 @@ def request_models(settings: Settings) -> RequestModels:
         prompt: str = Field(..., min_length=1, max_length=s.max_text_chars, description="Text to continue (up to "
                             f"{s.max_text_chars} characters, TSERVE_MAX_TEXT_CHARS; its tokens plus max_new_tokens "
                             "must fit the model's context, else 400).", examples=["ROMEO:\n"])
-        max_new_tokens: NewTokens = Field(min(64, s.max_new_tokens), description="Most tokens (bytes) to generate.",
-                                          examples=[some_new_tokens])
+        max_new_tokens: NewTokens = Field(min(DEFAULT_GENERATE_TOKENS, s.max_new_tokens),
+                                          description="Most tokens (bytes) to generate.", examples=[some_new_tokens])
         min_new_tokens: MinNewTokens = Field(0, description="End of text is blocked before this many tokens (at "
                                              "most max_new_tokens; more is a 400).", examples=[0])
         temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
                                    description="Softmax temperature; 0 (or below 1e-5) = greedy decoding.",
                                    examples=[0.8])
-        top_k: integer(ge=0) = Field(0, description="Keep the k most likely tokens; 0 = off.", examples=[40])
+        top_k: integer(ge=0, le=MAX_JSON_INTEGER) = Field(0, description="Keep the k most likely tokens; 0 = off.",
+                                                          examples=[40])
         top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold; 1 = off.",
                              examples=[0.95])
         repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, examples=[1.1],
@@ -208,7 +164,7 @@ def request_models(settings: Settings) -> RequestModels:
         no_repeat_ngram_size: NGramSize = Field(0, description="Forbid repeating any n-gram of this size, prompt "
                                                 "included (every decoding mode, as transformers); 0 = off.",
                                                 examples=[0])
-        seed: integer(ge=0, le=MAX_SEED) | None = Field(None, description="Same seed, same output.", examples=[7])
+        seed: Seed | None = Field(None, description="Same seed, same output.", examples=[7])
         stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
                                        description=f"Up to {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} "
                                        "characters; the text is cut before the first one and finish_reason is "
@@ -218,11 +174,15 @@ def request_models(settings: Settings) -> RequestModels:
                                    examples=[False])
         model: Name | None = _model_field("gpt")
         version: Version | None = Field(None, description=version_doc, examples=[1])
-        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[min(10_000, s.max_timeout_ms)])
+        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[text_timeout])
 
-        @property
-        def mode(self) -> str:
-            return "beam" if self.num_beams > 1 else "greedy" if self.temperature == 0 else "sample"
+        def to_params(self) -> GenerationParams:
+            """The serving parameters of this request (the Open Inference Protocol's gpt options too)."""
+            return GenerationParams(
+                max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
+                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                repetition_penalty=self.repetition_penalty, no_repeat_ngram_size=self.no_repeat_ngram_size,
+                seed=self.seed, stop=tuple(self.stop), num_beams=self.num_beams)
 
     class ClassifyJSONRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={"examples": [{"images": [EXAMPLE_PNG_BASE64], "top_k": 3}]})
@@ -232,11 +192,11 @@ def request_models(settings: Settings) -> RequestModels:
             f"up to {s.max_images} (TSERVE_MAX_IMAGES) of up to {s.max_image_bytes} bytes "
             "(TSERVE_MAX_IMAGE_BYTES); a data URL prefix and line breaks are fine.",
             examples=[[EXAMPLE_PNG_BASE64]])
-        top_k: integer(ge=1) = Field(5, description="Predictions per image, best first (every label if it has "
-                                     "fewer).", examples=[3])
+        top_k: integer(ge=1) = Field(DEFAULT_TOP_K_LABELS, description="Predictions per image, best first (every "
+                                     "label if it has fewer).", examples=[3])
         model: Name | None = _model_field("vit")
         version: Version | None = Field(None, description=version_doc, examples=[1])
-        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[min(5_000, s.max_timeout_ms)])
+        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[image_timeout])
 
     return RequestModels(TranslateRequest, GenerateRequest, ClassifyJSONRequest)
 

@@ -1,7 +1,7 @@
 """`POST /v1/translate` and `POST /v1/generate`, the native JSON API: a thin adapter from this API's request to
 the serving layer (`service.serving.translate` / `.generate`) and from its results back to this API's response or
-server-sent events. Validation is the request model's (`service.api.native.protocol`); decoding, streaming, deadlines and
-cancellation are the serving layer's.
+server-sent events. Validation and the mapping to the serving parameters (`to_params`) are the request model's
+(`service.api.native.protocol`); decoding, streaming, deadlines and cancellation are the serving layer's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from service.api.native.protocol import (
     Translation,
     Usage,
 )
+from service.http.apis import NATIVE
 from service.http.routing import sse_response, with_body
+from service.models.repository import GPT, TRANSLATION
 from service.serving import generate as generation
 from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
@@ -48,7 +50,7 @@ STREAM_DOC = {200: {"content": {"text/event-stream": {"example": 'data: {"token"
 
 def build_router(models: RequestModels) -> APIRouter:
     """The text routes, validating bodies with this app's request models."""
-    router = APIRouter(tags=["text"])
+    router = APIRouter(tags=["text"], route_class=NATIVE.route_class)
     router.add_api_route("/v1/translate", with_body(translate, models.translate), methods=["POST"],
                          response_model=TranslateResponse, responses={**ERRORS, **STREAM_DOC},
                          summary="Translate German to English (beam search, greedy, or streamed greedy)")
@@ -82,27 +84,10 @@ def _native_stream(request: Request, events: AsyncIterator[list[Piece | Finished
     return sse_response(request, chunks(), events)
 
 
-def translation_params(body) -> translation.TranslationParams:
-    """The serving parameters of a validated native translate request (also the Open Inference Protocol's)."""
-    return translation.TranslationParams(
-        num_beams=body.num_beams, length_penalty=body.length_penalty, early_stopping=body.early_stopping,
-        num_return_sequences=body.num_return_sequences, max_new_tokens=body.max_new_tokens,
-        min_new_tokens=body.min_new_tokens, no_repeat_ngram_size=body.no_repeat_ngram_size)
-
-
-def generation_params(body) -> generation.GenerationParams:
-    """The serving parameters of a validated native generate request (also the Open Inference Protocol's)."""
-    return generation.GenerationParams(
-        max_new_tokens=body.max_new_tokens, min_new_tokens=body.min_new_tokens, temperature=body.temperature,
-        top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
-        no_repeat_ngram_size=body.no_repeat_ngram_size, seed=body.seed, stop=tuple(body.stop),
-        num_beams=body.num_beams)
-
-
 async def translate(body, request: Request):
     """German -> English for one text or a list of texts; beam search, greedy, or streamed greedy."""
-    loaded = resolve(request, "translation", body.model, body.version)
-    params = translation_params(body)
+    loaded = resolve(request, TRANSLATION, body.model, body.version)
+    params = body.to_params()
     label(request, loaded, params.mode)
     deadline = deadline_of(request, body.timeout_ms)
     if body.stream:
@@ -118,8 +103,8 @@ async def translate(body, request: Request):
 
 async def generate(body, request: Request):
     """Continue a prompt: sampling, greedy (temperature 0) or beam search; optionally streamed."""
-    loaded = resolve(request, "gpt", body.model, body.version)
-    params = generation_params(body)
+    loaded = resolve(request, GPT, body.model, body.version)
+    params = body.to_params()
     label(request, loaded, params.mode)
     deadline = deadline_of(request, body.timeout_ms)
     (prompt,) = await generation.encode_prompts(loaded, [body.prompt], body.max_new_tokens)

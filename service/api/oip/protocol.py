@@ -9,7 +9,7 @@ little-endian length and its bytes. Triton's classification extension: an output
 `parameters.classification: k` is the top k of its scores per row, as BYTES "score:index:label".
 
 Everything a request says is checked before any work, 400 naming what is wrong: every string valid Unicode
-(`service.api.native.protocol.ValidUnicode`), the header length in ASCII digits, shapes against the data actually sent (with
+(`service.api.fields.ValidUnicode`), the header length in ASCII digits, shapes against the data actually sent (with
 Python's integers: a product past int64 is just too large), and the protocol's parameters of their types (`timeout`,
 `classification`, `binary_data_size` integers, `binary_data` / `binary_data_output` booleans: JSON's true is not 1).
 A response never holds a NaN or an infinity (`ModelOutputError` instead).
@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.errors import BadInput, ModelOutputError, describe_validation, json_error_reason
-from service.api.native.protocol import ValidUnicode, ascii_digits
+from service.api.fields import ValidUnicode, ascii_digits
 
 HEADER_LENGTH = "inference-header-content-length"
 # datatype -> numpy dtype (little-endian); BYTES are Python bytes objects
@@ -37,6 +37,9 @@ Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16
                    "FP32", "FP64", "BYTES"]
 # request parameters that belong to the protocol, not to the model
 RESERVED_PARAMETERS = ("timeout", "binary_data_output", "priority", "sequence_id", "sequence_start", "sequence_end")
+MAX_DIMENSIONS = 8  # dimensions an input shape may have: room above the most any model here takes (4)
+BYTES_LENGTH = "<I"  # a BYTES element's length prefix: 4 bytes, little-endian unsigned
+BYTES_LENGTH_SIZE = struct.calcsize(BYTES_LENGTH)
 
 
 class _Message(BaseModel):
@@ -45,7 +48,7 @@ class _Message(BaseModel):
 
 class RequestInput(_Message):
     name: str
-    shape: list[int] = Field(..., max_length=8)
+    shape: list[int] = Field(..., max_length=MAX_DIMENSIONS)
     datatype: Datatype
     parameters: dict[str, Any] = Field(default_factory=dict)
     data: list[Any] | None = None
@@ -171,13 +174,14 @@ def _from_bytes(tensor: RequestInput, raw: bytes, body_bytes: int) -> np.ndarray
     if tensor.datatype == "BYTES":
         items, offset = [], 0
         while offset < len(raw):
-            if offset + 4 > len(raw):
+            start = offset + BYTES_LENGTH_SIZE
+            if start > len(raw):
                 raise BadInput(f"input {tensor.name!r}: BYTES data ends inside an element's length")
-            (length,) = struct.unpack_from("<I", raw, offset)
-            if offset + 4 + length > len(raw):
+            (length,) = struct.unpack_from(BYTES_LENGTH, raw, offset)
+            if start + length > len(raw):
                 raise BadInput(f"input {tensor.name!r}: a BYTES element is longer than the data sent")
-            items.append(raw[offset + 4 : offset + 4 + length])
-            offset += 4 + length
+            items.append(raw[start : start + length])
+            offset = start + length
         if len(items) != count:
             raise BadInput(f"input {tensor.name!r}: {len(items)} BYTES elements for shape {tensor.shape}")
         return np.array(items, dtype=object).reshape(tensor.shape)
@@ -239,7 +243,7 @@ def encode_response(model: str, version: int, request: InferenceRequest,
 
 def _to_bytes(datatype: str, array: np.ndarray) -> bytes:
     if datatype == "BYTES":
-        return b"".join(struct.pack("<I", len(x)) + x for x in array.reshape(-1))
+        return b"".join(struct.pack(BYTES_LENGTH, len(x)) + x for x in array.reshape(-1))
     return np.ascontiguousarray(array, dtype=np.dtype(DTYPES[datatype]).newbyteorder("<")).tobytes()
 
 
@@ -248,3 +252,13 @@ def classification(scores: np.ndarray, labels: list[str], k: int) -> np.ndarray:
     top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return np.array([[f"{row[i]:f}:{i}:{labels[i]}".encode() for i in indices]
                      for row, indices in zip(scores, top)], dtype=object)
+
+
+def validated_options(model: type[BaseModel], data: dict, what: str):
+    """An inference request's model options (its `parameters`, with the input they apply to) as the native API's
+    request `model` checks them: the same limits and messages, a 400 here naming `what`. The result's `to_params`
+    maps them to the serving parameters, as it does a native request."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise BadInput(f"{what}: {describe_validation(error.errors())}") from None

@@ -3,12 +3,13 @@ models: server and model metadata, liveness and readiness, and inference. A thin
 (`service.api.oip.protocol`) -> the serving layer -> tensors. The same queues, batching, deadlines, limits and metrics
 as the native routes (metrics label `api="oip"`); errors are `{"error": "..."}` as the protocol says.
 
-Tensors per model (also in each model's metadata):
+Tensors per model (its signature, `service.api.oip.signatures`, also in each model's metadata):
 - vit: input `IMAGE` BYTES [N] (encoded image files; base64 text when sent as JSON) or `PIXELS` FP32 [N, H, W]
   (or [N, C, H, W]) already scaled to [0, 1]; outputs `PROBABILITIES` FP32 [N, classes] (with the classification
   extension: the top k as "score:index:label") and `LABEL` BYTES [N], the most likely label.
 - translation: input `TEXT` BYTES (German, UTF-8, any shape); outputs `TRANSLATION` BYTES and `SCORE` FP32 (the
-  input's shape). Decoding options are request `parameters`, as the native API names them (num_beams, ...).
+  input's shape). Decoding options are request `parameters`, as the native API names them (num_beams, ...),
+  checked by the native request model, whose `to_params` maps them to the serving call.
 - gpt: input `PROMPT` BYTES (any shape); outputs `TEXT` BYTES (the continuation) and `FINISH_REASON` BYTES
   (eos | length | stop); options as `parameters` (max_new_tokens, temperature, seed, stop as one string, ...).
 The deadline is the request parameter `timeout` (microseconds, what tritonclient sends), else the server's default.
@@ -25,10 +26,11 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
-from service.errors import BadInput, describe_validation
+from service.errors import BadInput
+from service.api.oip.errors import OIP
 from service.engines.imaging import EncodedImage
+from service.api.fields import ascii_digits
 from service.api.oip.protocol import (
     HEADER_LENGTH,
     RESERVED_PARAMETERS,
@@ -37,10 +39,11 @@ from service.api.oip.protocol import (
     classification,
     encode_response,
     parse_request,
+    validated_options,
 )
-from service.api.native.protocol import ascii_digits
+from service.api.oip.signatures import signature
 from service.models.registry import LoadedModel
-from service.api.native.text import generation_params, translation_params
+from service.models.repository import GPT, TRANSLATION, VIT
 from service.serving import classify as classification_service
 from service.serving import generate as generation
 from service.serving import translate as translation
@@ -58,6 +61,7 @@ GIVEN_OTHERWISE = {"text": "the texts are the TEXT input", "prompt": "the prompt
                    "stream": "this protocol's inference does not stream"}
 # A PIXELS value is a pixel already scaled to [0, 1]; beyond that range the model's arithmetic can overflow.
 PIXEL_RANGE = (0.0, 1.0)
+MICROSECONDS_PER_MS = 1000  # the `timeout` parameter is in microseconds, the serving deadline in ms
 Tensor = tuple[str, str, np.ndarray]  # name, datatype, array
 ERRORS = {status: {"description": text, "content": {"application/json": {"example": {"error": "..."}}}}
           for status, text in {400: "Invalid request or tensors", 401: "Missing or wrong API key",
@@ -66,7 +70,7 @@ ERRORS = {status: {"description": text, "content": {"application/json": {"exampl
 
 
 def build_router() -> APIRouter:
-    router = APIRouter(tags=["open inference protocol"])
+    router = APIRouter(tags=["open inference protocol"], route_class=OIP.route_class)
     router.add_api_route("/v2", server_metadata, methods=["GET"], response_model=ServerMetadata,
                          summary="Server metadata")
     router.add_api_route("/v2/health/live", server_live, methods=["GET"], summary="Liveness")
@@ -108,19 +112,6 @@ def _resolve(request: Request, name: str, version: str | None) -> LoadedModel:
     return request.app.state.registry.resolve(None, name, _version(version))
 
 
-def _tensors(loaded: LoadedModel) -> tuple[list[Tensor], list[Tensor]]:
-    """(inputs, outputs) as (name, datatype, shape) for the model's metadata."""
-    engine = loaded.engine
-    if loaded.kind == "vit":
-        pixels = [-1, engine.size, engine.size] if engine.channels == 1 else [-1, engine.channels, engine.size,
-                                                                              engine.size]
-        return ([("IMAGE", "BYTES", [-1]), ("PIXELS", "FP32", pixels)],
-                [("PROBABILITIES", "FP32", [-1, len(engine.labels)]), ("LABEL", "BYTES", [-1])])
-    if loaded.kind == "translation":
-        return [("TEXT", "BYTES", [-1])], [("TRANSLATION", "BYTES", [-1]), ("SCORE", "FP32", [-1])]
-    return [("PROMPT", "BYTES", [-1])], [("TEXT", "BYTES", [-1]), ("FINISH_REASON", "BYTES", [-1])]
-
-
 ModelName = Annotated[str, PathParam(description="A loaded model: vit, translation or gpt.",
                                       examples=["vit", "translation", "gpt"])]
 VersionPath = Annotated[str, PathParam(pattern=r"^[1-9][0-9]{0,8}$", description="A loaded version.", examples=["1"])]
@@ -128,14 +119,14 @@ VersionPath = Annotated[str, PathParam(pattern=r"^[1-9][0-9]{0,8}$", description
 
 async def model_metadata(request: Request, name: ModelName, version: VersionPath | None = None) -> dict:
     loaded = _resolve(request, name, version)
-    inputs, outputs = _tensors(loaded)
+    tensors = signature(loaded)
 
     def described(tensors):
         return [{"name": n, "datatype": d, "shape": s} for n, d, s in tensors]
 
     versions = sorted(v for (n, v) in request.app.state.registry.loaded if n == loaded.name)
     return {"name": loaded.name, "versions": [str(v) for v in versions], "platform": PLATFORM,
-            "inputs": described(inputs), "outputs": described(outputs)}
+            "inputs": described(tensors.inputs), "outputs": described(tensors.outputs)}
 
 
 async def model_ready(request: Request, name: ModelName, version: VersionPath | None = None) -> dict:
@@ -151,17 +142,17 @@ async def infer(request: Request, name: ModelName, version: VersionPath | None =
     if given := sorted(set(options) & set(GIVEN_OTHERWISE)):
         raise BadInput("; ".join(f"parameter {key!r} is not an option here: {GIVEN_OTHERWISE[key]}" for key in given))
     timeout_us = inference.parameters.get("timeout")  # an integer >= 1 (parse_request checked)
-    timeout_ms = None if timeout_us is None else max(1, timeout_us // 1000)
+    timeout_ms = None if timeout_us is None else max(1, timeout_us // MICROSECONDS_PER_MS)
     settings = request.app.state.settings
     if timeout_ms is not None and timeout_ms > settings.max_timeout_ms:
         raise BadInput(f"parameters.timeout exceeds TSERVE_MAX_TIMEOUT_MS ({settings.max_timeout_ms} ms)")
     deadline = deadline_of(request, timeout_ms)
-    signature = {n: datatype for n, datatype, _ in _tensors(loaded)[0]}
-    if unknown := sorted(set(tensors) - set(signature)):
-        raise BadInput(f"unknown input(s) {unknown} for model {loaded.name!r} (inputs: {sorted(signature)})")
+    datatypes = signature(loaded).input_datatypes()
+    if unknown := sorted(set(tensors) - set(datatypes)):
+        raise BadInput(f"unknown input(s) {unknown} for model {loaded.name!r} (inputs: {sorted(datatypes)})")
     for tensor in inference.inputs:
-        if tensor.datatype != signature[tensor.name]:
-            raise BadInput(f"input {tensor.name!r} must be {signature[tensor.name]}, got {tensor.datatype}")
+        if tensor.datatype != datatypes[tensor.name]:
+            raise BadInput(f"input {tensor.name!r} must be {datatypes[tensor.name]}, got {tensor.datatype}")
     outputs = await ADAPTERS[loaded.kind](request, loaded, tensors, in_json, options, deadline)
     outputs = _select(loaded, inference, outputs)
     content, header_length = encode_response(loaded.name, loaded.version, inference, outputs)
@@ -207,14 +198,6 @@ def _texts(name: str, array: np.ndarray) -> list[str]:
         raise BadInput(f"input {name!r}: an element is not UTF-8 text") from None
 
 
-def _validated(model, data: dict, what: str):
-    """Options checked by the native API's request model (the same limits and messages); 400 here."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise BadInput(f"{what}: {describe_validation(error.errors())}") from None
-
-
 async def _vit(request: Request, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
                deadline: float) -> list[Tensor]:
     if options:
@@ -252,8 +235,8 @@ async def _translation(request: Request, loaded: LoadedModel, tensors, in_json: 
     texts = _texts(name, array)
     if options.get("num_return_sequences", 1) != 1:
         raise BadInput("num_return_sequences is not available here: one translation per text")
-    body = _validated(request.app.state.request_models.translate, {**options, "text": texts}, "parameters")
-    params = translation_params(body)
+    body = validated_options(request.app.state.request_models.translate, {**options, "text": texts}, "parameters")
+    params = body.to_params()
     label(request, loaded, params.mode)
     results = await translation.translate(request, loaded, texts, params, deadline)
     best = [completions[0] for completions in results]
@@ -269,9 +252,9 @@ async def _gpt(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
         raise BadInput(f"input 'PROMPT': 1 to {request.app.state.settings.max_texts} prompts (TSERVE_MAX_TEXTS)")
     if isinstance(options.get("stop"), str):
         options = {**options, "stop": [options["stop"]]}
-    bodies = [_validated(request.app.state.request_models.generate, {**options, "prompt": p}, f"PROMPT[{i}]")
+    bodies = [validated_options(request.app.state.request_models.generate, {**options, "prompt": p}, f"PROMPT[{i}]")
               for i, p in enumerate(prompts)]
-    params = generation_params(bodies[0])
+    params = bodies[0].to_params()
     label(request, loaded, params.mode)
     ids = await generation.encode_prompts(loaded, prompts, params.max_new_tokens)
     results = await generation.generate(request, loaded, ids, params, deadline)
@@ -281,5 +264,5 @@ async def _gpt(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
              np.array([c.finish_reason.encode() for c in best], dtype=object).reshape(array.shape))]
 
 
-ADAPTERS: dict[str, Callable[..., Awaitable[list[Tensor]]]] = {"vit": _vit, "translation": _translation, "gpt": _gpt}
+ADAPTERS: dict[str, Callable[..., Awaitable[list[Tensor]]]] = {VIT: _vit, TRANSLATION: _translation, GPT: _gpt}
 

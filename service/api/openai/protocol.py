@@ -1,12 +1,14 @@
 """Request and response schemas of the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`), as OpenAI documents them and its Python SDK sends and reads them.
 
-Built per app by `openai_request_models(settings)` (like `service.api.native.protocol`), so the server's limits are in the
-schema: a prompt, a chat message's content and each of its text parts are at most `TSERVE_MAX_TEXT_CHARS`
-characters, as a native prompt (the conversation as a whole too: the route checks that, since a schema cannot sum
-lengths), and every string must be valid Unicode (`service.api.native.protocol.ValidUnicode`). Fields OpenAI has and this
-service does not support are accepted only at their no-op value and otherwise answered 400 naming the field
-(`logit_bias`, `suffix`, tools, non-text `response_format`); `user` is ignored.
+Built per app by `openai_request_models(settings)` (like `service.api.native.protocol`), so the server's limits
+are in the schema: a prompt, a chat message's content and each of its text parts are at most
+`TSERVE_MAX_TEXT_CHARS` characters, as a native prompt (the conversation as a whole too: the route checks that,
+since a schema cannot sum lengths), and every string must be valid Unicode (`service.api.fields.ValidUnicode`).
+Fields OpenAI has and this service does not support are accepted only at their no-op value and otherwise answered
+400 naming the field (`check_supported`: `logit_bias`, `suffix`, tools, non-text `response_format`); `user` is
+ignored. Each request maps itself to the serving layer's parameters in one place, its `to_params` (vLLM's
+`to_sampling_params`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from service.api.native.protocol import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, Name, ValidUnicode, integer
+from service.api.fields import MAX_STOP_STRINGS, STRICT, Name, Seed, StopString, ValidUnicode, integer
+from service.api.openai import chat_template
+from service.errors import BadInput
+from service.serving.generate import GenerationParams
 from service.settings import Settings
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat)
@@ -26,11 +31,13 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 # Text parts of one chat message: OpenAI states no limit; this bounds the objects one message makes the server
 # validate (SDKs send one part per text, a few at most), and the characters are bounded by the text limit anyway.
 MAX_CONTENT_PARTS = 64
+MAX_SPEAKER_CHARS = 64  # a chat message's `name`: OpenAI's limit for it
+DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0  # OpenAI's defaults: the model's distribution as it is
 
 
 class _OpenAIRequest(BaseModel):
     # The SDK sends only what the caller set; an unknown field is a 400 naming it (as OpenAI answers).
-    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+    model_config = STRICT
 
 
 class StreamOptions(_OpenAIRequest):
@@ -48,7 +55,6 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
     Text = Annotated[str, Field(min_length=1, max_length=s.max_text_chars)]
     Tokens = Annotated[list[integer(ge=0)], Field(min_length=1, max_length=s.max_text_chars)]
     Choices = integer(ge=1, le=s.max_num_beams)
-    Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
     Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
     Content = Annotated[str, Field(max_length=s.max_text_chars)]
 
@@ -61,7 +67,7 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         content: Content | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] = Field(
             ..., description=f"Text, or a list of up to {MAX_CONTENT_PARTS} text parts (joined); up to "
             f"{s.max_text_chars} characters (TSERVE_MAX_TEXT_CHARS), and so is the whole conversation.")
-        name: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
+        name: Annotated[str, Field(min_length=1, max_length=MAX_SPEAKER_CHARS)] | None = Field(
             None, description="The speaker's name in the rendered play (default: ROMEO for user, JULIET for "
             "assistant).")
 
@@ -73,15 +79,37 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         n: Choices | None = Field(None, description=f"Choices per prompt (at most {s.max_num_beams}); default 1.")
         stream: StrictBool | None = Field(None, description="Server-sent events as OpenAI streams them.")
         stream_options: StreamOptions | None = None
-        stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
             None, description=f"Up to {MAX_STOP_STRINGS} stop strings; the text ends before the first.")
-        seed: integer(ge=0, le=MAX_SEED) | None = Field(None, description="Same seed, same text (choice i: seed+i).")
+        seed: Seed | None = Field(None, description="Same seed, same text (choice i: seed+i).")
         presence_penalty: Penalty | None = Field(None, description="OpenAI's: minus this from every token already "
                                                  "generated.")
         frequency_penalty: Penalty | None = Field(None, description="OpenAI's: minus this times each token's count "
                                                   "so far.")
         logit_bias: dict[str, Any] | None = Field(None, description="Not supported (only empty).")
         user: str | None = Field(None, description="Ignored (valid Unicode, like every string).")
+
+        def stops(self) -> list[str]:
+            """The stop strings, as a list (OpenAI's `stop` is one string or several)."""
+            return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+        def check_supported(self) -> None:
+            """400 naming the field for what OpenAI has and this service does not do (only the no-op value is
+            accepted)."""
+            if self.logit_bias:
+                raise BadInput("logit_bias is not supported", param="logit_bias")
+            if getattr(self, "suffix", None) is not None:
+                raise BadInput("suffix is not supported (the model has no fill-in-the-middle training)",
+                               param="suffix")
+            if getattr(self, "tools", None) or getattr(self, "tool_choice", None) not in (None, "none"):
+                raise BadInput("tools are not supported", param="tools")
+            response_format = getattr(self, "response_format", None)
+            if response_format and response_format.get("type") != "text":
+                raise BadInput('response_format: only {"type": "text"} is supported', param="response_format")
+
+        def include_usage(self) -> bool:
+            """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+            return bool(self.stream_options and self.stream_options.include_usage)
 
     class CompletionRequest(_Sampling):
         model_config = ConfigDict(json_schema_extra={"examples": [
@@ -100,6 +128,16 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
                                         "highest log-probability per token; with temperature 0: beam search of "
                                         "this width.")
         suffix: str | None = Field(None, description="Not supported (only null).")
+
+        @property
+        def beam_search(self) -> bool:
+            """`best_of` > 1 at temperature 0: a beam search of width `best_of`, its n best beams the choices."""
+            return self.best_of is not None and self.best_of > 1 and self.temperature == 0
+
+        def to_params(self) -> GenerationParams:
+            """The serving parameters of this request."""
+            return _generation_params(self, self.max_tokens or DEFAULT_COMPLETION_TOKENS, self.stops(),
+                                      self.logprobs, num_beams=self.best_of if self.beam_search else 1)
 
     class ChatRequest(_Sampling):
         model_config = ConfigDict(json_schema_extra={"examples": [
@@ -121,10 +159,32 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         tool_choice: Any | None = Field(None, description="Not supported (only none).")
         parallel_tool_calls: StrictBool | None = Field(None, description="Ignored.")
 
+        @property
+        def requested_tokens(self) -> int | None:
+            """The most tokens per choice the request names (`max_completion_tokens`, else `max_tokens`), if any."""
+            return self.max_completion_tokens or self.max_tokens
+
+        def to_params(self, max_tokens: int) -> GenerationParams:
+            """The serving parameters of this request, `max_tokens` per choice (the route's default fills in what the
+            request leaves out: it depends on the prompt's length). The end of a turn is an implicit stop string."""
+            top = (self.top_logprobs or 0) if self.logprobs else None
+            return _generation_params(self, max_tokens, [*self.stops(), chat_template.END_OF_TURN], top)
+
     return OpenAIRequestModels(CompletionRequest, ChatRequest)
 
 
-# --- responses (documented; built as dicts by the routes) ------------------------------------------------------
+def _generation_params(body, max_tokens: int, stop: list[str], logprobs: int | None,
+                       num_beams: int = 1) -> GenerationParams:
+    """What completions and chat requests map alike: sampling, penalties, seed (OpenAI's defaults for what is
+    left out)."""
+    return GenerationParams(
+        max_new_tokens=max_tokens, temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0, seed=body.seed, stop=tuple(stop), num_beams=num_beams,
+        logprobs=logprobs)
+
+
+# --- responses (documented; built as dicts by `service.api.openai.render`) ----------------------------------------
 
 class CompletionUsage(BaseModel):
     prompt_tokens: int

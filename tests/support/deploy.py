@@ -1,7 +1,9 @@
-"""Helpers shared by the deployment tests."""
+"""Helpers shared by the deployment tests: the system tools they run (skipped, or failed under CI, when absent),
+deploy/nginx/nginx.conf rendered for loopback upstreams, and a bounded wait that watches a process."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -11,10 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-# processes: the shared launcher's (service.client.launcher), re-exported for the deployment tests
-from service.client.launcher import free_port, stop_process_group  # noqa: F401
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 # the Debian package that provides each tool (deploy/ci-packages.txt lists them for .ci/run)
 TOOLS = {"promtool": "prometheus", "prometheus": "prometheus", "nginx": "nginx", "docker-compose": "docker-compose"}
@@ -26,8 +26,6 @@ def require_tool(name: str) -> str:
     Absent from PATH, the test is skipped with one line naming the tool and the command that installs it (a
     developer's machine); with TSERVE_REQUIRE_TOOLS=1 in the environment (.ci/run sets it) it fails instead,
     so CI can never pass by skipping."""
-    import os
-
     path = shutil.which(name)
     if path is None:
         message = (f"`{name}` not found on PATH: install it with `sudo apt-get install {TOOLS.get(name, name)}` "

@@ -1,0 +1,65 @@
+"""Timing the systems alike: warm-up, then repeats interleaved round-robin across systems (a background load that
+drifts over time hits them all alike), the output shapes checked (every system generates exactly as many tokens),
+and the summary of a case: median throughput, ratios, and how often two systems on the same weights agree."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from .workloads import GenerateFn
+
+def measure(systems: dict[str, GenerateFn], inputs: list[np.ndarray], expected_new: int, warmup: int,
+            repeats: int) -> tuple[dict[str, list[float]], dict[str, list[np.ndarray]]]:
+    """Seconds to run every input through each system, per repeat, repeats interleaved across systems.
+    Also checks that each system produced exactly `expected_new` tokens per row."""
+    outputs: dict[str, list[np.ndarray]] = {}
+    for name, generate in systems.items():
+        for _ in range(max(warmup, 1)):  # at least one untimed pass: it also yields the outputs checked below
+            outputs[name] = [np.asarray(generate(x)) for x in inputs]
+        for x, y in zip(inputs, outputs[name]):
+            if y.shape != (x.shape[0], expected_new):
+                raise RuntimeError(f"{name} returned shape {y.shape}, expected {(x.shape[0], expected_new)}: "
+                                   "every system must generate exactly the same number of tokens")
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, generate in systems.items():
+            start = time.perf_counter()
+            for x in inputs:
+                generate(x)
+            times[name].append(time.perf_counter() - start)
+    return times, outputs
+
+
+def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """Fraction of output rows that are identical (transformers vs Optimum share weights, and so do ours vs
+    genai (one graph file), so ~1.0 expected; near-ties in random-weight logits can flip a token now and then)."""
+    rows_a = [row for y in a for row in y]
+    rows_b = [row for y in b for row in y]
+    return sum(np.array_equal(x, y) for x, y in zip(rows_a, rows_b)) / max(len(rows_a), 1)
+
+
+def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], outputs, skipped) -> dict:
+    """`work` = tokens (or sentences) per timed pass; throughput = work / median seconds."""
+    result = {"case": case, "unit": unit, "work_per_pass": work, "systems": {}, "skipped": skipped}
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        result["systems"][name] = {"throughput": work / median, "median_s": median,
+                                   "best_throughput": work / min(seconds), "seconds": [round(s, 4) for s in seconds]}
+    throughput = {name: entry["throughput"] for name, entry in result["systems"].items()}
+    result["ratios"] = {
+        f"{mine}/{other}": (throughput[mine] / throughput[other]) if {mine, other} <= throughput.keys() else None
+        for mine in ("ours", "shipped") for other in ("transformers", "optimum", "genai")
+    }
+    result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
+                                                if {"optimum", "transformers"} <= throughput.keys() else None)
+    if {"transformers", "optimum"} <= outputs.keys():
+        result["transformers_optimum_agreement"] = agreement(outputs["transformers"], outputs["optimum"])
+    if {"ours", "genai"} <= outputs.keys():
+        result["ours_genai_agreement"] = agreement(outputs["ours"], outputs["genai"])
+        result["ours_genai_identical_tokens"] = int(sum(
+            int((x == y).sum()) for x, y in zip(outputs["ours"], outputs["genai"])))
+        result["ours_genai_total_tokens"] = int(sum(x.size for x in outputs["ours"]))
+    return result

@@ -1,0 +1,137 @@
+"""OUR ENGINE as a system: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the
+searches of `service.decoding`, on our from-scratch models (`models.gpt.GPT`, `models.transformer`) with random
+weights, exported by `export.onnx_export` once per spec and source digest; `shipped` is the same engine on the graph
+variant the release models are served in (bench/shipped.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from . import PROJECT_ROOT
+from .workloads import BOS_ID, EOS_ID, PAD_ID, GenerateFn, GptSpec, Runtime, TranslationSpec, seed_torch, spec_dir
+
+
+def run_shipped_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+    """OUR ENGINE on the SHIPPED VARIANT of our graph: `run_ours_gpt`'s export rewritten as the release GPT is
+    (bench/shipped.py: fused attention, int8 weights, in-place KV cache, ...)."""
+    from shipped import shipped_variant
+
+    return run_ours_gpt(spec, runtime, workdir, shipped_variant("gpt"))
+
+
+def run_shipped_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
+    """OUR ENGINE on the SHIPPED VARIANT of our translation graphs (see `run_shipped_gpt`)."""
+    from shipped import shipped_variant
+
+    return run_ours_translation(spec, runtime, workdir, shipped_variant("translation"))
+
+
+def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[str, str] | None = None
+                 ) -> GenerateFn:
+    """OUR ENGINE, GPT: `service.engines.gpt.GPTEngine` + `service.decoding.GreedySearch`.
+
+    Our from-scratch GPT (`models.gpt.GPT`) with random weights and the same sizes, exported by
+    `export.onnx_export.export_gpt` (untimed, cached). `generate(prompts)`: prompts (B, spec.prompt_tokens) int64,
+    no padding -> (B, spec.new_tokens) int64, the generated tokens only; greedy with
+    `min_new_tokens == max_new_tokens == spec.new_tokens`, all B rows decoded together in one batch.
+    """
+    from service.decoding import GreedySearch
+    from service.engines.gpt import GPTEngine
+
+    version = ours_gpt_version(spec, workdir, variant)
+    engine = GPTEngine(version, _ours_runtime_options(runtime))
+
+    def generate(prompts: np.ndarray) -> np.ndarray:
+        searches = engine.generate(prompts.tolist(), lambda _: GreedySearch(spec.new_tokens, EOS_ID,
+                                                                           min_new_tokens=spec.new_tokens))
+        return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)
+
+    return generate
+
+
+def ours_gpt_version(spec: GptSpec, workdir: Path, variant: dict[str, str] | None = None):
+    """Our GPT with random weights (seed 0) at `spec`'s sizes, exported once into workdir (see `_ours_export`),
+    its graph rewritten into `variant` if given."""
+    from models.config import GPTConfig
+    from models.gpt import GPT
+
+    config = GPTConfig(vocab_size=spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model,
+                       n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)
+    folder = spec_dir(workdir, _variant_name("ours-gpt", variant), spec)
+    return _ours_export("gpt", lambda: GPT(config), config, folder, variant)
+
+
+def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
+                         variant: dict[str, str] | None = None) -> GenerateFn:
+    """OUR ENGINE, TRANSLATION: `service.engines.translation.TranslationEngine` + `service.decoding.BeamSearch`.
+
+    Our from-scratch encoder-decoder (`models.transformer.EncoderDecoderTransformer`) with random weights and the
+    same sizes, exported by `export.onnx_export.export_translation` (untimed, cached). `generate(source)`: source
+    (1, S) int64 ending in EOS -> (1, spec.new_tokens) int64, the best beam's tokens (no decoder start token);
+    beam search like the baselines: `num_beams`, length_penalty 1.0, early_stopping False,
+    `min_new_tokens == max_new_tokens == spec.new_tokens`.
+    """
+    from models.config import TranslationConfig
+    from models.transformer import EncoderDecoderTransformer
+    from service.decoding import BeamSearch
+    from service.engines.translation import TranslationEngine
+
+    config = TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
+                               n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers,
+                               d_ff=spec.d_ff, dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID,
+                               bos_id=BOS_ID, eos_id=EOS_ID)
+    version = _ours_export("translation", lambda: EncoderDecoderTransformer(config), config,
+                           spec_dir(workdir, _variant_name("ours-translation", variant), spec), variant)
+    engine = TranslationEngine(version, _ours_runtime_options(runtime))
+
+    def generate(source: np.ndarray) -> np.ndarray:
+        searches = engine.translate_ids(source.tolist(), lambda _: BeamSearch(
+            spec.num_beams, spec.new_tokens, EOS_ID, length_penalty=1.0, early_stopping=False,
+            min_new_tokens=spec.new_tokens))
+        return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)
+
+    return generate
+
+
+def _variant_name(name: str, variant: dict[str, str] | None) -> str:
+    return name + "".join(f"-{value}" for value in (variant or {}).values())
+
+
+def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant: dict[str, str] | None = None):
+    """Export our model (random weights, seed 0) into `folder` as a model-repository version, once, rewritten into
+    `variant` (`export.repository.rewrite_graphs`) if given: the folder name carries the spec, and the marker the
+    hash of the model/export sources, so edits there re-export."""
+    from export.onnx_export import EXPORTERS
+    from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
+
+    sources = sorted(PROJECT_ROOT.glob("models/*.py")) + sorted(PROJECT_ROOT.glob("export/*.py"))
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()
+    marker = folder / ".exported"
+    if not (marker.exists() and marker.read_text() == digest):
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+
+        folder.mkdir(parents=True, exist_ok=True)
+        seed_torch(0)
+        described = EXPORTERS[kind](make_model().eval(), config, folder)
+        if variant:
+            from export.repository import rewrite_graphs
+
+            rewrite_graphs(folder, described, **variant)
+        (folder / CONFIG_FILE).write_text(json.dumps(described, indent=2))
+        # The engines load a tokenizer; generation from ids never uses it, so a one-word vocabulary will do.
+        Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(folder / TOKENIZER_FILE))
+        marker.write_text(digest)
+    return ModelVersion(f"bench-{kind}", 1, folder, json.loads((folder / CONFIG_FILE).read_text()))
+
+
+def _ours_runtime_options(runtime: Runtime):
+    """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`."""
+    from service.engines.runtime import RuntimeOptions
+
+    return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin)

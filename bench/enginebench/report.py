@@ -1,0 +1,75 @@
+"""What the benchmark prints and records: a case's systems and ratios, the comparison table, and the environment
+(versions, threads, load) written into reports/bench_engine.json."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from .systems import SYSTEMS
+from .workloads import Runtime
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "n/a" if value is None else format(value, pattern)
+
+
+def print_result(result: dict) -> None:
+    repeats = max((len(entry["seconds"]) for entry in result["systems"].values()), default=0)
+    print(f"\n  {result['case']} ({result['unit']}, median of {repeats} passes)")
+    for name in SYSTEMS:
+        entry = result["systems"].get(name)
+        if entry is None:
+            print(f"    {name:<13} {'skipped':>10}")
+        else:
+            seconds = entry["seconds"]
+            print(f"    {name:<13} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass, "
+                  f"range {min(seconds):.3f}-{max(seconds):.3f})")
+    ratios = result["ratios"]
+    print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items()))
+    if "transformers_optimum_agreement" in result:
+        print(f"    identical outputs transformers vs optimum: {result['transformers_optimum_agreement']:.0%}")
+    if "ours_genai_agreement" in result:
+        print(f"    identical outputs ours vs genai (same graph): {result['ours_genai_agreement']:.0%} of rows, "
+              f"{result['ours_genai_identical_tokens']}/{result['ours_genai_total_tokens']} tokens")
+        if result["ours_genai_agreement"] < 1.0:
+            print("    WARNING: ours and genai run the same graph greedily; their tokens should be identical")
+    print(flush=True)
+
+
+def print_table(results: list[dict]) -> None:
+    header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ours':>10} " \
+             f"{'shipped':>10} {'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} " \
+             f"{'shipped/optimum':>15} {'shipped/genai':>13}"
+    print("=" * len(header))
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
+        ratios = r["ratios"]
+        print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['genai']:>10} "
+              f"{tp['ours']:>10} {tp['shipped']:>10} {_fmt(ratios['ours/transformers'], '.2f'):>12} "
+              f"{_fmt(ratios['ours/optimum'], '.2f'):>12} {_fmt(ratios['ours/genai'], '.2f'):>10} "
+              f"{_fmt(ratios['shipped/optimum'], '.2f'):>15} {_fmt(ratios['shipped/genai'], '.2f'):>13}")
+    print("=" * len(header))
+
+
+def environment(runtime: Runtime) -> dict:
+    versions = {}
+    for package in ("numpy", "onnxruntime", "torch", "transformers", "optimum", "optimum.onnxruntime"):
+        try:
+            module = __import__(package, fromlist=["__name__"])
+            versions[package] = getattr(module, "__version__", "installed")
+        except ImportError:
+            versions[package] = None
+    from importlib.metadata import version
+
+    for distribution in ("optimum-onnx", "onnxruntime-genai"):
+        try:
+            versions[distribution] = version(distribution)
+        except Exception:  # noqa: BLE001 - not installed
+            versions[distribution] = None
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "threads": runtime.threads, "spin": runtime.spin,
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(),
+            "executable": sys.executable, "versions": versions}

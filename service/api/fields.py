@@ -1,0 +1,103 @@
+"""Validators and limits that the three protocols' request schemas share (native, OpenAI-compatible and Open
+Inference Protocol): valid Unicode in every string (`ValidUnicode`), integers as JSON Schema counts them
+(`integer`), model names, stop strings, seeds and the length-penalty range, and `ascii_digits` for a number in a
+header or a path. Each protocol module builds its own schemas from these (as vLLM's entrypoints share their
+`protocol` validators); nothing here knows one protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+# The longest model name a request may give: far above any repository folder's, short enough to echo in a message.
+MAX_NAME_CHARS = 128
+# Stop strings per request, and characters per stop string: what a stop-string check per token can afford.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 64
+# The range of a translation's length penalty (the exponent of the generated length a beam's score is divided by),
+# a request's and a model config's default alike: beyond it the scores are dominated by length alone.
+MAX_LENGTH_PENALTY = 5.0
+# The largest integer every JSON parser reads exactly (IEEE doubles hold 53 bits of mantissa): the bound of an
+# integer field that has no other (a seed, a top-k), so that none reaches numpy beyond its 64-bit integers.
+MAX_JSON_INTEGER = 2**53 - 1
+MAX_SEED = MAX_JSON_INTEGER
+# Strict request models: an unknown field is an error naming it, "4" is not an integer, 0 is not a boolean;
+# `model` and `model_*` are ordinary field names here (pydantic reserves them otherwise).
+STRICT = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+def ascii_digits(text: str) -> bool:
+    """Whether `text` is a non-negative decimal integer in ASCII digits: `str.isdigit()` also holds for "²" (which
+    `int()` refuses) and for other scripts' digits, which a number in a header or a path must not be."""
+    return text.isascii() and text.isdigit()
+
+
+def _surrogate_in(text: str) -> str | None:
+    """The first lone surrogate of `text` (what UTF-8 cannot hold), or None; ASCII, the common case, costs nothing."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return text[error.start]
+    return None
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})  # the JSON values that hold no string
+
+
+def lone_surrogate(data) -> tuple[tuple, str | None, str] | None:
+    """The first lone surrogate in parsed JSON, in document order: (its location, the field name that holds it or
+    None when a value does, the surrogate), or None when every string and field name is valid Unicode. Iterative,
+    so that nesting as deep as the JSON parser allows is no problem here."""
+    stack = [((), data)]
+    while stack:
+        location, value = stack.pop()
+        if isinstance(value, str):
+            if (surrogate := _surrogate_in(value)) is not None:
+                return location, None, surrogate
+        elif isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (surrogate := _surrogate_in(key)) is not None:
+                    return location, key, surrogate
+            stack.extend(((*location, key), item) for key, item in reversed(value.items()))
+        elif isinstance(value, list) and not _SCALARS.issuperset(map(type, value)):  # a list of numbers: skipped
+            for index in range(len(value) - 1, -1, -1):
+                if isinstance(value[index], (str, dict, list)):
+                    stack.append(((*location, index), value[index]))
+    return None
+
+
+class ValidUnicode(BaseModel):
+    """A request model whose every string and field name must be valid Unicode, checked on the raw input before any
+    field (a string that reached an unconstrained field would otherwise fail later, in a tokenizer or in rendering
+    a response): otherwise a validation error located where the lone surrogate is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        if (found := lone_surrogate(data)) is not None:
+            location, key, surrogate = found
+            escaped = surrogate.encode("utf-8", "backslashreplace").decode()
+            message = (f"{'a field name' if key is not None else 'Input'} should be a valid unicode string: it holds "
+                       f"the lone surrogate {escaped} (half of a UTF-16 pair)")
+            raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
+                type=PydanticCustomError("string_unicode", message), loc=location, input=escaped)])
+        return data
+
+
+def _integral(value):
+    """JSON Schema counts 7.0 as an integer; strict pydantic does not. Accept integral floats (only)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field type with its bounds (ge, le): 7.0 is accepted as 7; "7", 7.5 and true are not integers."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Seed = integer(ge=0, le=MAX_SEED)

@@ -1,0 +1,77 @@
+"""Softmax, log-softmax and top-k over the last axis of score arrays: the one copy the searches, the sampler, the
+OpenAI log-probabilities and image classification use.
+
+Log-probabilities are computed in float64 as ``(x - max) - log(sum(exp(x - max)))`` (the max taken as 0 where a row
+has no finite max, as ``torch.log_softmax`` avoids NaN there); `log_normaliser` gives the two terms of one row set
+so that a caller can take the log-probability of a few tokens without materialising the whole (rows, V) array,
+bit-identical to `log_softmax`. Top-k orders by score, best first, ties by lower index first (a stable sort of
+``-scores``): what OpenAI's ``top_logprobs`` and the classifiers' ranked labels return.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["log_normaliser", "log_softmax", "softmax", "top_k_indices", "top_logprobs"]
+
+
+def _finite_max(x: np.ndarray) -> np.ndarray:
+    """The max over the last axis, kept as (..., 1); 0 where it is not finite (all -inf, or +inf)."""
+    m = np.max(x, axis=-1, keepdims=True)
+    return np.where(np.isfinite(m), m, 0.0)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Numerically stable log-softmax over the last axis, computed in float64. (..., V) -> (..., V)."""
+    x = np.asarray(logits, dtype=np.float64)
+    shifted = x - _finite_max(x)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def log_normaliser(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two terms of `log_softmax` for logits ``x`` (rows, V) float64, left as is: each row's max ``m`` and
+    ``log_z``, the log-sum-exp of ``x - m``, both (rows,); ``log_softmax(x)[r, j] == (x[r, j] - m[r]) - log_z[r]``."""
+    m = _finite_max(x)
+    e = np.subtract(x, m)
+    np.exp(e, out=e)  # in place: a fresh temporary of this size costs more than the exp (page faults)
+    with np.errstate(divide="ignore"):
+        log_z = np.log(np.sum(e, axis=-1))
+    return m[..., 0], log_z
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in the dtype of ``logits`` (float32 scores stay float32). (..., V) -> (..., V)."""
+    x = np.asarray(logits)
+    e = np.exp(x - _finite_max(x).astype(x.dtype, copy=False))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def top_k_indices(scores: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the ``k`` highest scores over the last axis, best first, ties by lower index first (what a
+    stable sort of ``-scores`` gives); all of them when ``k`` exceeds the axis. (..., V) -> (..., min(k, V)).
+
+    One row (V,) costs one partial selection and one comparison over V and a sort of ``k`` items only (a large
+    vocabulary, a few alternatives); a batch of rows is sorted whole (a few classes per image)."""
+    x = np.asarray(scores)
+    v = x.shape[-1]
+    k = max(0, min(int(k), v))
+    if x.ndim != 1 or k == v:
+        return np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    idx = np.argpartition(-x, k - 1)[:k]  # the k largest, in no order, ties at the boundary arbitrary
+    kth = x[idx].min()
+    tied_in = x[idx] == kth
+    tied_all = np.flatnonzero(x == kth)
+    if tied_all.size > np.count_nonzero(tied_in):  # boundary tie: keep the lowest ids among the tied
+        idx = np.concatenate([idx[~tied_in], tied_all[: np.count_nonzero(tied_in)]])
+    return idx[np.lexsort((idx, -x[idx]))]  # by score descending, then index ascending
+
+
+def top_logprobs(row: np.ndarray, n: int, m: float, log_z: float) -> list[tuple[int, float]]:
+    """The ``n`` most likely tokens of raw logits ``row`` (V,) float64 as (id, log-prob), best first, ties by lower
+    id first. ``m`` and ``log_z`` are the row's `log_normaliser` terms: log-prob = ``(row - m) - log_z``,
+    bit-identical to `log_softmax`."""
+    idx = top_k_indices(row, n)
+    return list(zip(idx.tolist(), ((row[idx] - m) - log_z).tolist()))

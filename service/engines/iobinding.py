@@ -1,0 +1,99 @@
+"""The in-place decoder step: a buffered `KVCache` bound to the step graph through one ONNX Runtime IO binding.
+
+An in-place step graph (`export.kv_inplace`) takes the cache buffers as its past and writes each row's new
+keys/values into slot `cache_slot[row]` of the same buffers, its present: binding both to one array by address
+(ONNX Runtime's IO binding, as onnxruntime-genai binds its KV buffers) lets a step write its slot without copying
+the past. `InPlaceStep` keeps one binding for as long as the arrays it points into live (`KVCache.step_binding`),
+so a step costs no binding calls and no allocation until the buffers are replaced (growth, compaction, a join).
+The buffers themselves, their layout and their growth are `service.engines.kv_cache`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.engines import onnx_schema as schema
+from service.engines.kv_cache import KVCache
+from service.engines.onnx_schema import past_names, present_names
+
+DEVICE, DEVICE_ID = "cpu", 0  # where the bound arrays live: numpy memory, ONNX Runtime's CPU device 0
+
+
+def bind_array(binding, name: str, array: np.ndarray, output: bool = False) -> np.ndarray:
+    """Bind a C-contiguous CPU array to an ONNX Runtime IO binding by address (no copy); returns the array, which
+    the caller keeps alive until the run is over."""
+    array = np.ascontiguousarray(array)
+    bind = binding.bind_output if output else binding.bind_input
+    bind(name, DEVICE, DEVICE_ID, array.dtype, array.shape, array.ctypes.data)
+    return array
+
+
+def bind_cache(binding, cache: KVCache) -> list[np.ndarray]:
+    """Bind each layer's past and present to the same buffer of a buffered `cache`, so that the in-place graph
+    writes the new slot without copying the past; returns what the binding points into."""
+    bound = []
+    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        for name, present, array in zip(past_names(i), present_names(i), (k, v)):
+            bound.append(bind_array(binding, name, array))
+            bind_array(binding, present, array, output=True)
+    return bound
+
+
+@dataclass
+class StepBinding:
+    """An IO binding of the in-place step graph and the arrays it points into (`InPlaceStep`); `key` says which
+    cache buffers and inputs it was made for."""
+
+    key: tuple
+    binding: object
+    ids: np.ndarray  # (R, 1) int64, written each step
+    slot: np.ndarray  # (R,) int64: each row's slot, written each step
+    logits: np.ndarray  # (R, 1, V) float32, the graph's output
+    held: list[np.ndarray]  # kept alive as long as the binding
+
+
+class InPlaceStep:
+    """Runs an in-place step graph (`export.kv_inplace`) over a buffered `KVCache`, through one ONNX Runtime IO
+    binding that lasts as long as the arrays it points into: a step writes the token ids and the slot into arrays
+    the binding already holds and runs, so it costs no binding calls and no allocation unless the cache's buffers
+    were replaced (growth, compaction, a join) or the other inputs changed. The binding lives on the cache, so
+    one engine may step several caches (from several threads)."""
+
+    def __init__(self, session, vocab_size: int):
+        slot = next((i for i in session.get_inputs() if i.name == schema.CACHE_SLOT), None)
+        if slot is None or len(slot.shape) != 1:
+            raise ValueError(f"the step graph's {schema.CACHE_SLOT} input must be one slot per row (rows,), got "
+                             f"{None if slot is None else slot.shape}: a graph exported before each row wrote its own "
+                             f"slot; derive it again with `python -m export.convert ... --kv-cache inplace`")
+        self.session = session
+        self.vocab_size = vocab_size
+
+    def run(self, cache: KVCache, tokens: np.ndarray, inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Feed one token per row (R,) and return the next-token logits (R, V); `inputs`: the graph's other
+        inputs (e.g. the encoder's), bound by address as they are."""
+        inputs = inputs or {}
+        slots = cache.open_slot()
+        arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
+        key = (cache.rows, cache.capacity, *(a.ctypes.data for a in arrays), *(a.shape for a in inputs.values()))
+        bound = cache.step_binding
+        if bound is None or bound.key != key:
+            bound = cache.step_binding = self._bind(key, cache, inputs)
+        bound.ids[:, 0] = tokens
+        bound.slot[:] = slots
+        self.session.run_with_iobinding(bound.binding)
+        cache.advance()
+        return bound.logits[:, -1].copy()
+
+    def _bind(self, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray]) -> StepBinding:
+        binding = self.session.io_binding()
+        ids, slot = np.zeros((cache.rows, 1), np.int64), np.zeros(cache.rows, np.int64)
+        logits = np.empty((cache.rows, 1, self.vocab_size), np.float32)  # (R, 1, V): one new token per row
+        held = [bind_array(binding, schema.INPUT_IDS, ids),
+                bind_array(binding, schema.POSITION_IDS, cache.positions.reshape(-1, 1)),
+                bind_array(binding, schema.ATTENTION_MASK, cache.mask),
+                bind_array(binding, schema.CACHE_SLOT, slot),
+                bind_array(binding, schema.LOGITS, logits, output=True), *bind_cache(binding, cache)]
+        held += [bind_array(binding, name, array) for name, array in inputs.items()]
+        return StepBinding(key, binding, ids, slot, logits, held)

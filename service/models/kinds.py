@@ -1,0 +1,88 @@
+"""What each kind of model is, in one table (`KIND_TABLE`): its engine, how its scheduler is built, its warm-up
+inference and the decoding modes its metrics count. The registry loads a version through its kind's entry; no
+other module branches on a kind's name to learn these.
+
+The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.models.repository`'s, where a version's config.json is
+read and its kind checked. Each kind's tensors in the Open Inference Protocol are `service.api.oip.signatures`'.
+
+- translation: `TranslationEngine` (encoder once per source, decoder steps), a continuous batcher of at most
+  `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows, warmed up by translating `TRANSLATION_WARM_UP_SOURCE`;
+- gpt: `GPTEngine` (prompt pass, decoder steps), a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows,
+  warmed up by continuing `GPT_WARM_UP_PROMPT`;
+- vit: `ViTEngine` (batched classification), the dynamic batcher (`TSERVE_VIT_MAX_BATCH_SIZE` images, waiting at
+  most `TSERVE_VIT_MAX_QUEUE_DELAY_MS` for more), warmed up by classifying an image of grey `WARM_UP_GREY`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from service.engines.gpt import GPTEngine
+from service.engines.translation import TranslationEngine
+from service.engines.vit import ViTEngine
+from service.models.repository import GPT, TRANSLATION, VIT, ModelVersion
+from service.models.warmup import check_length_penalty, warm_up_images, warm_up_text
+from service.observability.metrics import BEAM, GREEDY, SAMPLE, Metrics
+from service.scheduling.continuous import ContinuousBatcher
+from service.scheduling.dynamic import DynamicBatcher
+from service.settings import Settings
+
+# The warm-up inputs: a short German sentence for the translator (a source it truncates nothing of), a one-token
+# prompt for the GPT (any text encodes to at least one token), and one image of one mid-grey level, scaled to
+# [0, 1] as a decoded image is before normalising (the same input for any normalisation the config chooses).
+TRANSLATION_WARM_UP_SOURCE = "Hallo."
+GPT_WARM_UP_PROMPT = "A"
+WARM_UP_GREY = 0.5
+
+# (engine, the version, metrics, settings) -> its scheduler, not yet started
+SchedulerFactory = Callable[[Any, ModelVersion, Metrics, Settings], Any]
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    name: str
+    engine: type  # built as engine(version, runtime options)
+    scheduler: SchedulerFactory
+    warm_up: Callable[[Any], None]  # one checked inference through a loaded engine; `WarmUpFailed` if it cannot serve
+    decoding_modes: tuple[str, ...]  # the `mode` labels of its generated tokens; none: it generates no tokens
+
+
+def continuous_batcher(max_rows: Callable[[Settings], int]) -> SchedulerFactory:
+    """A text kind's scheduler: the continuous batcher, holding at most `max_rows(settings)` rows."""
+
+    def build(engine, model: ModelVersion, metrics: Metrics, s: Settings) -> ContinuousBatcher:
+        return ContinuousBatcher(engine, model.name, model.version, metrics, max_rows=max_rows(s),
+                                 max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size)
+
+    return build
+
+
+def dynamic_batcher(engine, model: ModelVersion, metrics: Metrics, s: Settings) -> DynamicBatcher:
+    """The image kind's scheduler: the dynamic batcher (Triton's), with the ViT's batch size and queue delay."""
+    return DynamicBatcher(engine, model.name, model.version, metrics, max_batch_size=s.vit_max_batch_size,
+                          max_queue_delay_ms=s.vit_max_queue_delay_ms, max_queue=s.max_queue_size,
+                          batching=s.vit_batching)
+
+
+def _warm_up_translation(engine: TranslationEngine) -> None:
+    check_length_penalty(engine)
+    warm_up_text(engine, engine.source_ids(TRANSLATION_WARM_UP_SOURCE))
+
+
+def _warm_up_gpt(engine: GPTEngine) -> None:
+    warm_up_text(engine, engine.tokenizer.encode(GPT_WARM_UP_PROMPT).ids)
+
+
+def _warm_up_vit(engine: ViTEngine) -> None:
+    warm_up_images(engine, WARM_UP_GREY)
+
+
+KIND_TABLE: dict[str, ModelKind] = {
+    TRANSLATION: ModelKind(TRANSLATION, TranslationEngine, continuous_batcher(lambda s: s.translation_max_batch_rows),
+                           _warm_up_translation, decoding_modes=(GREEDY, BEAM)),
+    GPT: ModelKind(GPT, GPTEngine, continuous_batcher(lambda s: s.gpt_max_batch_rows), _warm_up_gpt,
+                   decoding_modes=(GREEDY, BEAM, SAMPLE)),
+    VIT: ModelKind(VIT, ViTEngine, dynamic_batcher, _warm_up_vit, decoding_modes=()),
+}

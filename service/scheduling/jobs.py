@@ -1,0 +1,113 @@
+"""The jobs the schedulers take, and what one decoding step hands back for each, after text-generation-inference's
+router `Entry` (the request, where its responses go, its span's times) and its server's `Generation`.
+
+- `TextJob` / `ImageJob`: the request a serving module submits (prompt and search, or pixels; the deadline) and
+  the handle it keeps (`future`, `cancel()`, for text the `on_tokens` stream callback);
+- `TextPhases` / `ImagePhases`: when a job crossed each phase boundary (time.monotonic()), stamped by the scheduler's
+  worker thread and read afterwards by the trace spans (`service.observability.job_spans`), which the worker never
+  creates itself;
+- `Generation`: one text job's outcome of one step of the batch (`TextBatch.generate_token`): the new tokens, done
+  and its hypotheses, or the error that concerns it alone. The scheduler reads nothing else of a step.
+
+The scheduler's own per-job state stays in the scheduler, the batch's (rows, pending tokens, what was handed back)
+in the batch, and the search is stepped by the batch alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from service.decoding import Hypothesis, Search, TokenLogprob
+
+__all__ = ["Generation", "ImageJob", "ImagePhases", "TextJob", "TextPhases"]
+
+
+@dataclass
+class TextPhases:
+    """A text job's phase boundaries for its trace spans (queue_wait, prefill, decode), and how far it got."""
+
+    admitted_at: float | None = None  # left the queue: its prefill starts
+    first_token_at: float | None = None  # its first step's outcome was delivered
+    finished_at: float | None = None  # its results were collected
+    generated: int | None = None  # tokens generated so far by a single-row search (None: a beam search)
+
+
+@dataclass(eq=False)
+class TextJob:
+    """One text request inside the scheduler. `on_tokens(new_ids)` (optional, called on the worker thread)
+    receives the tokens of a single-row search as they are generated; `future` resolves to the search's
+    hypotheses, best first. `rows` is the most batch rows it holds (its beam width): what admission reserves."""
+
+    input_ids: list[int]
+    search: Search  # its decoding parameters and state: stepped by the batch (`TextBatch`) alone
+    mode: str  # greedy | beam | sample
+    deadline: float  # time.monotonic() seconds
+    on_tokens: Callable[[list[int]], None] | None = None
+    future: Future = field(default_factory=Future)
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    phases: TextPhases = field(default_factory=TextPhases)
+    rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = self.search.max_rows
+        if self.search.single_row:
+            self.phases.generated = 0
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request; its rows are freed at the next step boundary."""
+        self.cancelled.set()
+
+
+@dataclass(eq=False)
+class Generation:
+    """What one step produced for one job (TGI's `Generation`). `rows`: the rows it was stepped on, a choice
+    each; `token_ids` (with their `logprobs` when its search records them): the tokens it gained that are final,
+    those of a single-row search (a beam search's become final only with its hypotheses); `hypotheses`: its
+    results once `done`; `error`: what its search raised (this job fails, alone)."""
+
+    job: TextJob
+    rows: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    done: bool = False
+    hypotheses: list[Hypothesis] | None = None
+    error: Exception | None = None
+
+
+@dataclass
+class ImagePhases:
+    """An image job's phase boundaries for its trace spans (queue_wait, inference), and its batch's size."""
+
+    started_at: float | None = None  # its batch (or first chunk) started
+    finished_at: float | None = None  # its logits were ready
+    batch_size: int = 0  # images in that batch (a chunked job: its chunks' size)
+
+
+@dataclass(eq=False)
+class ImageJob:
+    """One image request inside the batcher: its preprocessed images and where their logits go."""
+
+    pixels: np.ndarray  # (n, C, H, W) float32, already preprocessed
+    deadline: float  # time.monotonic() seconds
+    future: Future = field(default_factory=Future)  # resolves to logits (n, classes) float32
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    phases: ImagePhases = field(default_factory=ImagePhases)
+    mode: ClassVar[str] = "classify"  # the label of its metrics and spans, where a text job has its decoding mode
+
+    @property
+    def size(self) -> int:
+        """Number of images."""
+        return len(self.pixels)
+
+    def cancel(self) -> None:
+        """Ask the batcher to drop this job if it has not run yet."""
+        self.cancelled.set()
