@@ -75,7 +75,7 @@ bench-http: venv
 
 # The compose stack's images, built from Debian packages and PyPI with no image registry (deploy/images.sh): a
 # Debian base (mmdebstrap), tserve:cpu and tserve:locust on it, and the nginx and Prometheus images of
-# tests/test_compose_stack.py. Needs root or sudo, mmdebstrap and a running Docker daemon.
+# tests/deploy/test_compose_stack.py. Needs root or sudo, mmdebstrap and a running Docker daemon.
 .PHONY: images
 images:
 	deploy/images.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make images`: every image of the compose stack, built here from Debian packages and PyPI only, no image
-# registry needed (tests/test_compose_stack.py runs them; .ci/run builds them before `make test`).
+# registry needed (tests/deploy/test_compose_stack.py runs them; .ci/run builds them before `make test`).
 #
 #   1. $BASE_IMAGE (tserve-base:bookworm): a Debian root filesystem made by mmdebstrap (python3, python3-venv,
 #      python-is-python3, ca-certificates), imported into Docker. It carries this host's CA bundle

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from export.checks import ExportCheckError
 from export.repository import ATTENTION, KV_CACHE, WEIGHTS, export_run
-from models.data import DataError
+from models.datasets import DataError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from export.repository import export_run
-from models.data import DataError
+from models.datasets import DataError
 from models.train import main as train_main
 from service.models.repository import ModelRepository
 

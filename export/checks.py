@@ -18,12 +18,12 @@ import torch
 
 from models.generate import generate_ids
 from models.translate import translate_ids
-from service.engines import onnx_schema as schema
 from service.decoding import GreedySearch
+from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
+from service.engines.kv_cache import KVCache
 from service.engines.translation import TranslationEngine
 from service.engines.vit import ViTEngine
-from service.engines.kv_cache import KVCache
 
 ATOL = 1e-4
 

@@ -40,7 +40,7 @@ from export.repository import (
     same_outputs,
 )
 from export.tolerances import TOLERANCES
-from models.data import DataError
+from models.datasets import DataError
 from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 PARITY_INPUTS = {"gpt": "50 validation prompts", "translation": "50 validation sentences",

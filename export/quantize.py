@@ -10,7 +10,7 @@ Why not `quantize_dynamic` (MatMulInteger / DynamicQuantizeMatMul): it quantises
 the whole input tensor, i.e. over every row of the batch, so a request's logits (and its greedy tokens) depend on
 which other requests share its batch: measured on the release GPT, 2 of 16 greedy tokens changed between a
 batch of 16 and the same rows alone. `MatMulNBits` scales each row's blocks separately: a row alone and in any
-batch computes bit-identical logits (tests/test_release_models.py), at the same speed and with a smaller quality
+batch computes bit-identical logits (tests/export/test_release_models.py), at the same speed and with a smaller quality
 change (release GPT validation loss: float32 1.5291, MatMulNBits 1.5291, dynamic int8 1.5293).
 
 Embeddings, biases and LayerNorm stay float (the large ones stored as float16, `export.compress`).

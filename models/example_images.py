@@ -17,7 +17,8 @@ import re
 import sys
 from pathlib import Path
 
-from models.data import FASHION_MNIST_LABELS, FASHION_MNIST_SPLITS, DataError, load_fashion_mnist, resolve_data_dir
+from models.data import FASHION_MNIST_LABELS, load_fashion_mnist, resolve_data_dir
+from models.datasets import FASHION_MNIST_SPLITS, DataError
 
 README_INDEXES = (0, 1)  # the README's examples: test image 0 is an ankle boot, 1 a pullover
 FIXTURE_DATA = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "data"

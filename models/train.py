@@ -17,7 +17,7 @@ import torch
 
 from models.config import TASKS, get_preset, with_overrides
 from models.curves import plot_history
-from models.data import DataError
+from models.datasets import DataError
 from models.evaluate import evaluate_run
 from models.runs import prepare_run, write_config
 from models.trainer import CHECKPOINT_NAME, train

@@ -14,27 +14,25 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service.observability import tracing
-from service.http.auth import ApiKeyMiddleware, load_api_keys
+import service
+from service.api import admin, control
+from service.api.native import images, text
+from service.api.native.protocol import request_models
+from service.api.oip import router as oip
+from service.api.openai import router as openai
+from service.api.openai.protocol import openai_request_models
 from service.engines.imaging import ImageDecoder
-from service.observability.metrics import Metrics
 from service.http.apis import ApiTable
+from service.http.auth import ApiKeyMiddleware, load_api_keys
 from service.http.errors import install_error_handlers
 from service.http.middleware import RequestMiddleware
 from service.models.control import ModelControl
-from service.api.openai.protocol import openai_request_models
-from service.api.native.protocol import request_models
 from service.models.registry import ModelRegistry
-from service.api import admin, control
-from service.api.native import images, text
-from service.api.oip import router as oip
-from service.api.openai import router as openai
+from service.observability import tracing
+from service.observability.metrics import Metrics
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
-
-# The OpenAPI document's title and version: the project's (pyproject.toml).
-TITLE, VERSION = "transformer-serving", "0.1.0"
 
 
 def _hook_sigterm(registry: ModelRegistry, drain_delay_s: float) -> None:
@@ -73,8 +71,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.image_decoder.close()
 
     app = FastAPI(
-        title=TITLE,
-        version=VERSION,
+        title=service.NAME,
+        version=service.__version__,
         summary="German->English translation, Shakespeare text generation and Fashion-MNIST classification, "
                 "served by ONNX Runtime with continuous and dynamic batching.",
         lifespan=lifespan,

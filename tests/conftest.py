@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from models.data import ENV_VAR
+from models.datasets import ENV_VAR
 from tests.support import ROOT
 from tests.support.app import serving as _serving
 from tests.support.repository import SOURCE_VERSION, copy_versions
@@ -47,7 +47,7 @@ def data_dir() -> Path:
 def find_full_data() -> tuple[Path | None, str]:
     """(the full data folder, "") or (None, why it is not usable): the folder models.data would resolve to, which
     must hold every file `make data` fetches."""
-    from models.fetch import FILES
+    from models.datasets import FILES
 
     explicit = os.environ.get(ENV_VAR)
     if explicit:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 PACKAGES = ("service", "models", "export")
 # What a serving install has: the serving side must import none of the training stack.
 TRAINING_ONLY = ("torch", "models", "export", "transformers")

@@ -17,8 +17,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.errors import BadInput, json_error_reason
 from service.api.oip.errors import OIP
+from service.errors import BadInput, json_error_reason
 from service.models.control import parse_version
 
 SUPPORTED_PARAMETERS = {"version", "unload_dependents"}  # unload_dependents: tritonclient sends it; no ensembles here

@@ -16,9 +16,6 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 MAX_NAME_CHARS = 128
 # Stop strings per request, and characters per stop string: what a stop-string check per token can afford.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 64
-# The range of a translation's length penalty (the exponent of the generated length a beam's score is divided by),
-# a request's and a model config's default alike: beyond it the scores are dominated by length alone.
-MAX_LENGTH_PENALTY = 5.0
 # The largest integer every JSON parser reads exactly (IEEE doubles hold 53 bits of mantissa): the bound of an
 # integer field that has no other (a seed, a top-k), so that none reaches numpy beyond its 64-bit integers.
 MAX_JSON_INTEGER = 2**53 - 1

@@ -38,6 +38,9 @@ from .types import Hypothesis, Search, StepResult, eos_ids, finished_step
 __all__ = ["BeamSearch"]
 
 # HF marks unfilled finished slots with -1e9; the early-stop heuristic compares against it.
+# The range of a length penalty (the exponent of the generated length a beam's score is divided by), a request's
+# and a model config's default alike: beyond it the scores are dominated by length alone.
+MAX_LENGTH_PENALTY = 5.0
 _EMPTY_SLOT_SCORE = -1.0e9
 # HF keeps max(2, 1 + n_eos) candidates per beam: enough that num_beams of them go on even when the rest stop.
 _MIN_CANDIDATES_PER_BEAM = 2

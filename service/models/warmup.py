@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.api.fields import MAX_LENGTH_PENALTY
+from service.decoding.beam import MAX_LENGTH_PENALTY
 
 
 class WarmUpFailed(RuntimeError):

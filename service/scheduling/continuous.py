@@ -189,7 +189,7 @@ class ContinuousBatcher(QueuedScheduler):
         if generation.token_ids:
             job.phases.generated += len(generation.token_ids)
             if job.on_tokens is not None:
-                job.on_tokens(generation.token_ids)
+                job.on_tokens(generation.token_ids, generation.logprobs)
 
     def _mode(self, job: TextJob) -> dict[str, str]:
         """The labels of the metrics observed per decoding mode."""

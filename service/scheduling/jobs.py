@@ -41,15 +41,16 @@ class TextPhases:
 
 @dataclass(eq=False)
 class TextJob:
-    """One text request inside the scheduler. `on_tokens(new_ids)` (optional, called on the worker thread)
-    receives the tokens of a single-row search as they are generated; `future` resolves to the search's
+    """One text request inside the scheduler. `on_tokens(new_ids, logprobs)` (optional, called on the worker
+    thread) receives the tokens of a single-row search as they become final, with their `TokenLogprob`s when the
+    search records them (else None); `future` resolves to the search's
     hypotheses, best first. `rows` is the most batch rows it holds (its beam width): what admission reserves."""
 
     input_ids: list[int]
     search: Search  # its decoding parameters and state: stepped by the batch (`TextBatch`) alone
     mode: str  # greedy | beam | sample
     deadline: float  # time.monotonic() seconds
-    on_tokens: Callable[[list[int]], None] | None = None
+    on_tokens: Callable[[list[int], list[TokenLogprob] | None], None] | None = None
     future: Future = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)

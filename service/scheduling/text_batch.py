@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.decoding import StepResult, step_searches
+from service.engines.onnx_schema import PAD_ID
 from service.scheduling.jobs import Generation, TextJob
 
 DEAD_ROWS_BEFORE_COMPACTION = 0.25  # fraction of the rows that may be dead before a step compacts the batch
-PAD_TOKEN = 0  # what a dead row is fed (its output is never read)
 
 
 class DecodingBackend(Protocol):
@@ -126,7 +126,7 @@ class TextBatch:
         in_place = dead <= self.rows * DEAD_ROWS_BEFORE_COMPACTION and all(
             len(step.tokens) == self.spans[job][1] for job, step in zip(self.jobs, steps))
         if in_place:
-            parents, tokens = np.arange(self.rows), np.full(self.rows, PAD_TOKEN, np.int64)
+            parents, tokens = np.arange(self.rows), np.full(self.rows, PAD_ID, np.int64)  # dead rows: never read
             for job, step in zip(self.jobs, steps):
                 first, rows = self.spans[job]
                 parents[first : first + rows], tokens[first : first + rows] = step.parents + first, step.tokens

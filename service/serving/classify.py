@@ -11,11 +11,12 @@ from collections.abc import Sequence
 import numpy as np
 from fastapi import Request
 
-from service.observability import tracing
+from service.decoding import softmax
+from service.engines.imaging import EncodedImage
 from service.engines.vit import non_finite_rows
 from service.errors import ModelOutputError
-from service.engines.imaging import EncodedImage
 from service.models.registry import LoadedModel
+from service.observability import tracing
 from service.scheduling.jobs import ImageJob
 from service.serving.awaiting import await_results, watched
 
@@ -41,5 +42,4 @@ async def classify_pixels(request: Request, loaded: LoadedModel, pixels: np.ndar
         log.error("%s/%s computed non-finite logits for images %s of a request", loaded.name, loaded.version, bad)
         raise ModelOutputError(f"model {loaded.name} version {loaded.version} computed non-finite scores (NaN or "
                                f"infinity) for images {bad} (0-based, in request order)")
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
+    return softmax(logits).astype(np.float32, copy=False)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from service.observability import tracing
 from service.decoding import StopStrings, truncate_at_stop
 from service.errors import ServiceError
+from service.observability import tracing
+from service.scheduling.jobs import TextJob
 from service.serving.handoff import mailbox_for
-from service.scheduling.continuous import TextJob
 from service.serving.outputs import Completion
 
 
@@ -86,28 +86,23 @@ def stream_jobs(loaded, jobs: Sequence[TextJob], texts: Sequence[IncrementalText
     mailbox = mailbox_for(asyncio.get_running_loop())
     updates: asyncio.Queue = asyncio.Queue()
     for choice, job in enumerate(jobs):
-        job.on_tokens = lambda ids, choice=choice: mailbox.put(updates, (choice, ids))
-        job.future.add_done_callback(lambda _, choice=choice: mailbox.put(updates, (choice, None)))
+        job.on_tokens = lambda ids, logprobs, choice=choice: mailbox.put(updates, (choice, ids, logprobs))
+        job.future.add_done_callback(lambda _, choice=choice: mailbox.put(updates, (choice, None, None)))
     submit(loaded, jobs)
     return _events(jobs, texts, complete, updates, tracing.text_spans(loaded, jobs))
 
 
 async def _events(jobs, texts, complete, updates: asyncio.Queue, spans) -> AsyncIterator[list[Piece | Finished]]:
     open_choices = set(range(len(jobs)))
-    logprobs_sent = [0] * len(jobs)  # per choice: how many token log-probabilities went out
     try:
         while open_choices:
             arrived = [await updates.get()]
             while not updates.empty():
                 arrived.append(updates.get_nowait())
             events: list[Piece | Finished] = []
-            for choice, ids in arrived:
+            for choice, ids, logprobs in arrived:
                 job = jobs[choice]
                 if ids is not None:
-                    logprobs = getattr(job.search, "token_logprobs", None)
-                    if logprobs is not None:
-                        start = logprobs_sent[choice]
-                        logprobs, logprobs_sent[choice] = logprobs[start : start + len(ids)], start + len(ids)
                     events.append(Piece(choice, texts[choice].add(ids), list(ids), logprobs))
                     continue
                 open_choices.discard(choice)

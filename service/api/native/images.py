@@ -26,16 +26,17 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
+from service.decoding import top_k_indices
 from service.errors import (
     BadInput,
     PayloadTooLarge,
     UnsupportedMediaType,
     json_error_reason,
 )
+from service.api.native.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
 from service.engines.imaging import EncodedImage
 from service.http.apis import NATIVE
 from service.http.errors import ClientBodyError
-from service.api.native.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
 from service.models.repository import VIT
 from service.serving import classify as classification
 from service.serving.context import label, resolve
@@ -150,7 +151,7 @@ async def classify(request: Request) -> ClassifyResponse:
 
 def _top_k(probabilities: np.ndarray, labels: list[str], k: int) -> list[list[Prediction]]:
     """The k most likely labels per row of probabilities (n, classes), best first (every label if fewer)."""
-    top = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
+    top = top_k_indices(probabilities, k)
     return [[Prediction(label=labels[i], index=int(i), score=float(p[i])) for i in row]
             for p, row in zip(probabilities, top)]
 

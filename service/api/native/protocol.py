@@ -20,9 +20,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from service.decoding.beam import MAX_LENGTH_PENALTY
 from service.api.fields import (
     MAX_JSON_INTEGER,
-    MAX_LENGTH_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     STRICT,

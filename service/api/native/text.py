@@ -20,6 +20,7 @@ from service.api.native.protocol import (
     Translation,
     Usage,
 )
+from service.client.sse import event as sse_event
 from service.http.apis import NATIVE
 from service.http.routing import sse_response, with_body
 from service.models.repository import GPT, TRANSLATION
@@ -28,7 +29,6 @@ from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
-from service.client.sse import event as sse_event
 
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in {
     400: "A request the schema allows but this model cannot serve, with the reason: the prompt's tokens plus "

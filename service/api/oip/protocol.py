@@ -25,8 +25,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.errors import BadInput, ModelOutputError, describe_validation, json_error_reason
 from service.api.fields import ValidUnicode, ascii_digits
+from service.decoding import top_k_indices
+from service.errors import BadInput, ModelOutputError, describe_validation, json_error_reason
 
 HEADER_LENGTH = "inference-header-content-length"
 # datatype -> numpy dtype (little-endian); BYTES are Python bytes objects
@@ -249,7 +250,7 @@ def _to_bytes(datatype: str, array: np.ndarray) -> bytes:
 
 def classification(scores: np.ndarray, labels: list[str], k: int) -> np.ndarray:
     """Triton's classification extension: the top k of each row as BYTES "score:index:label", best first."""
-    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    top = top_k_indices(scores, k)
     return np.array([[f"{row[i]:f}:{i}:{labels[i]}".encode() for i in indices]
                      for row, indices in zip(scores, top)], dtype=object)
 

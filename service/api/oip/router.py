@@ -27,10 +27,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 
-from service.errors import BadInput
+import service
+from service.api.fields import ascii_digits
 from service.api.oip.errors import OIP
 from service.engines.imaging import EncodedImage
-from service.api.fields import ascii_digits
+from service.errors import BadInput
 from service.api.oip.protocol import (
     HEADER_LENGTH,
     RESERVED_PARAMETERS,
@@ -49,7 +50,6 @@ from service.serving import generate as generation
 from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
 
-SERVER_NAME, SERVER_VERSION = "transformer-serving", "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "classification"]
 PLATFORM = "onnxruntime_onnx"
 # Native request fields that an inference request gives in another way, and where: as `parameters` they are refused
@@ -88,7 +88,7 @@ def build_router() -> APIRouter:
 
 
 async def server_metadata() -> dict:
-    return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS}
+    return {"name": service.NAME, "version": service.__version__, "extensions": EXTENSIONS}
 
 
 async def server_live() -> dict:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from service.api.openai.errors import openai_error_type
 from service.client.sse import event as sse_event
 from service.decoding import text_offsets
-from service.api.openai.errors import openai_error_type
 from service.http.routing import sse_response
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece

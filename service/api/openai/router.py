@@ -23,9 +23,9 @@ from service.api.openai.protocol import (
     OpenAIError,
     OpenAIRequestModels,
 )
+from service.api.openai.errors import OPENAI
 from service.api.openai.render import ChatRender, CompletionRender
 from service.errors import BadInput
-from service.api.openai.errors import OPENAI
 from service.http.routing import with_body
 from service.models.repository import GPT
 from service.serving import generate as generation

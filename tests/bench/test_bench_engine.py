@@ -1,0 +1,62 @@
+"""bench/bench_engine.py's harness without a benchmark: its command line, and bench/enginebench's timing, checks,
+summary and printing driven by fake systems (numpy only: no model is built, nothing is timed for real)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from tests.support import ROOT
+
+BENCH = ROOT / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import bench_engine  # noqa: E402 - after the sys.path set-up, as the script's own
+from enginebench.measure import measure, summarise  # noqa: E402
+from enginebench.report import print_result, print_table  # noqa: E402
+from enginebench.systems import BUILDERS, SYSTEMS  # noqa: E402
+from enginebench.workloads import GptSpec, make_prompts  # noqa: E402
+
+
+def fake_system(new_tokens: int, token: int):
+    def generate(prompts: np.ndarray) -> np.ndarray:
+        return np.full((prompts.shape[0], new_tokens), token, np.int64)
+
+    return generate
+
+
+def test_every_system_of_a_task_is_a_known_system_and_the_tasks_are_the_cli_choices():
+    assert set(BUILDERS) | {"scaling"} == set(bench_engine.TASKS)
+    assert all(set(builders) <= set(SYSTEMS) for builders in BUILDERS.values())
+
+
+@pytest.mark.parametrize("option", ["--systems=nope", "--tasks=nope"])
+def test_unknown_system_or_task_is_a_usage_error(option):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_engine.main([option])
+    assert exit_info.value.code == 2
+
+
+def test_measure_summarise_and_print_a_case(capsys):
+    spec = GptSpec(new_tokens=4)
+    prompts = make_prompts(spec, 3)
+    assert prompts.shape == (3, spec.prompt_tokens) and prompts.min() >= 3
+    systems = {"transformers": fake_system(4, 7), "optimum": fake_system(4, 7), "ours": fake_system(4, 7)}
+    times, outputs = measure(systems, [prompts], spec.new_tokens, warmup=1, repeats=3)
+    assert {name: len(seconds) for name, seconds in times.items()} == dict.fromkeys(systems, 3)
+    result = summarise("gpt greedy batch 3", "tokens/s", 3 * 4, times, outputs, {"genai": "ImportError: x"})
+    assert result["transformers_optimum_agreement"] == 1.0
+    assert result["ratios"]["ours/genai"] is None and result["ratios"]["ours/optimum"] > 0
+    print_result(result)
+    print_table([result])
+    out = capsys.readouterr().out
+    assert "genai" in out and "skipped" in out and "identical outputs transformers vs optimum: 100%" in out
+
+
+def test_a_system_that_generates_a_different_number_of_tokens_is_an_error():
+    prompts = make_prompts(GptSpec(), 2)
+    with pytest.raises(RuntimeError, match="exactly the same number of tokens"):
+        measure({"ours": fake_system(3, 5)}, [prompts], 4, warmup=1, repeats=1)

@@ -1,0 +1,73 @@
+"""The model registry: a model that failed to load is reported as failed, with its error, whether it was
+configured by name or by name:version (the errors are kept under the configured spec)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from service.errors import Unavailable
+from service.models.registry import ModelRegistry
+from service.observability.metrics import Metrics
+from service.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("spec", ["gpt", "gpt:1"])
+def test_a_model_that_failed_to_load_says_why(tiny_repository, tmp_path, spec):
+    repository = tmp_path / "repository"
+    shutil.copytree(tiny_repository / "gpt", repository / "gpt")
+    (repository / "gpt" / "1" / "decoder.onnx").write_bytes(b"not an onnx graph")
+    registry = ModelRegistry(Settings(repository=repository, models=[spec]), Metrics())
+    registry.start_loading()
+    deadline = time.monotonic() + 30
+    while registry.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ready, reasons = registry.readiness()
+    assert not ready and any(reason.startswith(f"failed to load {spec}") for reason in reasons), reasons
+    with pytest.raises(Unavailable) as raised:
+        registry.resolve("gpt", None, None)
+    message = raised.value.message
+    assert "not configured" not in message and f"{spec}:" in message, message
+    registry.stop(timeout=1)
+
+
+def test_the_kinds_table_has_one_entry_per_kind_a_config_may_name():
+    from service.models.kinds import KIND_TABLE
+    from service.models.repository import KINDS
+
+    assert tuple(KIND_TABLE) == KINDS and all(entry.name == kind for kind, entry in KIND_TABLE.items())
+
+
+def test_each_kind_loads_with_its_engine_scheduler_and_metric_series(tiny_repository):
+    """The kinds table, through the registry: the engine class, the scheduler and its size setting per kind, and
+    the series declared at zero (generated tokens per decoding mode for text, images for the ViT)."""
+    from service.engines.gpt import GPTEngine
+    from service.engines.translation import TranslationEngine
+    from service.engines.vit import ViTEngine
+    from service.scheduling.continuous import ContinuousBatcher
+    from service.scheduling.dynamic import DynamicBatcher
+
+    metrics = Metrics()
+    settings = Settings(repository=tiny_repository, translation_max_batch_rows=7, gpt_max_batch_rows=9,
+                        vit_max_batch_size=5)
+    registry = ModelRegistry(settings, metrics)
+    try:
+        translation, gpt, vit = (registry.load(name) for name in ("translation", "gpt", "vit"))
+        assert isinstance(translation.engine, TranslationEngine) and isinstance(gpt.engine, GPTEngine)
+        assert isinstance(vit.engine, ViTEngine)
+        assert isinstance(translation.scheduler, ContinuousBatcher) and translation.scheduler.max_rows == 7
+        assert isinstance(gpt.scheduler, ContinuousBatcher) and gpt.scheduler.max_rows == 9
+        assert isinstance(vit.scheduler, DynamicBatcher) and vit.scheduler.max_batch_size == 5
+        modes = {}
+        for sample in metrics.generated_tokens.collect()[0].samples:
+            modes.setdefault(sample.labels["model"], set()).add(sample.labels["mode"])
+        assert modes == {"translation": {"greedy", "beam"}, "gpt": {"greedy", "beam", "sample"}}
+        images = {s.labels["model"] for s in metrics.images.collect()[0].samples}
+        prompts = {s.labels["model"] for s in metrics.prompt_tokens.collect()[0].samples}
+        assert images == {"vit"} and prompts == {"translation", "gpt"}
+    finally:
+        registry.stop(timeout=1)
