@@ -14,16 +14,56 @@ PORT ?= 8000
 
 .PHONY: venv serve repository test test-fast train-tiny clean
 
-# torch==2.13.0 first: it is a CPU wheel on this machine's disk, and installing it before the project keeps pip
-# from resolving `torch>=2.4` to a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[train,dev,load]'
-	touch $@
+# --- the locked install (requirements/, README "Quick start") ---------------------------------------------------
+# Every venv and image installs exact versions with their hashes from a lock in requirements/ (`make lock` writes
+# them with uv from pyproject.toml, requirements/locust.in and bench/requirements.txt), never from pyproject's
+# ranges. dev.txt: the serving set and the train, dev and load extras (.venv); serving.txt: the serving set alone
+# (deploy/Dockerfile); serving-gpu.txt: the same with onnxruntime-gpu for Python 3.12 (deploy/Dockerfile.gpu's
+# Ubuntu 24.04); locust.txt: deploy/Dockerfile.locust; bench.txt: .venv-bench. The CPU locks are for CPython 3.11 on
+# x86-64 Linux, this machine's, CI's and the Debian bookworm images' Python.
+# PyTorch is not in the locks: requirements/torch.txt pins the CPU build of torch==2.13.0, installed first with
+# --no-deps (its own dependencies are locked, resolved from that wheel's metadata) from TORCH_FIND_LINKS: /opt/wheels
+# where the wheel lies on this machine's disk, else PyTorch's CPU index (PyPI's torch is the CUDA build: an
+# unpinned one would pull multi-GB nvidia-* wheels). `pip check` then proves the venv consistent.
+# INSTALLER=uv: the same installs with `uv pip` (needs uv on PATH: pip install uv), much faster cold.
+INSTALLER ?= pip
+UV ?= uv
+TORCH_FIND_LINKS ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
+installer = $(if $(filter uv,$(INSTALLER)),$(UV) pip install --quiet --python $(1)/bin/python,$(1)/bin/pip install --quiet)
+
+# $(call locked-venv,VENV,LOCK[,CHECK]): VENV made afresh (a lock that changed leaves nothing stale behind) holding
+# exactly torch's pin, LOCK and the project (editable), then CHECK (default: pip check, every requirement met)
+define locked-venv
+	$(PYTHON) -m venv --clear $(1)
+	$(call installer,$(1)) --no-deps -r requirements/torch.txt --find-links $(TORCH_FIND_LINKS)
+	$(call installer,$(1)) --no-deps --require-hashes -r $(2)
+	$(call installer,$(1)) --no-deps -e .
+	$(or $(3),$(1)/bin/python -m pip check)
+	touch $(1)/.installed
+endef
+
+$(VENV)/.installed: pyproject.toml requirements/dev.txt requirements/torch.txt
+	$(call locked-venv,$(VENV),requirements/dev.txt)
 
 venv: $(VENV)/.installed
+
+# Refresh the locks (needs uv: pip install 'uv>=0.13'): re-resolve every input, keeping each locked version that
+# still fits (LOCK_ARGS=--upgrade moves everything to the newest allowed; --upgrade-package NAME one package), then
+# `make venv` installs the result. tests/deploy/test_lock.py fails while pyproject.toml and the locks disagree.
+# The serving, locust and GPU locks are constrained to dev.txt's versions: every install runs the same versions.
+LOCK_ARGS ?=
+LOCK_CPU = --python-version 3.11 --python-platform x86_64-unknown-linux-gnu
+LOCK_GPU = --python-version 3.12 --python-platform x86_64-unknown-linux-gnu
+UV_COMPILE = $(UV) pip compile --quiet --generate-hashes --no-emit-package torch --custom-compile-command 'make lock' \
+	--find-links $(TORCH_FIND_LINKS) -c requirements/torch.txt $(LOCK_ARGS)
+.PHONY: lock
+lock:
+	$(UV_COMPILE) $(LOCK_CPU) pyproject.toml --extra train --extra dev --extra load -o requirements/dev.txt
+	$(UV_COMPILE) $(LOCK_CPU) pyproject.toml -c requirements/dev.txt -o requirements/serving.txt
+	$(UV_COMPILE) $(LOCK_GPU) pyproject.toml --extra gpu --no-emit-package onnxruntime -c requirements/dev.txt \
+		-o requirements/serving-gpu.txt
+	$(UV_COMPILE) $(LOCK_CPU) requirements/locust.in -c requirements/dev.txt -o requirements/locust.txt
+	$(UV_COMPILE) $(LOCK_CPU) bench/requirements.txt -o requirements/bench.txt
 
 # Serve the model repository on http://$(HOST):$(PORT) (built from the tiny presets first if it is empty).
 serve: repository
@@ -53,15 +93,14 @@ data: venv
 
 # Engine benchmark: ours vs transformers generate() vs Optimum ORTModel vs ONNX Runtime GenAI (on our own exported
 # GPT graph), in one run, and our GPT engine's batch-scaling table against its fp32 matmul roofline (separate venv:
-# Optimum needs transformers<4.58; onnxruntime-genai shares its onnxruntime). Writes reports/bench_engine.json.
+# Optimum needs transformers<4.58; onnxruntime-genai shares its onnxruntime; bench/requirements.txt pins it, locked in
+# requirements/bench.txt). Writes reports/bench_engine.json.
 BENCH_VENV ?= .venv-bench
-$(BENCH_VENV)/.installed: bench/requirements.txt pyproject.toml
-	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
-	$(BENCH_VENV)/bin/pip install --quiet -r bench/requirements.txt
-	$(BENCH_VENV)/bin/pip install --quiet -e . --no-deps
-	touch $@
+$(BENCH_VENV)/.installed: requirements/bench.txt requirements/torch.txt pyproject.toml
+	$(call locked-venv,$(BENCH_VENV),requirements/bench.txt,$(BENCH_CHECK))
+# the bench venv holds the project without its serving stack (the benchmark runs the engines only): pip check, less
+# the project's own requirements
+BENCH_CHECK = $(BENCH_VENV)/bin/python -m pip check | grep -v -e '^transformer-serving ' -e '^No broken' | { ! grep .; }
 
 .PHONY: bench-engine
 bench-engine: $(BENCH_VENV)/.installed
@@ -112,3 +151,31 @@ compose:
 
 # Load testing (locust) and the static deployment checks.
 include deploy/Makefile.fragment
+
+# --- mutation testing (mutation/run.py; README "Testing") -----------------------------------------------------------
+# `make mutation`: mutmut 3 over the core the unit tests must pin down, package by package (mutation/packages.toml:
+# decoding, streaming, scheduling, the APIs' request -> parameters mapping, export/checks.py), each with its fast unit
+# tests; prints `mutation score: <package> <killed>/<total> = <x>%` per package and overall, and writes each package's
+# survivors with their diffs to mutation/work/<package>/survivors.txt. Incremental: a rerun tests the mutants of the
+# functions that changed, and the last run's survivors again. MUTATION_ARGS: package names, --max-children N (default:
+# the CPU count), --scores-only. Not in CI (minutes of CPU). Its own venv, layered over .venv (a .pth file puts .venv's
+# packages behind its own): the tests run on .venv's locked versions, and .venv stays exactly its lock.
+MUTATION_VENV ?= .venv-mutation
+MUTATION_ARGS ?=
+$(MUTATION_VENV)/.installed: mutation/requirements.txt | venv
+	rm -rf $(MUTATION_VENV)
+	$(BIN)/python -m venv $(MUTATION_VENV)
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+		"$$($(MUTATION_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dev-venv.pth"
+	$(MUTATION_VENV)/bin/pip install --quiet --no-deps --require-hashes -r mutation/requirements.txt
+	touch $@
+
+.PHONY: mutation mutation-lock
+mutation: $(MUTATION_VENV)/.installed
+	nice -n 10 $(MUTATION_VENV)/bin/python mutation/run.py $(MUTATION_ARGS)
+
+# Refresh mutation/requirements.txt from mutation/requirements.in (needs uv, as `make lock`).
+mutation-lock:
+	$(or $(UV),uv) pip compile --quiet --generate-hashes --python-version 3.11 \
+		--python-platform x86_64-unknown-linux-gnu --custom-compile-command 'make mutation-lock' \
+		mutation/requirements.in -c requirements/dev.txt -o mutation/requirements.txt

@@ -7,7 +7,8 @@
 #      (/etc/ssl/certs/tserve-host-ca-bundle.crt) and an /etc/pip.conf that trusts it, so that pip works behind a
 #      TLS-intercepting proxy as the host's does. Rebuilt only when this recipe changes (its hash is the label
 #      tserve.base-recipe) or with REFRESH_BASE=1 (security updates).
-#   2. on it, with `docker build --network host` (pip and apt reach the network as the host does):
+#   2. on it, with `docker build --network host` (pip and apt reach the network as the host does; pip installs the
+#      locked versions of requirements/serving.txt and requirements/locust.txt, with their hashes):
 #      tserve:cpu (deploy/Dockerfile), tserve:locust (deploy/Dockerfile.locust), and the two images only the
 #      compose test uses instead of the official ones, from Debian's packages: tserve-nginx:test and
 #      tserve-prometheus:test (deploy/compose-test/). Grafana has no Debian package: the test runs without it.

@@ -166,3 +166,13 @@ def _print_server_output_on_failure(request):
     """On a failing test, print the output of the server processes it used (`output_on_failure`)."""
     with output_on_failure(request):
         yield
+
+
+# --- skips: listed at the end of every session; under CI (TSERVE_REQUIRE_TOOLS=1) one off the allowlist fails it ---
+
+
+def pytest_configure(config):
+    """The skip report (tests/support/skips.py): every skipped test and why, last; `ALLOWED_SKIPS` under CI."""
+    from tests.support.skips import SkipReport
+
+    config.pluginmanager.register(SkipReport(), "tserve-skip-report")

@@ -4,6 +4,7 @@ predictions as the engine, any image size or mode is accepted, and every bad inp
 import base64
 import io
 import struct
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,10 +14,13 @@ from PIL import Image
 
 from models.data import load_fashion_mnist
 from service.settings import Settings
+from tests.support.metrics import metric, scrape
+from tests.support.waiting import poll
 
 pytestmark = pytest.mark.slow
 
 MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS = 8, 200_000, 1_000_000
+WAIT_S = 30.0  # the longest a step of the batching test may take on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -122,16 +126,49 @@ def test_data_urls_and_wrapped_base64_are_accepted(client, fashion):
         assert client.post("/v1/classify", json={"images": [text]}).json() == plain
 
 
-def test_concurrent_requests_are_batched_without_changing_results(client, fashion):
+def test_concurrent_requests_are_batched_without_changing_results(client, engine, fashion, monkeypatch):
+    """Six one-image requests sent at once while the engine is held on the first: the other five wait in the queue
+    (its depth gauge says so), and once the engine is let go they run as ONE batch, which the batch-size histogram
+    records (a batch of 5 images); each answer equals the one that request got alone, and every response is a
+    200, the reference ones included."""
     files = [encode(image) for image in fashion]
-    alone = [client.post("/v1/classify", json={"images": [b64(f)]}).json() for f in files]
+    alone = []
+    for f in files:
+        response = client.post("/v1/classify", json={"images": [b64(f)]})
+        assert response.status_code == 200, response.text
+        alone.append(response.json())
+    held, entered = threading.Event(), threading.Event()
+    logits = engine.logits
+
+    def held_logits(batch):
+        entered.set()
+        assert held.wait(timeout=WAIT_S), "the test never let the engine go"
+        return logits(batch)
+
+    monkeypatch.setattr(engine, "logits", held_logits)
+    before = scrape(client)
     with ThreadPoolExecutor(len(files)) as pool:
-        together = list(pool.map(lambda f: client.post("/v1/classify", json={"images": [b64(f)]}), files))
+        first = pool.submit(client.post, "/v1/classify", json={"images": [b64(files[0])]})
+        assert entered.wait(timeout=WAIT_S)  # the first request's batch is in the engine
+        rest = [pool.submit(client.post, "/v1/classify", json={"images": [b64(f)]}) for f in files[1:]]
+        poll(lambda: metric(scrape(client), "tserve_queue_depth", model="vit") == len(rest), timeout=WAIT_S,
+             message=f"{len(rest)} requests waiting in the queue")
+        held.set()
+        together = [first.result(), *(future.result() for future in rest)]
+    after = scrape(client)
     for response, single in zip(together, alone):
         assert response.status_code == 200, response.text
         got, want = response.json()["predictions"][0], single["predictions"][0]
         assert [p["index"] for p in got] == [p["index"] for p in want]
         np.testing.assert_allclose([p["score"] for p in got], [p["score"] for p in want], atol=1e-5)
+
+    def grew(name: str, **labels) -> float:
+        return metric(after, name, model="vit", **labels) - metric(before, name, model="vit", **labels)
+
+    # two batches: the held one (1 image) and the five that waited, together (5 images: the (4, 8] bucket)
+    assert grew("tserve_batch_size_count") == 2 and grew("tserve_batch_size_sum") == len(files)
+    assert grew("tserve_batch_size_bucket", le="1.0") == 1
+    assert grew("tserve_batch_size_bucket", le="4.0") == 1 and grew("tserve_batch_size_bucket", le="8.0") == 2
 
 
 # --- bad input ----------------------------------------------------------------------------------------------

@@ -11,22 +11,29 @@ refuse to send: lone UTF-16 surrogates, invalid UTF-8, NaN, numbers past every r
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from PIL import Image
 
 from service.app import create_app
 from service.client.processes import free_port
+from service.engines import imaging
 from service.settings import Settings
+from tests.support.metrics import metric, scrape
 from tests.support.server import ServerProcess
+from tests.support.waiting import poll
 
 pytestmark = pytest.mark.slow
 
@@ -337,7 +344,17 @@ def test_bodies_over_the_limit_are_413_with_or_without_a_content_length(server):
             assert json.loads(payload)["error"]["type"] == "payload_too_large"
 
 
+def failures(conn: Connection, reason: str) -> float:
+    """The server's `tserve_request_failures_total` for `reason`, over every model."""
+    lines = conn.request("GET", "/metrics")[2].decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("tserve_request_failures_total") and f'reason="{reason}"' in line)
+
+
 def test_a_body_that_does_not_arrive_in_time_is_a_408_and_not_a_bad_input(tiny_repository, tmp_path):
+    """A body that stops arriving is a 408 (`Connection: close`) after the body timeout, on both JSON and multipart
+    endpoints; a client that sends its headers and leaves is answered 499 and counted as cancelled, not as a bad
+    input (waited for on the cancel counter, so a slow server cannot pass it unseen)."""
     process = ServerProcess("body timeout server", tiny_repository, tmp_path, models='["gpt"]', body_timeout_s=1)
     process.start()
     try:
@@ -353,36 +370,45 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_not_a_bad_input(tiny_r
         with socket.create_connection(("127.0.0.1", process.port), timeout=10) as sock:  # headers, then gone
             sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{")
-        time.sleep(0.5)
         conn = Connection(process.port)
-        status, _, metrics = conn.request("GET", "/metrics")
-        lines = metrics.decode().splitlines()
-        bad = sum(float(line.rsplit(" ", 1)[1]) for line in lines
-                  if line.startswith("tserve_request_failures_total") and 'reason="bad_input"' in line)
-        assert bad == 2  # the two 408s; the client that went away is not a bad input
+        poll(lambda: failures(conn, "cancelled") == 1, timeout=10, message="the client that left counted as cancelled")
+        assert failures(conn, "bad_input") == 2  # the two 408s; the client that went away is not a bad input
+        records = [(r["path"], r["status"]) for r in process.access_records() if r.get("path", "").startswith("/v1/")]
+        assert records == [("/v1/generate", 408), ("/v1/classify", 408), ("/v1/generate", 499)], records
     finally:
         process.stop()
 
 
 # --- an internal error keeps the connection usable -----------------------------------------------------------------
 
-def test_an_internal_error_is_a_json_500_and_the_connection_lives_on(tiny_repository):
-    app = create_app(Settings(repository=tiny_repository, models=["gpt"], drain_delay_s=0))
+@contextlib.contextmanager
+def in_process_server(settings: Settings) -> Iterator[tuple[FastAPI, int]]:
+    """(app, port) of the app served by uvicorn on a thread of this process, once /health/ready says 200: a test
+    can then reach into the app (replace a function, read its state) while it serves real sockets."""
+    app = create_app(settings)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def ready() -> bool:
             try:
-                conn = Connection(port)
-                if conn.request("GET", "/health/ready")[0] == 200:
-                    break
+                return Connection(port).request("GET", "/health/ready")[0] == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline, "in-process server not ready"
-            time.sleep(0.1)
+                return False
+
+        poll(ready, timeout=60, interval=0.1, message="the in-process server's readiness")
+        yield app, port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_an_internal_error_is_a_json_500_and_the_connection_lives_on(tiny_repository):
+    """A bug in the serving code (injected: resolving a model raises) is a JSON 500 without `Connection: close`,
+    and the next request on the same socket is served."""
+    with in_process_server(Settings(repository=tiny_repository, models=["gpt"], drain_delay_s=0)) as (app, port):
+        conn = Connection(port)
         registry = app.state.registry
         resolve = registry.resolve
 
@@ -401,36 +427,48 @@ def test_an_internal_error_is_a_json_500_and_the_connection_lives_on(tiny_reposi
             status, _, payload = conn.request("POST", *GENERATE_GOOD)
             assert status == 200, payload
             assert conn.http.sock is before
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 # --- a client that goes away while its images are decoded --------------------------------------------------------
 
-def test_a_classify_client_that_goes_away_is_cancelled_and_its_decoding_stops(tiny_repository, tmp_path):
-    process = ServerProcess("classify disconnect server", tiny_repository, tmp_path, models='["vit"]').start()
-    try:
-        big = png(Image.new("RGBA", (4000, 4000), (10, 200, 30, 100)))  # ~0.3 s each to decode
-        body, headers = multipart(*[("files", f"{i}.png", big) for i in range(4)], ("timeout_ms", None, b"60000"))
-        with socket.create_connection(("127.0.0.1", process.port), timeout=10) as sock:
+def test_a_classify_client_that_goes_away_is_cancelled_and_its_decoding_stops(tiny_repository, monkeypatch):
+    """Four images on one decoder thread, the first one's decode held by the test: the client closes its socket,
+    the request is counted as cancelled (499), and once the held decode is let go no other image of it is ever
+    decoded (3 of 4 never start), every byte it reserved of the decode budget is given back, nothing reached the
+    classifier and nothing is left running or queued; the next request is decoded and classified as usual."""
+    held, entered = threading.Event(), threading.Event()
+    decoded = []
+    decode = imaging.decode_and_preprocess
+
+    def held_decode(header, engine):
+        decoded.append(header)
+        entered.set()
+        assert held.wait(timeout=30), "the test never let the decode go"
+        return decode(header, engine)
+
+    monkeypatch.setattr(imaging, "decode_and_preprocess", held_decode)
+    settings = Settings(repository=tiny_repository, models=["vit"], drain_delay_s=0, image_decode_threads=1)
+    with in_process_server(settings) as (app, port), httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        budget = app.state.image_decoder.budget
+        image = png(Image.new("L", (28, 28), 128))
+        body, headers = multipart(*[("files", f"{i}.png", image) for i in range(4)], ("timeout_ms", None, b"60000"))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
             sock.sendall(f"POST /v1/classify HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {len(body)}\r\n\r\n"
                          .encode() + body)
-            time.sleep(0.3)  # decoding has begun
-        conn = Connection(process.port)
+            assert entered.wait(timeout=30)  # its first image is being decoded, the other three wait their turn
+        poll(lambda: metric(scrape(client), "tserve_request_failures_total", model="vit", reason="cancelled") == 1,
+             timeout=10, message="the disconnect counted as cancelled")
+        held.set()
+        poll(lambda: budget.reserved == 0 and budget.waiting == 0, timeout=10,
+             message="the decode budget given back")
+        samples = scrape(client)
+        assert len(decoded) == 1  # the three images not started when the client left never were
+        assert metric(samples, "tserve_request_duration_seconds_count", endpoint="/v1/classify", status="499") == 1
+        assert metric(samples, "tserve_images_total", model="vit") == 0
+        assert metric(samples, "tserve_running_requests", model="vit") == 0
+        assert metric(samples, "tserve_queue_depth", model="vit") == 0
 
-        def cancelled() -> float:
-            lines = conn.request("GET", "/metrics")[2].decode().splitlines()
-            return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-                       if line.startswith("tserve_request_failures_total") and 'reason="cancelled"' in line)
-
-        deadline = time.monotonic() + 5
-        while cancelled() < 1:
-            assert time.monotonic() < deadline, "the disconnect was not noticed"
-            time.sleep(0.05)
-        assert cancelled() == 1
-        records = [r for r in process.access_records() if r.get("path") == "/v1/classify"]
-        assert [r["status"] for r in records] == [499], records
-    finally:
-        process.stop()
+        answer = client.post("/v1/classify", files=[("files", ("next.png", image, "image/png"))])
+        assert answer.status_code == 200, answer.text
+        assert len(decoded) == 2 and metric(scrape(client), "tserve_images_total", model="vit") == 1

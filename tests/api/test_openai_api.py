@@ -81,18 +81,70 @@ def test_logprobs_are_the_models_and_aligned_with_the_text(client):
         assert token in top
 
 
-def test_stop_strings_echo_and_best_of(client):
+def test_stop_strings_and_echo(client):
+    """A stop string cuts the greedy text before its first occurrence (finish_reason "stop"); `echo` puts the
+    prompt in front of the same text."""
     plain = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
     stop = plain[5:7]
     cut = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
     assert cut.choices[0].text == plain[: plain.index(stop)] and cut.choices[0].finish_reason == "stop"
     echoed = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=10, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain[:10]
-    ranked = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=10, temperature=1.0, n=2, best_of=4,
-                                       seed=1)
-    assert len(ranked.choices) == 2
-    beams = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=10, temperature=0, n=2, best_of=3)
-    assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+
+
+@pytest.fixture(scope="module")
+def gpt_engine(tiny_repository):
+    """The server's tiny GPT, loaded here too: the reference the ranked choices are checked against."""
+    from service.engines.gpt import GPTEngine
+    from service.engines.runtime import RuntimeOptions
+    from service.models.repository import ModelRepository
+
+    return GPTEngine(ModelRepository(tiny_repository).get("gpt"), RuntimeOptions(intra_op_threads=1))
+
+
+FINISH = {"eos": "stop", "length": "length"}  # a hypothesis's finish reason as OpenAI names it
+
+
+def test_best_of_samples_returns_the_n_with_the_highest_logprob_per_token(client, gpt_engine):
+    """`best_of=4, n=2` at temperature 1 with a seed: the server samples four choices (seeds seed..seed+3, the same
+    four that `n=4` returns) and answers the two with the highest log-probability per token, best first. The
+    reference: the same four sampling searches run on the engine directly, ranked by their score per token."""
+    from service.decoding import SamplingSearch
+
+    prompt, seed, tokens = gpt_engine.tokenizer.encode(PROMPT).ids, 1, 10
+    samples = [search.results()[0] for search in gpt_engine.generate(
+        [prompt] * 4, lambda i: SamplingSearch(tokens, gpt_engine.eos_id, temperature=1.0, seed=seed + i,
+                                               prefix=prompt))]
+    four = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=tokens, temperature=1.0, n=4, seed=seed)
+    assert [c.text for c in four.choices] == [gpt_engine.tokenizer.decode(h.tokens) for h in samples]
+    ranked = sorted(samples, key=lambda h: -h.score / max(1, len(h.tokens)))
+    assert ranked[:2] != samples[:2]  # this seed's best two are not its first two: the ranking shows
+    best = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=tokens, temperature=1.0, n=2,
+                                     best_of=4, seed=seed)
+    assert [(c.index, c.text, c.finish_reason) for c in best.choices] == [
+        (i, gpt_engine.tokenizer.decode(h.tokens), FINISH[h.finish_reason]) for i, h in enumerate(ranked[:2])]
+
+
+@pytest.mark.parametrize("best_of", [3, 4])
+def test_best_of_at_temperature_0_is_a_beam_search_of_that_width(client, server, gpt_engine, best_of):
+    """`best_of=k, n=2` at temperature 0: the two best beams of a beam search of width k, best first: the
+    engine's own BeamSearch(k, num_return_sequences=2) on the same prompt, and the first of them is what the
+    native API's `num_beams=k` answers."""
+    from service.decoding import BeamSearch
+
+    prompt, tokens = gpt_engine.tokenizer.encode(PROMPT).ids, 10
+    (search,) = gpt_engine.generate([prompt], lambda _: BeamSearch(best_of, tokens, gpt_engine.eos_id, prefix=prompt,
+                                                                   num_return_sequences=2))
+    beams = search.results()[:2]
+    assert beams[0].score >= beams[1].score
+    answer = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=tokens, temperature=0, n=2,
+                                       best_of=best_of)
+    assert [(c.index, c.text, c.finish_reason) for c in answer.choices] == [
+        (i, gpt_engine.tokenizer.decode(h.tokens), FINISH[h.finish_reason]) for i, h in enumerate(beams)]
+    assert answer.choices[0].text != answer.choices[1].text
+    native = httpx.post(f"{server.url}/v1/generate", headers={"Authorization": f"Bearer {API_KEY}"},
+                        json={"prompt": PROMPT, "max_new_tokens": tokens, "num_beams": best_of}).json()
+    assert native["text"] == answer.choices[0].text and native["usage"]["completion_tokens"] == len(beams[0].tokens)
 
 
 def test_a_streamed_completion_equals_the_plain_one(client):

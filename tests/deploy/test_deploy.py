@@ -6,7 +6,11 @@ Grafana dashboard (its "Replicas ready" stat red below the expected count), and 
 or alert query names is exported by a live service or recorded by a rule, and every TSERVE_* variable the
 deployment sets is a setting of service/settings.py.
 
-A missing tool fails (never skips): CI must prove these checks; deploy/ci-packages.txt lists what .ci/run installs.
+A missing system tool (promtool, docker-compose, nginx) skips its test on a developer's machine, with one line
+naming the tool and the Debian package that installs it (`tests.support.deploy.require_tool`); only with
+TSERVE_REQUIRE_TOOLS=1 in the environment, which .ci/run sets, does it fail the test instead, so CI cannot pass by
+skipping (deploy/ci-packages.txt lists what .ci/run installs). kubernetes-validate, a Python package of the `dev`
+extra, fails the test when it is missing, everywhere.
 """
 
 from __future__ import annotations

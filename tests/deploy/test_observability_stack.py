@@ -10,7 +10,9 @@
 - a real nginx with deploy/nginx/nginx.conf in front of two service processes: both get traffic, one is killed
   (SIGKILL) mid-run, and no failed request reaches the client.
 
-A missing binary fails the test with the Debian package .ci/run must install (deploy/ci-packages.txt).
+A missing binary (prometheus, nginx) skips the test on a developer's machine, with one line naming it and the Debian
+package that installs it (`tests.support.deploy.require_tool`); only with TSERVE_REQUIRE_TOOLS=1 in the
+environment, which .ci/run sets, does it fail the test instead (deploy/ci-packages.txt lists what .ci/run installs).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 - `repository`: private copies of the tiny model repository's versions (conftest's `tiny_repository_copy`);
 - `images`: pixel arrays as PNG bytes;
 - `fake_decoding`: a numpy decoding backend for the scheduler and batch tests;
-- `deploy`: the deployment tests' tools (nginx, prometheus, docker-compose) and config rendering.
+- `deploy`: the deployment tests' tools (nginx, prometheus, docker-compose) and config rendering;
+- `skips`: the end-of-session list of skipped tests and, under CI, the allowlist a skip must be on.
 
 Paths are found from these files (`ROOT`, the repository root), never from the caller, so a test module may live
 in any folder under tests/.

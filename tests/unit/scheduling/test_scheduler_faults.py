@@ -297,44 +297,103 @@ def test_stop_while_a_step_hangs_resolves_every_request(batcher, monkeypatch):
 # --- gauges as a property over random sequences -----------------------------------------------------------------
 
 
+class RecordingBackend(FakeBackend):
+    """A `FakeBackend` that writes down which jobs each injected fault hit: a poisoned prefill fails the newcomers
+    admitted with it (the batcher's `_admitting`), a failing step every running job (its `_active`). Both are read
+    on the worker thread, inside the call that raises, so they are the sets the failure concerns."""
+
+    def __init__(self):
+        super().__init__()
+        self.batcher: ContinuousBatcher | None = None
+        self.prefill_hits: list[set[TextJob]] = []
+        self.step_hits: list[set[TextJob]] = []
+
+    def prefill(self, inputs):
+        if any(POISON in ids for ids in inputs):
+            self.prefill_hits.append(set(self.batcher._admitting))
+        return super().prefill(inputs)
+
+    def step(self, state, tokens):
+        if self.fail_step:
+            self.step_hits.append(set(self.batcher._active))
+        return super().step(state, tokens)
+
+
+NEVER_ENDS = 100_000  # new tokens of a job that is cancelled or expires: it cannot finish before either happens
+SHORT_DEADLINES_S = (0.0005, 0.003)  # already past, or past within a few steps
+
+
+def ending(job: TextJob):
+    """The job's hypotheses as (tokens, reason) pairs, or its error as (class, message)."""
+    try:
+        return [(h.tokens, h.finish_reason) for h in job.future.result(timeout=RESULT_TIMEOUT_S)]
+    except ServiceError as error:
+        return type(error), error.message
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_text_gauges_equal_the_truth_after_any_mix(batcher, seed):
-    """Random requests (greedy, beam, sampling, exploding searches, poisoned prompts), random deadlines, random
-    cancellations, a full queue and failing steps: every request ends as it should, and the gauges read 0."""
+    """Random requests (greedy, beam, sampling, exploding searches, poisoned prompts), short deadlines,
+    cancellations, a full queue and failing steps, each request with its own expected end: the one cancelled ends
+    Cancelled, the one given a short deadline DeadlineExceeded, one hit by an injected fault (a poisoned prefill it
+    shared, a failing step it was in, its own search raising) fails with that fault's error, and every other one
+    completes with the result it gets alone. A scheduler that cancels, expires or fails the wrong job fails this.
+    Afterwards the gauges read 0."""
     rng = random.Random(seed)
-    b = batcher(max_rows=rng.choice([4, 8, 24]), max_prefill=rng.choice([1, 3, 16]), max_queue=rng.choice([4, 64]))
-    expected, jobs, refused = {}, [], 0
+    backend = RecordingBackend()
+    b = batcher(backend, max_rows=rng.choice([4, 8, 24]), max_prefill=rng.choice([1, 3, 16]),
+                max_queue=rng.choice([4, 64]))
+    backend.batcher = b
+    plan = []  # drawn before anything runs, so that each seed's requests do not depend on the machine's timing
     for i in range(60):
         prompt = [rng.randrange(1, POISON) for _ in range(rng.randrange(1, 4))]
-        roll = rng.random()
+        roll, timeout = rng.random(), 30.0
         if roll < 0.08:
             prompt.append(POISON)
-            search, expect = GreedySearch(5, EOS), ServiceError
+            role, search, expect = "poisoned", GreedySearch(5, EOS), None  # whatever prefill it shares
         elif roll < 0.16:
-            search, expect = ExplodingSearch(30, rng.randrange(1, 4)), ServiceError
+            role, search = "explodes", ExplodingSearch(30, rng.randrange(1, 4))
+            expect = (ServiceError, "decoding failed: search exploded")
+        elif roll < 0.26:
+            role, search, expect = "cancelled", GreedySearch(NEVER_ENDS, None), (Cancelled, "client went away")
+        elif roll < 0.34:
+            role, search, timeout = "expires", GreedySearch(NEVER_ENDS, None), rng.choice(SHORT_DEADLINES_S)
+            expect = DeadlineExceeded
         else:
             kind = rng.choice(["greedy", "beam", "sample"])
             search = make_search(kind, rng.randrange(1, 15), prompt, seed=i)
-            expect = alone(prompt, make_search(kind, search.max_new_tokens, prompt, seed=i))
-        timeout = rng.choice([30.0] * 6 + [0.0005, 0.003])
+            role, expect = "completes", alone(prompt, make_search(kind, search.max_new_tokens, prompt, seed=i))
+        fail_step, pause = rng.random() < 0.03, rng.choice([0, 0, 0, 0, 0, 0, 0, 0.0005, 0.002, 0.002])
+        plan.append(((prompt, search, timeout), role, expect, fail_step, pause))
+    assert {role for _, role, *_ in plan} == {"poisoned", "explodes", "cancelled", "expires", "completes"}
+    assert any(fail_step for *_, fail_step, _ in plan)
+    expected, jobs, roles = {}, [], {}
+    for (prompt, search, timeout), role, expect, fail_step, pause in plan:
         try:
             j = b.submit(job(prompt, search, timeout=timeout))
         except QueueFull:
-            refused += 1
             continue
         jobs.append(j)
-        expected[id(j)] = expect
-        if rng.random() < 0.1:
+        expected[j], roles[j] = expect, role
+        if role == "cancelled":
             j.cancel()
-        if rng.random() < 0.03:
-            b.backend.fail_step = True
-        if rng.random() < 0.3:
-            time.sleep(rng.choice([0, 0.0005, 0.002]))
+        if fail_step:
+            backend.fail_step = True
+        time.sleep(pause)
+    endings = {j: ending(j) for j in jobs}
+    prefill_hit = set().union(*backend.prefill_hits)
+    step_hit = set().union(*backend.step_hits)
+    assert all(j in prefill_hit for j in jobs if roles[j] == "poisoned")  # a poisoned prompt always fails its prefill
     for j in jobs:
-        got = outcome(j)
-        if got in (Cancelled, DeadlineExceeded) or (got is ServiceError and expected[id(j)] != ServiceError):
-            continue  # cancelled, expired, or caught in a failing step: each a legitimate end
-        assert got == expected[id(j)]
+        got = endings[j]
+        if j in prefill_hit:
+            assert got == (ServiceError, "prefill failed: poisoned prompt"), (roles[j], got)
+        elif j in step_hit:
+            assert got == (ServiceError, "decoding failed: step failed"), (roles[j], got)
+        elif expected[j] is DeadlineExceeded:
+            assert got[0] is DeadlineExceeded, (roles[j], got)
+        else:
+            assert got == expected[j], roles[j]
     assert all(j.future.done() for j in jobs)
     assert settle(b.metrics) == (0, 0, 0)
     assert b.queue_depth == 0 and b.running == 0
