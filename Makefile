@@ -83,7 +83,7 @@ train-tiny: venv
 	for task in translation gpt vit; do $(BIN)/python -m models.train $$task --preset tiny --out $(RUNS)/$$task-tiny || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(RUNS) .pytest_cache
+	rm -rf $(VENV) $(RUNS) .pytest_cache .venv-mutation mutation/work
 
 # Download the three datasets into $(TSERVE_DATA_DIR) and verify every file against models/data_checksums.py
 # (nothing to do when all are present and verified): from GitHub, or from the base URL in TSERVE_DATA_MIRROR.

@@ -131,6 +131,70 @@ def stream(tokenizer, text: str, stops: list[str], tokens_per_add: int):
     return pieces, final, rest
 
 
+# --- the detokeniser at its edges: a special token decodes to nothing and leaves nothing held back, the rest of an
+# incomplete character is U+FFFD as a full decode writes it, text offsets count from 0 by default -----------------
+
+END_OF_TEXT = 256  # the byte tokenizer's one special token
+
+
+def test_a_special_token_releases_nothing_and_leaves_no_rest(tokenizer):
+    row = Detokenizer(tokenizer.decode)
+    assert row.add([END_OF_TEXT]) == ""
+    assert row.rest() == ""
+    assert row.add(tokenizer.encode("ok").ids) == "ok"
+    assert row.rest() == ""
+
+
+def test_the_rest_of_an_incomplete_character_is_a_replacement_character(tokenizer):
+    row = Detokenizer(tokenizer.decode)
+    first_byte = tokenizer.encode("\u00e9").ids[:1]  # é is two bytes
+    assert row.add(tokenizer.encode("caf").ids + first_byte) == "caf"
+    assert row.rest() == "\ufffd"
+
+
+def test_a_lone_incomplete_first_character_is_held_and_its_rest_is_a_replacement(tokenizer):
+    row = Detokenizer(tokenizer.decode)
+    assert row.add(tokenizer.encode("\u00e9").ids[:1]) == ""
+    assert row.rest() == "\ufffd"
+
+
+# --- truncate_at_stop and the search's checker ----------------------------------------------------------------
+
+@pytest.mark.parametrize("text, stops, cut", [
+    ("abcd", ["a", "c"], ""),          # a stop at index 0 stays the earliest when a later one is found
+    ("abcd", ["c", "a"], ""),
+    ("xAyA", ["A"], "x"),              # the first occurrence, not the last
+    ("hello", ["", "z"], "hello"),     # an empty stop string never matches
+])
+def test_truncate_at_the_earliest_occurrence(text, stops, cut):
+    assert truncate_at_stop(text, stops) == (cut, cut != text)
+
+
+def test_the_checker_finds_a_stop_at_the_start_split_over_tokens(tokenizer):
+    checker = StopStrings(["ab"], tokenizer.decode)
+    ids = tokenizer.encode("ab").ids
+    assert checker(np.array(ids[:1])) is False
+    assert checker(np.array(ids)) is True
+
+
+def test_a_checker_without_stops_never_stops(tokenizer):
+    assert StopStrings([], tokenizer.decode)(np.array(tokenizer.encode("anything").ids)) is False
+
+
+def test_a_checker_reused_for_a_new_row_starts_again(tokenizer):
+    """An array that does not continue the last one (a new, shorter row) is read from its start."""
+    checker = StopStrings(["ab"], tokenizer.decode)
+    assert checker(np.array(tokenizer.encode("xxab").ids)) is True
+    assert checker(np.array(tokenizer.encode("a").ids)) is False
+    assert checker(np.array(tokenizer.encode("ab").ids)) is True
+
+
+def test_text_offsets_count_from_zero_unless_told(tokenizer):
+    tokens = tokenizer.encode("ab").ids
+    assert text_offsets(tokenizer.decode, tokens) == [0, 1]
+    assert text_offsets(tokenizer.decode, tokens, start=10) == [10, 11]
+
+
 @pytest.mark.parametrize("tokens_per_add", [1, 3, 64])
 @pytest.mark.parametrize("text, stops, final, rest", [
     ("ROMEO:\nWhat light", [LONG], "ROMEO:\nWhat light", ""),  # the issue: nothing to hold back

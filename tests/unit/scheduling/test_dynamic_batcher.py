@@ -233,8 +233,8 @@ def test_a_job_that_expires_while_queued_is_not_run(make):
     short, ok = batcher.submit(job(1, seed=1, timeout=0.05)), batcher.submit(job(1, seed=2))
     time.sleep(0.1)
     engine.gate.set()
-    with pytest.raises(DeadlineExceeded):
-        short.future.result(timeout=5)
+    with pytest.raises(DeadlineExceeded, match="^the request's deadline expired before its images were classified$"):
+        short.future.result(timeout=5)  # the 504's message says where the request was
     np.testing.assert_array_equal(results([ok, blocker])[0], expected(ok.pixels))
     assert engine.calls == [1, 1]
 
@@ -327,3 +327,57 @@ def test_metrics_are_observed(make, metrics):
     assert sample("tserve_queue_wait_seconds_count", {**LABELS, "mode": "classify"}) == 3
     assert sample("tserve_queue_depth", LABELS) == 0
     assert sample("tserve_running_requests", LABELS) == 0
+
+
+# --- the contract's edges ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limits", [{"max_batch_size": 0}, {"max_queue_delay_ms": -1}])
+def test_invalid_limits_are_refused(metrics, limits):
+    with pytest.raises(ValueError, match="^max_batch_size must be >= 1 and max_queue_delay_ms >= 0$"):
+        DynamicBatcher(FakeEngine(), "vit", 1, metrics, **{**LIMITS, **limits})
+
+
+class Float64Engine(FakeEngine):
+    def logits(self, batch):
+        return super().logits(batch).astype(np.float64)
+
+
+class WrongRowsEngine(FakeEngine):
+    def logits(self, batch):
+        return super().logits(batch)[:-1]
+
+
+def test_logits_are_float32_whatever_the_engine_returns(make):
+    one = make(Float64Engine(), max_queue_delay_ms=1).submit(job(2, seed=5))
+    logits = results([one])[0]
+    assert logits.dtype == np.float32
+    np.testing.assert_array_equal(logits, expected(one.pixels))
+
+
+def test_an_engine_answer_of_the_wrong_shape_fails_the_batch_saying_so(make, caplog):
+    bad = make(WrongRowsEngine(), max_queue_delay_ms=1).submit(job(3, seed=6))
+    with pytest.raises(ServiceError, match=r"^inference failed: engine returned logits of shape \(2, 10\) for 3 "
+                                           r"images$") as raised:
+        bad.future.result(timeout=5)
+    assert raised.value.status == 500
+    assert "image batch failed for vit" in [r.getMessage() for r in caplog.records]
+
+
+def test_phases_and_queue_wait_are_those_of_the_job(make, metrics):
+    """Each job's spans read its phases: started, finished after, its batch's size; its queue wait is measured from
+    its arrival (never more than the whole test took)."""
+    began = time.monotonic()
+    engine = FakeEngine()
+    batcher = make(engine, max_batch_size=8, max_queue_delay_ms=1)
+    blocker = hold(engine, batcher)
+    jobs = [batcher.submit(job(n, seed=i)) for i, n in enumerate([3, 2])]
+    engine.gate.set()
+    results(jobs + [blocker])
+    elapsed = time.monotonic() - began
+    for j in jobs:
+        assert j.arrived <= j.phases.started_at <= j.phases.finished_at
+        assert j.phases.batch_size == 5
+    assert blocker.phases.batch_size == 1
+    waited = metrics.registry.get_sample_value("tserve_queue_wait_seconds_sum", {**LABELS, "mode": "classify"})
+    assert 0 <= waited <= 3 * elapsed

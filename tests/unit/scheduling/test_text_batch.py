@@ -177,3 +177,15 @@ def test_a_batch_under_random_joins_and_departures_decodes_each_request_as_alone
             assert streamed[j] == (hypothesis.tokens, hypothesis.logprobs or [])
         else:
             assert streamed[j] == ([], [])
+
+
+def test_a_batch_whose_jobs_all_left_has_no_rows():
+    """Every request gone (finished or cancelled): no live row, an empty int64 row index (what compaction reads)."""
+    jobs = [TextJob(input_ids=[1, 2], search=GreedySearch(max_new_tokens=3, eos_token_id=EOS), mode="greedy",
+                    deadline=time.monotonic() + 60) for _ in range(2)]
+    batch, _ = TextBatch.prefill(FakeBackend(), jobs)
+    np.testing.assert_array_equal(batch.row_indices(), [0, 1])
+    batch.filter([])
+    rows = batch.row_indices()
+    assert rows.dtype == np.int64 and rows.shape == (0,)
+    assert batch.live_rows == 0
