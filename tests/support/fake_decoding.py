@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.decoding import run_search
+from service.decoding import GreedySearch, run_search
 
 VOCAB, EOS, POISON = 12, 0, 11  # a prompt holding POISON makes the prefill raise
 RESULT_TIMEOUT_S = 10.0
@@ -98,3 +98,18 @@ def alone(prompt: list[int], search) -> list[tuple[list[int], str]]:
 
     run_search([search], [logits_of(histories[0])], step_fn)
     return [(h.tokens, h.finish_reason) for h in search.results()]
+
+
+class ExplodingSearch(GreedySearch):
+    """A greedy search that raises on its `explode_at`-th step (no EOS: it cannot finish before)."""
+
+    def __init__(self, max_new_tokens: int, explode_at: int):
+        assert explode_at <= max_new_tokens
+        super().__init__(max_new_tokens, None)
+        self.explode_at, self.steps = explode_at, 0
+
+    def accept(self, *args):
+        self.steps += 1
+        if self.steps == self.explode_at:
+            raise ValueError("search exploded")
+        return super().accept(*args)

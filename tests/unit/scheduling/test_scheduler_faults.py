@@ -30,28 +30,13 @@ from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.dynamic import DynamicBatcher
 from service.scheduling.jobs import ImageJob, TextJob
 from service.settings import Settings
-from tests.support.fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, VOCAB, FakeBackend, alone
+from tests.support.fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, VOCAB, ExplodingSearch, FakeBackend, alone
 
 LABELS = {"model": "m", "version": "1"}
 DEFAULTS = Settings.model_construct()  # the declared defaults, whatever the environment says
 LIMITS = {"max_rows": DEFAULTS.gpt_max_batch_rows, "max_prefill": DEFAULTS.max_prefill_requests,
           "max_queue": DEFAULTS.max_queue_size}  # a test's own options replace these
 LATE_AFTER_DEADLINE_S = 0.5  # how late a queued job may fail after its deadline on a busy machine
-
-
-class ExplodingSearch(GreedySearch):
-    """A greedy search that raises on its `explode_at`-th step (no EOS: it cannot finish before)."""
-
-    def __init__(self, max_new_tokens: int, explode_at: int):
-        assert explode_at <= max_new_tokens
-        super().__init__(max_new_tokens, None)
-        self.explode_at, self.steps = explode_at, 0
-
-    def accept(self, *args):
-        self.steps += 1
-        if self.steps == self.explode_at:
-            raise ValueError("search exploded")
-        return super().accept(*args)
 
 
 def make_search(kind: str, max_new: int, prompt: list[int], seed: int = 0):

@@ -1,0 +1,331 @@
+"""Contracts of the schedulers that clients and operators rely on, against the fake numpy backend (no ONNX, fast):
+which requests a failure fails and what it says (in the error and in the log), the messages of 503 / 429 / 504,
+Retry-After, the gauges (rows included) before, during and after a run, admission limits, and the per-request
+phases and latency metrics."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.decoding import GreedySearch
+from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.observability.metrics import Metrics
+from service.scheduling import queueing
+from service.scheduling.continuous import ContinuousBatcher
+from service.scheduling.dynamic import DynamicBatcher
+from service.scheduling.jobs import ImageJob, TextJob
+from service.settings import Settings
+from tests.support.fake_decoding import POISON, RESULT_TIMEOUT_S, ExplodingSearch, FakeBackend, alone
+
+LABELS = {"model": "m", "version": "1"}
+MODE = {**LABELS, "mode": "x"}
+DEFAULTS = Settings.model_construct()
+LIMITS = {"max_rows": DEFAULTS.gpt_max_batch_rows, "max_prefill": DEFAULTS.max_prefill_requests,
+          "max_queue": DEFAULTS.max_queue_size}
+LOGGER = "service.scheduling.continuous"
+
+
+class ConcatFailingBackend(FakeBackend):
+    """A fake backend whose next `concatenate` raises once `fail_concatenate` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail_concatenate = False
+
+    def concatenate(self, states, rows=None):
+        if self.fail_concatenate:
+            self.fail_concatenate = False
+            raise RuntimeError("concatenate failed")
+        return super().concatenate(states, rows)
+
+
+@pytest.fixture
+def batcher():
+    started = []
+
+    def make(backend=None, start=True, **options):
+        b = ContinuousBatcher(backend or FakeBackend(), "m", 1, Metrics(), **{**LIMITS, **options})
+        if start:
+            b.start()
+        started.append(b)
+        return b
+
+    yield make
+    for b in started:
+        b.backend.gate.set()
+        b.stop(timeout=5)
+
+
+def job(prompt, search, timeout=30.0, **extra) -> TextJob:
+    return TextJob(list(prompt), search, "x", time.monotonic() + timeout, **extra)
+
+
+def hold(b: ContinuousBatcher, max_new: int = 200) -> TextJob:
+    b.backend.gate.clear()
+    b.backend.in_step.clear()
+    running = b.submit(job([1, 2], GreedySearch(max_new, None)))
+    assert b.backend.in_step.wait(timeout=5)
+    return running
+
+
+def outcome(j: TextJob):
+    try:
+        return [(h.tokens, h.finish_reason) for h in j.future.result(timeout=RESULT_TIMEOUT_S)]
+    except ServiceError as error:
+        return type(error)
+
+
+def value(metrics: Metrics, name: str, labels=LABELS):
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.ERROR]
+
+
+def eventually(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return predicate()
+
+
+# --- a failure fails exactly the requests it concerns, and says so ------------------------------------------------
+
+
+def test_a_failing_join_fails_the_newcomers_only_and_is_logged(batcher, caplog):
+    b = batcher(ConcatFailingBackend())
+    running = hold(b)
+    b.backend.fail_concatenate = True
+    newcomer = b.submit(job([4, 5], GreedySearch(6, None)))
+    b.backend.gate.set()
+    assert outcome(newcomer) is ServiceError
+    assert str(newcomer.future.exception()).startswith("prefill failed: concatenate failed")
+    assert outcome(running) == alone([1, 2], GreedySearch(200, None))
+    assert "joining 1 request(s) to the batch of m failed" in messages(caplog)
+    assert not any(m.startswith("decoding step failed") for m in messages(caplog))
+    later = b.submit(job([6], GreedySearch(4, None)))
+    assert outcome(later) == alone([6], GreedySearch(4, None))
+
+
+def test_a_failing_prefill_on_an_idle_batcher_fails_its_newcomers_and_leaves_nothing_in_flight(batcher, caplog):
+    b = batcher()
+    poisoned = b.submit(job([3, POISON], GreedySearch(5, None)))
+    assert outcome(poisoned) is ServiceError
+    assert str(poisoned.future.exception()) == "prefill failed: poisoned prompt"
+    assert eventually(lambda: b._in_flight() == [])
+    assert "prefill failed for 1 request(s) of m" in messages(caplog)
+    assert value(b.metrics, "tserve_running_requests") == 0
+
+
+def test_a_failing_search_and_a_failing_step_are_logged_with_the_model(batcher, caplog):
+
+    b = batcher()
+    exploding = b.submit(job([1], ExplodingSearch(5, 2)))
+    assert outcome(exploding) is ServiceError
+    assert "decoding failed for one request of m" in messages(caplog)
+    running = hold(b)
+    b.backend.fail_step = True
+    b.backend.gate.set()
+    assert outcome(running) is ServiceError
+    assert "decoding step failed for m" in messages(caplog)
+
+
+def test_a_request_that_ends_at_its_prefill_logs_no_error(batcher, caplog):
+    b = batcher()
+    one = b.submit(job([2, 3], GreedySearch(1, None)))
+    assert outcome(one) == alone([2, 3], GreedySearch(1, None))
+    after = b.submit(job([5], GreedySearch(3, None)))
+    assert outcome(after) == alone([5], GreedySearch(3, None))
+    assert messages(caplog) == []
+
+
+# --- deadlines say where the request was -------------------------------------------------------------------------
+
+
+def test_a_deadline_mid_decode_says_during_decoding(batcher):
+    b = batcher()
+    running = hold(b)
+    running.deadline = time.monotonic() - 1
+    b.backend.gate.set()
+    assert outcome(running) is DeadlineExceeded
+    assert str(running.future.exception()) == "the request's deadline expired during decoding"
+
+
+def test_a_deadline_in_the_queue_says_while_it_waited(batcher):
+    b = batcher()
+    running = hold(b)
+    queued = b.submit(job([3], GreedySearch(5, None)))
+    queued.deadline = time.monotonic() - 1
+    b.backend.gate.set()
+    assert outcome(queued) is DeadlineExceeded
+    assert str(queued.future.exception()) == "the request's deadline expired while it waited in the queue"
+    assert outcome(running) == alone([1, 2], GreedySearch(200, None))
+
+
+@pytest.mark.parametrize("how", ["client", "future"])
+def test_a_request_cancelled_in_the_queue_is_never_prefilled(batcher, how):
+    b = batcher()
+    running = hold(b, max_new=20)
+    queued = b.submit(job([3, 4, 5], GreedySearch(5, None)))
+    queued.cancel() if how == "client" else queued.future.cancel()
+    b.backend.gate.set()
+    assert outcome(running) == alone([1, 2], GreedySearch(20, None))
+    if how == "client":
+        with pytest.raises(Cancelled):
+            queued.future.result(timeout=RESULT_TIMEOUT_S)
+    assert value(b.metrics, "tserve_prompt_tokens_total") == 2  # the running prompt only
+    assert set(b.backend.step_rows) == {1}
+
+
+# --- admission limits ------------------------------------------------------------------------------------------
+
+
+def test_max_prefill_bounds_the_newcomers_of_one_step(batcher):
+    b = batcher(max_prefill=1)
+    running = hold(b, max_new=20)
+    queued = [b.submit(job([3 + i], GreedySearch(5, None))) for i in range(2)]
+    b.backend.gate.set()
+    for j, i in zip(queued, range(2)):
+        assert outcome(j) == alone([3 + i], GreedySearch(5, None))
+    assert outcome(running) == alone([1, 2], GreedySearch(20, None))
+    assert b.backend.step_rows[:3] == [1, 2, 3]  # one newcomer per step boundary
+
+
+def test_a_newcomer_that_fills_the_batch_exactly_is_admitted(batcher):
+    b = batcher(max_rows=2)
+    running = hold(b, max_new=20)
+    newcomer = b.submit(job([3], GreedySearch(5, None)))
+    b.backend.gate.set()
+    assert outcome(newcomer) == alone([3], GreedySearch(5, None))
+    assert outcome(running) == alone([1, 2], GreedySearch(20, None))
+    assert b.backend.step_rows[1] == 2
+
+
+# --- gauges -------------------------------------------------------------------------------------------------------
+
+
+def test_the_rows_gauge_reads_zero_before_and_the_live_rows_while_running(batcher):
+    b = batcher(start=False)
+    assert value(b.metrics, "tserve_batch_rows") == 0
+    b.start()
+    running = hold(b)
+    assert value(b.metrics, "tserve_batch_rows") == 1
+    assert value(b.metrics, "tserve_running_requests") == 1
+    b.backend.gate.set()
+    outcome(running)
+    assert eventually(lambda: value(b.metrics, "tserve_batch_rows") == 0)
+
+
+def test_stop_waits_for_a_running_request_to_finish(batcher):
+    b = batcher()
+    running = hold(b, max_new=30)
+    stopper = threading.Thread(target=b.stop, args=(RESULT_TIMEOUT_S,))
+    stopper.start()
+    assert eventually(lambda: not b._accepting)
+    b.backend.gate.set()
+    stopper.join(timeout=RESULT_TIMEOUT_S)
+    assert not stopper.is_alive()
+    assert outcome(running) == alone([1, 2], GreedySearch(30, None))
+    assert value(b.metrics, "tserve_queue_depth") == 0
+    assert value(b.metrics, "tserve_running_requests") == 0
+    assert value(b.metrics, "tserve_batch_rows") == 0
+
+
+def test_stop_fails_the_leftovers_with_a_503_that_says_why(batcher):
+    b = batcher(start=False)
+    queued = b.submit(job([3], GreedySearch(5, None)))
+    b.stop(timeout=1)
+    assert outcome(queued) is Unavailable
+    assert str(queued.future.exception()) == "the server shut down before this request finished"
+    with pytest.raises(Unavailable, match="^the server is shutting down$"):
+        b.submit(job([4], GreedySearch(5, None)))
+    assert value(b.metrics, "tserve_queue_depth") == 0
+
+
+def test_a_stopped_image_batcher_does_not_grow_a_rows_gauge():
+    metrics = Metrics()
+    d = DynamicBatcher(object(), "vit", 1, metrics, max_batch_size=4, max_queue_delay_ms=1, max_queue=4,
+                       batching=True)
+    d.stop(timeout=1)
+    assert metrics.registry.get_sample_value("tserve_batch_rows", {"model": "vit", "version": "1"}) is None
+    assert metrics.registry.get_sample_value("tserve_queue_depth", {"model": "vit", "version": "1"}) == 0
+
+
+def test_an_image_job_expired_in_the_queue_says_where_it_was():
+    metrics = Metrics()
+    d = DynamicBatcher(object(), "vit", 1, metrics, max_batch_size=4, max_queue_delay_ms=1, max_queue=4,
+                       batching=True)
+    expired = ImageJob(pixels=np.zeros((1, 1, 4, 4), np.float32), deadline=time.monotonic() - 1)
+    d.submit(expired)
+    d.start()
+    try:
+        with pytest.raises(DeadlineExceeded) as error:
+            expired.future.result(timeout=RESULT_TIMEOUT_S)
+        assert str(error.value) == "the request's deadline expired before its images were classified"
+    finally:
+        d.stop(timeout=5)
+
+
+# --- the queue ----------------------------------------------------------------------------------------------------
+
+
+def test_max_queue_must_be_positive_and_one_is_enough(batcher):
+    with pytest.raises(ValueError, match="^max_queue must be >= 1$"):
+        ContinuousBatcher(FakeBackend(), "m", 1, Metrics(), max_rows=4, max_prefill=1, max_queue=0)
+    b = batcher(start=False, max_queue=1)
+    b.submit(job([1], GreedySearch(2, None)))
+    assert b.queue_depth == 1
+
+
+def test_a_full_queue_answers_429_with_both_retry_headers(batcher):
+    b = batcher(start=False, max_queue=1)
+    b.submit(job([1], GreedySearch(2, None)))
+    with pytest.raises(QueueFull) as error:
+        b.submit(job([2], GreedySearch(2, None), timeout=30.0))
+    assert str(error.value) == "m queue is full (1 waiting requests)"
+    assert error.value.headers["Retry-After"] == "1"
+    assert 1 <= int(error.value.headers["retry-after-ms"]) <= 2 * 1000 * queueing.INITIAL_DEPARTURE_INTERVAL_S + 1
+
+
+def test_the_worker_is_a_named_daemon_thread(batcher):
+    b = batcher(start=False)
+    assert b._thread.name == "batcher-m-1"
+    assert b._thread.daemon is True
+
+
+def test_retry_after_follows_the_measured_departure_interval(monkeypatch):
+    monkeypatch.setattr(queueing.random, "random", lambda: 0.0)
+    r = queueing.RetryAfter()
+    r.departed(now=10.0)
+    r.departed(now=11.0)  # one departure 1 s after the previous: the average moves a tenth of the way to 1 s
+    expected = queueing.INITIAL_DEPARTURE_INTERVAL_S + queueing.DEPARTURE_SMOOTHING * (
+        1.0 - queueing.INITIAL_DEPARTURE_INTERVAL_S)
+    assert r.milliseconds(1, 1, float("inf")) == int(np.ceil(1000 * expected))
+    r.departed(4, now=13.0)  # four departures over 2 s: 0.5 s each
+    expected += queueing.DEPARTURE_SMOOTHING * (0.5 - expected)
+    assert r.milliseconds(1, 1, float("inf")) == int(np.ceil(1000 * expected))
+
+
+# --- phases and latency metrics -----------------------------------------------------------------------------------
+
+
+def test_a_finished_request_records_its_phases_and_latencies(batcher):
+    b = batcher()
+    done = b.submit(job([1, 2, 3], GreedySearch(5, None)))
+    assert outcome(done) == alone([1, 2, 3], GreedySearch(5, None))
+    p = done.phases
+    assert None not in (p.admitted_at, p.first_token_at, p.finished_at)
+    assert done.arrived <= p.admitted_at <= p.first_token_at <= p.finished_at
+    assert p.generated == 5
+    m = b.metrics
+    assert value(m, "tserve_time_to_first_token_seconds_count", MODE) == 1
+    assert 0 <= value(m, "tserve_time_to_first_token_seconds_sum", MODE) <= p.first_token_at - done.arrived + 1e-6
+    assert value(m, "tserve_inter_token_latency_seconds_count", MODE) == 4
+    assert 0 <= value(m, "tserve_inter_token_latency_seconds_sum", MODE) <= p.finished_at - p.first_token_at + 1e-6
+    assert 0 <= value(m, "tserve_queue_wait_seconds_sum", MODE) <= p.admitted_at - done.arrived + 1e-6
