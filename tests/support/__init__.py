@@ -8,7 +8,8 @@
 - `waiting`: a bounded poll for a condition;
 - `repository`: private copies of the tiny model repository's versions (conftest's `tiny_repository_copy`);
 - `images`: pixel arrays as PNG bytes;
-- `fake_decoding`: a numpy decoding backend for the scheduler and batch tests;
+- `fake_decoding`: a numpy decoding backend for the scheduler and batch tests; `batchers`: the continuous batcher
+  on it (limits, a text job, a request held at a step);
 - `deploy`: the deployment tests' tools (nginx, prometheus, docker-compose) and config rendering;
 - `skips`: the end-of-session list of skipped tests and, under CI, the allowlist a skip must be on.
 

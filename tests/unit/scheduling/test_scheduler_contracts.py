@@ -19,14 +19,11 @@ from service.scheduling import queueing
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.dynamic import DynamicBatcher
 from service.scheduling.jobs import ImageJob, TextJob
-from service.settings import Settings
+from tests.support.batchers import hold, job
 from tests.support.fake_decoding import POISON, RESULT_TIMEOUT_S, ExplodingSearch, FakeBackend, alone
 
 LABELS = {"model": "m", "version": "1"}
 MODE = {**LABELS, "mode": "x"}
-DEFAULTS = Settings.model_construct()
-LIMITS = {"max_rows": DEFAULTS.gpt_max_batch_rows, "max_prefill": DEFAULTS.max_prefill_requests,
-          "max_queue": DEFAULTS.max_queue_size}
 LOGGER = "service.scheduling.continuous"
 
 
@@ -44,33 +41,9 @@ class ConcatFailingBackend(FakeBackend):
         return super().concatenate(states, rows)
 
 
-@pytest.fixture
-def batcher():
-    started = []
-
-    def make(backend=None, start=True, **options):
-        b = ContinuousBatcher(backend or FakeBackend(), "m", 1, Metrics(), **{**LIMITS, **options})
-        if start:
-            b.start()
-        started.append(b)
-        return b
-
-    yield make
-    for b in started:
-        b.backend.gate.set()
-        b.stop(timeout=5)
 
 
-def job(prompt, search, timeout=30.0, **extra) -> TextJob:
-    return TextJob(list(prompt), search, "x", time.monotonic() + timeout, **extra)
 
-
-def hold(b: ContinuousBatcher, max_new: int = 200) -> TextJob:
-    b.backend.gate.clear()
-    b.backend.in_step.clear()
-    running = b.submit(job([1, 2], GreedySearch(max_new, None)))
-    assert b.backend.in_step.wait(timeout=5)
-    return running
 
 
 def outcome(j: TextJob):

@@ -29,13 +29,10 @@ from service.scheduling import queueing
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.dynamic import DynamicBatcher
 from service.scheduling.jobs import ImageJob, TextJob
-from service.settings import Settings
+from tests.support.batchers import LIMITS, hold, job
 from tests.support.fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, VOCAB, ExplodingSearch, FakeBackend, alone
 
 LABELS = {"model": "m", "version": "1"}
-DEFAULTS = Settings.model_construct()  # the declared defaults, whatever the environment says
-LIMITS = {"max_rows": DEFAULTS.gpt_max_batch_rows, "max_prefill": DEFAULTS.max_prefill_requests,
-          "max_queue": DEFAULTS.max_queue_size}  # a test's own options replace these
 LATE_AFTER_DEADLINE_S = 0.5  # how late a queued job may fail after its deadline on a busy machine
 
 
@@ -69,34 +66,9 @@ def settle(metrics: Metrics, timeout: float = 2.0) -> tuple[float, float, float]
     return gauges(metrics)
 
 
-@pytest.fixture
-def batcher():
-    started = []
-
-    def make(backend=None, **options):
-        metrics = Metrics()
-        b = ContinuousBatcher(backend or FakeBackend(), "m", 1, metrics, **{**LIMITS, **options})
-        b.start()
-        started.append(b)
-        return b
-
-    yield make
-    for b in started:
-        b.backend.gate.set()
-        b.stop(timeout=5)
 
 
-def job(prompt, search, timeout=30.0, **extra) -> TextJob:
-    return TextJob(list(prompt), search, "x", time.monotonic() + timeout, **extra)
 
-
-def hold(b: ContinuousBatcher, steps_rows: int = 1) -> TextJob:
-    """A long greedy request that is running, with the backend's gate closed: the next step waits for the test."""
-    b.backend.gate.clear()
-    b.backend.in_step.clear()
-    running = b.submit(job([1, 2], GreedySearch(200, None)))
-    assert b.backend.in_step.wait(timeout=5)
-    return running
 
 
 # --- a failure fails exactly the requests it concerns -----------------------------------------------------------
