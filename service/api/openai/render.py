@@ -85,17 +85,12 @@ class TokenText:
         return self.cache[token]
 
 
-def _text_offsets(tokenizer, tokens: Sequence[int], start: int) -> list[int]:
-    """Where each token's text begins in the returned text (a token that completes a character starts it)."""
-    return text_offsets(tokenizer.decode, tokens, start)
-
-
 def completion_logprobs(logprobs: Sequence, tokens: Sequence[int], start: int, token_text: TokenText) -> dict:
     """OpenAI's legacy `logprobs` object for the given tokens, whose text begins at character `start`."""
     return {"tokens": [token_text(t)[0] for t in tokens],
             "token_logprobs": [max(lp.logprob, FLOOR_LOGPROB) for lp in logprobs],
             "top_logprobs": [{token_text(t)[0]: max(value, FLOOR_LOGPROB) for t, value in lp.top} for lp in logprobs],
-            "text_offset": _text_offsets(token_text.tokenizer, tokens, start)}
+            "text_offset": text_offsets(token_text.tokenizer.decode, tokens, start)}
 
 
 def chat_logprobs(logprobs: Sequence, token_text: TokenText) -> dict:
