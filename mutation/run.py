@@ -47,6 +47,12 @@ LINKED = ("service", "export", "models", "tests", "pyproject.toml")
 KILLED = {1, 3, 24, -24, 152, 255, 36, -11, -9}  # a failing test, a pytest error, a timeout, a crash
 SURVIVED = {0}
 NO_TESTS = {5, 33}
+# How long a test waits for a result, a step or a stop under mutation (tests/support/waiting.py PATIENCE_S, 30 s
+# otherwise): the right code answers in milliseconds, a mutant that hangs a scheduler fails in seconds, not in 30.
+PATIENCE_S = "3"
+# A mutant that spins is killed after this many times its tests' time (in CPU seconds; mutmut's default 15x costs
+# minutes per spinning mutant): the tests mostly wait, so their CPU time is well below the wall time measured.
+TIMEOUT_MULTIPLIER = 3.0
 
 
 def load_packages() -> dict[str, dict]:
@@ -73,8 +79,7 @@ def setup_cfg(package: dict) -> str:
         + block("also_copy", ["models/"])
         + block("pytest_add_cli_args", ["-p", "no:cacheprovider", "-q", "-m", "not slow"])
         + block("pytest_add_cli_args_test_selection", package["tests"])
-        # a mutant that hangs is killed after 5x its tests' time (mutmut's default, 15x, costs minutes per hang)
-        + "timeout_multiplier=5.0\n"
+        + f"timeout_multiplier={TIMEOUT_MULTIPLIER}\n"
     )
 
 
@@ -104,7 +109,8 @@ def run_package(work: Path, package: dict, max_children: int, equivalent: dict[s
     survivors = [k for k, code in results(work, package).items()
                  if code not in KILLED and code is not None and k not in equivalent] if (work / "mutants").is_dir() else []
     # One thread per test process: mutmut runs max_children of them at once on as many cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+           "TSERVE_TEST_PATIENCE_S": PATIENCE_S}
     command = [mutmut(), "run", "--max-children", str(max_children)]
     rc = subprocess.call(command, cwd=work, env=env)
     if rc == 0 and survivors:

@@ -11,12 +11,13 @@ from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.jobs import TextJob
 from service.settings import Settings
 from tests.support.fake_decoding import FakeBackend
+from tests.support.waiting import PATIENCE_S
 
 DEFAULTS = Settings.model_construct()  # the declared defaults, without reading the environment
 LIMITS = {"max_rows": DEFAULTS.gpt_max_batch_rows, "max_prefill": DEFAULTS.max_prefill_requests,
           "max_queue": DEFAULTS.max_queue_size}
 JOB_TIMEOUT_S = 30.0  # a deadline no test reaches unless it sets one
-STEP_WAIT_S = 5.0  # how long a test waits for the worker to enter a step (a busy machine included)
+STEP_WAIT_S = PATIENCE_S  # how long a test waits for the worker to enter a step
 HELD_TOKENS = 200  # a held request's length: it cannot finish while a test acts
 
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.decoding import GreedySearch, run_search
+from tests.support.waiting import PATIENCE_S
 
 VOCAB, EOS, POISON = 12, 0, 11  # a prompt holding POISON makes the prefill raise
-RESULT_TIMEOUT_S = 10.0
+RESULT_TIMEOUT_S = PATIENCE_S  # how long a test waits for a job's result
 
 
 def extend(history: int, token: int) -> int:

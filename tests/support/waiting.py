@@ -3,10 +3,15 @@ Every wait in the server tests is one of these, never a bare sleep."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
+# How long a test waits for what arrives within milliseconds when the code is right (a result, a step, a stop), busy
+# CI machines included. `make mutation` sets TSERVE_TEST_PATIENCE_S to a few seconds (mutation/run.py): a mutant
+# that hangs a scheduler then fails its test in seconds instead of after the full wait.
+PATIENCE_S = float(os.environ.get("TSERVE_TEST_PATIENCE_S", "30"))
 POLL_INTERVAL_S = 0.05  # short beside the tiny models' ~20 ms generations, long enough not to load the server
 
 

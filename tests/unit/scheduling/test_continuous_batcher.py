@@ -15,6 +15,7 @@ from service.observability.metrics import Metrics
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.jobs import TextJob
 from service.settings import Settings
+from tests.support.waiting import PATIENCE_S
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def batcher_for():
 
     yield make
     for batcher in started:
-        batcher.stop(timeout=5)
+        batcher.stop(timeout=PATIENCE_S)
 
 
 def submit_staggered(batcher, inputs, make_search, pause=0.002):
@@ -57,7 +58,7 @@ def submit_staggered(batcher, inputs, make_search, pause=0.002):
     for i, ids in enumerate(inputs):
         jobs.append(batcher.submit(TextJob(ids, make_search(i), "x", time.monotonic() + 60)))
         time.sleep(pause * (i % 4))  # some arrive together, some join a running batch
-    return [job.future.result(timeout=60) for job in jobs]
+    return [job.future.result(timeout=PATIENCE_S) for job in jobs]
 
 
 def test_gpt_requests_joining_and_leaving_decode_as_if_alone(gpt, batcher_for):
@@ -100,11 +101,11 @@ def test_cancelled_and_expired_requests_leave_and_the_rest_go_on(gpt, batcher_fo
     gone = batcher.submit(TextJob(prompt, GreedySearch(50, gpt.eos_id), "greedy", time.monotonic() + 60))
     gone.cancel()
     with pytest.raises(Cancelled):
-        gone.future.result(timeout=30)
+        gone.future.result(timeout=PATIENCE_S)
     with pytest.raises(DeadlineExceeded):
-        doomed.future.result(timeout=30)
+        doomed.future.result(timeout=PATIENCE_S)
     expected = gpt.generate([prompt], lambda _: GreedySearch(50, gpt.eos_id))[0].results()[0].tokens
-    assert long_job.future.result(timeout=30)[0].tokens == expected
+    assert long_job.future.result(timeout=PATIENCE_S)[0].tokens == expected
     deadline = time.monotonic() + 5
     while batcher.running and time.monotonic() < deadline:
         time.sleep(0.01)

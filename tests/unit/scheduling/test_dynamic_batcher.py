@@ -22,6 +22,7 @@ from service.observability.metrics import Metrics
 from service.scheduling.dynamic import DynamicBatcher
 from service.scheduling.jobs import ImageJob
 from service.settings import Settings
+from tests.support.waiting import PATIENCE_S
 
 CLASSES = 10
 SHAPE = (1, 4, 4)  # (C, H, W): 16 values per image, the first 10 become its logits
@@ -49,7 +50,7 @@ class FakeEngine:
         self.call_times.append(time.monotonic())
         self.calls.append(len(batch))
         self.entered.set()
-        assert self.gate.wait(timeout=10), "test never opened the gate"
+        assert self.gate.wait(timeout=PATIENCE_S), "test never opened the gate"
         if self.delay:
             time.sleep(self.delay)
         if (batch == self.POISON).any():
@@ -89,7 +90,7 @@ def make(metrics):
     yield build
     for batcher in batchers:
         batcher.engine.gate.set()
-        batcher.stop(timeout=5)
+        batcher.stop(timeout=PATIENCE_S)
 
 
 def hold(engine: FakeEngine, batcher: DynamicBatcher) -> ImageJob:
@@ -97,11 +98,11 @@ def hold(engine: FakeEngine, batcher: DynamicBatcher) -> ImageJob:
     engine.gate.clear()
     engine.entered.clear()
     blocker = batcher.submit(job(1, seed=999))
-    assert engine.entered.wait(5)
+    assert engine.entered.wait(PATIENCE_S)
     return blocker
 
 
-def results(jobs: list[ImageJob], timeout: float = 10.0) -> list:
+def results(jobs: list[ImageJob], timeout: float = PATIENCE_S) -> list:
     done, pending = wait([j.future for j in jobs], timeout=timeout)
     assert not pending, "some jobs never finished"
     return [j.future.result() for j in jobs]
@@ -221,7 +222,7 @@ def test_an_expired_job_fails_without_reaching_the_engine(make, metrics):
     batcher = make(engine, max_queue_delay_ms=1)
     expired = batcher.submit(ImageJob(pixels=images(1, 0), deadline=time.monotonic() - 1))
     with pytest.raises(DeadlineExceeded):
-        expired.future.result(timeout=5)
+        expired.future.result(timeout=PATIENCE_S)
     assert engine.calls == []
     assert metrics.registry.get_sample_value("tserve_request_failures_total", {**LABELS, "reason": "timeout"}) is None
 
@@ -234,7 +235,7 @@ def test_a_job_that_expires_while_queued_is_not_run(make):
     time.sleep(0.1)
     engine.gate.set()
     with pytest.raises(DeadlineExceeded, match="^the request's deadline expired before its images were classified$"):
-        short.future.result(timeout=5)  # the 504's message says where the request was
+        short.future.result(timeout=PATIENCE_S)  # the 504's message says where the request was
     np.testing.assert_array_equal(results([ok, blocker])[0], expected(ok.pixels))
     assert engine.calls == [1, 1]
 
@@ -247,7 +248,7 @@ def test_a_cancelled_job_is_not_run(make):
     gone.cancel()
     engine.gate.set()
     with pytest.raises(Cancelled):
-        gone.future.result(timeout=5)
+        gone.future.result(timeout=PATIENCE_S)
     results([ok, blocker])
     assert engine.calls == [1, 2]
     # counted once per HTTP request by the request middleware (499), not per job here
@@ -266,7 +267,7 @@ def test_an_engine_error_fails_only_its_batch(make, metrics):
     engine.gate.set()
     for failed in (bad, neighbour):
         with pytest.raises(ServiceError) as raised:
-            failed.future.result(timeout=5)
+            failed.future.result(timeout=PATIENCE_S)
         assert raised.value.status == 500 and "poisoned" in raised.value.message
     np.testing.assert_array_equal(results([later, blocker])[0], expected(later.pixels))
     assert engine.calls == [1, 4, 3]
@@ -285,7 +286,7 @@ def test_stop_drains_accepted_jobs_then_refuses_new_ones(metrics):
     batcher.start()
     jobs = [batcher.submit(job(1, seed=i)) for i in range(7)]
     started = time.monotonic()
-    batcher.stop(timeout=10)
+    batcher.stop(timeout=PATIENCE_S)
     assert time.monotonic() - started < 5  # no queue delay is waited for while draining
     for j, logits in zip(jobs, results(jobs, timeout=0.1)):
         np.testing.assert_array_equal(logits, expected(j.pixels))
@@ -302,7 +303,7 @@ def test_stop_fails_what_it_could_not_drain_with_unavailable(metrics):
     left = [batcher.submit(job(1, seed=i)) for i in range(3)]
     threading.Timer(0.3, engine.gate.set).start()  # the running batch finishes after the drain timeout
     batcher.stop(timeout=0.1)
-    assert blocker.future.result(timeout=5).shape == (1, CLASSES)
+    assert blocker.future.result(timeout=PATIENCE_S).shape == (1, CLASSES)
     for j in left:
         with pytest.raises(Unavailable):
             j.future.result(timeout=1)
@@ -359,7 +360,7 @@ def test_an_engine_answer_of_the_wrong_shape_fails_the_batch_saying_so(make, cap
     bad = make(WrongRowsEngine(), max_queue_delay_ms=1).submit(job(3, seed=6))
     with pytest.raises(ServiceError, match=r"^inference failed: engine returned logits of shape \(2, 10\) for 3 "
                                            r"images$") as raised:
-        bad.future.result(timeout=5)
+        bad.future.result(timeout=PATIENCE_S)
     assert raised.value.status == 500
     assert "image batch failed for vit" in [r.getMessage() for r in caplog.records]
 

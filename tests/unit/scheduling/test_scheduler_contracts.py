@@ -21,6 +21,7 @@ from service.scheduling.dynamic import DynamicBatcher
 from service.scheduling.jobs import ImageJob, TextJob
 from tests.support.batchers import hold, job
 from tests.support.fake_decoding import POISON, RESULT_TIMEOUT_S, ExplodingSearch, FakeBackend, alone
+from tests.support.waiting import PATIENCE_S
 
 LABELS = {"model": "m", "version": "1"}
 MODE = {**LABELS, "mode": "x"}
@@ -61,7 +62,7 @@ def messages(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.ERROR]
 
 
-def eventually(predicate, timeout: float = 5.0) -> bool:
+def eventually(predicate, timeout: float = PATIENCE_S) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -242,7 +243,7 @@ def test_an_image_job_expired_in_the_queue_says_where_it_was():
             expired.future.result(timeout=RESULT_TIMEOUT_S)
         assert str(error.value) == "the request's deadline expired before its images were classified"
     finally:
-        d.stop(timeout=5)
+        d.stop(timeout=PATIENCE_S)
 
 
 # --- the queue ----------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from service.scheduling.dynamic import DynamicBatcher
 from service.scheduling.jobs import ImageJob, TextJob
 from tests.support.batchers import LIMITS, hold, job
 from tests.support.fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, VOCAB, ExplodingSearch, FakeBackend, alone
+from tests.support.waiting import PATIENCE_S
 
 LABELS = {"model": "m", "version": "1"}
 LATE_AFTER_DEADLINE_S = 0.5  # how late a queued job may fail after its deadline on a busy machine
@@ -156,7 +157,7 @@ def test_a_queued_request_leaves_at_its_deadline_while_the_batch_is_full(batcher
     expiring.future.add_done_callback(lambda _: failed_at.append(time.monotonic()))  # runs where it is failed
     b.submit(expiring)
     with pytest.raises(DeadlineExceeded):
-        expiring.future.result(timeout=5)
+        expiring.future.result(timeout=PATIENCE_S)
     late = failed_at[0] - expiring.deadline
     # one step of the fake model is < 1 ms; waiting for the running job instead would take its 100,000 steps
     assert late < LATE_AFTER_DEADLINE_S, f"failed {late * 1000:.0f} ms after its deadline"
@@ -243,7 +244,7 @@ def test_stop_while_a_step_hangs_resolves_every_request(batcher, monkeypatch):
     for j in [running, *queued]:
         assert outcome(j) is Unavailable
     b.backend.gate.set()  # the worker leaves its step: it must not resolve anything differently or crash
-    b._thread.join(timeout=5)
+    b._thread.join(timeout=PATIENCE_S)
     assert not b._thread.is_alive()
     assert all(outcome(j) is Unavailable for j in [running, *queued])
     assert gauges(b.metrics) == (0, 0, 0)
@@ -402,4 +403,4 @@ def test_image_gauges_equal_the_truth_after_any_mix(seed):
             np.testing.assert_array_equal(logits, j.pixels.reshape(j.size, -1)[:, :VOCAB])
         assert settle(metrics) == (0, 0, 0)
     finally:
-        b.stop(timeout=5)
+        b.stop(timeout=PATIENCE_S)
