@@ -64,6 +64,7 @@ lock:
 		-o requirements/serving-gpu.txt
 	$(UV_COMPILE) $(LOCK_CPU) requirements/locust.in -c requirements/dev.txt -o requirements/locust.txt
 	$(UV_COMPILE) $(LOCK_CPU) bench/requirements.txt -o requirements/bench.txt
+	$(MAKE) --no-print-directory mutation-lock
 
 # Serve the model repository on http://$(HOST):$(PORT) (built from the tiny presets first if it is empty).
 serve: repository
@@ -174,8 +175,8 @@ $(MUTATION_VENV)/.installed: mutation/requirements.txt | venv
 mutation: $(MUTATION_VENV)/.installed
 	nice -n 10 $(MUTATION_VENV)/bin/python mutation/run.py $(MUTATION_ARGS)
 
-# Refresh mutation/requirements.txt from mutation/requirements.in (needs uv, as `make lock`).
+# Refresh mutation/requirements.txt from mutation/requirements.in (needs uv; `make lock` runs it too).
 mutation-lock:
-	$(or $(UV),uv) pip compile --quiet --generate-hashes --python-version 3.11 \
+	$(UV) pip compile --quiet --generate-hashes --python-version 3.11 \
 		--python-platform x86_64-unknown-linux-gnu --custom-compile-command 'make mutation-lock' \
 		mutation/requirements.in -c requirements/dev.txt -o mutation/requirements.txt

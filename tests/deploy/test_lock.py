@@ -2,7 +2,7 @@
 path (`make venv`, `make bench-engine`, the three Dockerfiles) installs from them and from nothing else.
 
 - Agreement: each lock holds every requirement of its inputs (pyproject.toml's dependencies and extras, locust.in,
-  bench/requirements.txt) at a version the requirement's specifier allows, and nothing stale: every locked package
+  bench/requirements.txt, mutation/requirements.in) at a version the requirement's specifier allows, and nothing stale: every locked package
   is either a declared requirement or pulled in by another locked package (uv's `# via` annotations), each with the
   hashes `--require-hashes` verifies. The serving, locust and GPU locks run the dev lock's versions.
 - PyTorch is out of the locks and pinned once (requirements/torch.txt, the CPU build of torch==2.13.0); its own
@@ -96,6 +96,8 @@ def lock_inputs() -> dict[str, tuple[list[Requirement], set[str], set[str], dict
                        CPU_TARGET),
         "bench.txt": (requirement_lines(ROOT / "bench" / "requirements.txt"), {"-r bench/requirements.txt"},
                       {"torch"}, CPU_TARGET),
+        "../mutation/requirements.txt": (requirement_lines(ROOT / "mutation" / "requirements.in"),
+                                         {"-r mutation/requirements.in"}, {"torch"}, CPU_TARGET),
     }
 
 
@@ -141,10 +143,10 @@ def test_nothing_in_a_lock_is_stale_and_everything_is_hashed(lock):
                     f"{lock}: {name} is required by {via}, which is not locked: stale (run `make lock`)"
 
 
-@pytest.mark.parametrize("lock", ["serving.txt", "serving-gpu.txt", "locust.txt"])
+@pytest.mark.parametrize("lock", ["serving.txt", "serving-gpu.txt", "locust.txt", "../mutation/requirements.txt"])
 def test_the_images_run_the_versions_of_the_dev_lock(lock):
-    """What the tests ran on (.venv, dev.txt) is what the images serve with: every package they share has one
-    version."""
+    """What the tests ran on (.venv, dev.txt) is what the images serve with, and what the mutation venv (layered
+    over .venv) runs: every package they share has one version."""
     dev = read_lock(REQUIREMENTS / "dev.txt")
     for name, entry in read_lock(REQUIREMENTS / lock).items():
         if name in dev:
