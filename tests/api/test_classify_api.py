@@ -3,9 +3,7 @@ predictions as the engine, any image size or mode is accepted, and every bad inp
 
 import base64
 import io
-import struct
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -14,7 +12,9 @@ from PIL import Image
 
 from models.data import load_fashion_mnist
 from service.settings import Settings
+from tests.support.images import png_header_claiming
 from tests.support.metrics import metric, scrape
+from tests.support.responses import error_of
 from tests.support.waiting import poll
 
 pytestmark = pytest.mark.slow
@@ -56,13 +56,6 @@ def multipart(*images: bytes, names=None, **fields):
     names = names or [f"image{i}.png" for i in range(len(images))]
     files = [("files", (name, data, "image/png")) for name, data in zip(names, images)]
     return {"files": files, "data": {k: str(v) for k, v in fields.items()}}
-
-
-def error_of(response, status):
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}
-    return body["error"]
 
 
 def check_predictions(predictions, engine, images, top_k):
@@ -172,15 +165,6 @@ def test_concurrent_requests_are_batched_without_changing_results(client, engine
 
 
 # --- bad input ----------------------------------------------------------------------------------------------
-
-def png_header_claiming(width: int, height: int) -> bytes:
-    """A PNG whose header claims width x height pixels (with a valid CRC) but holds a single pixel."""
-    data = bytearray(encode(Image.new("L", (1, 1))))
-    ihdr = data[12:29]  # chunk type + 13 bytes of header data
-    ihdr[4:12] = struct.pack(">II", width, height)
-    data[12:29] = ihdr
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
-    return bytes(data)
 
 
 def test_unsupported_content_types_are_415(client):

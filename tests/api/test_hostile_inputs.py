@@ -31,6 +31,7 @@ from service.app import create_app
 from service.client.processes import free_port
 from service.engines import imaging
 from service.settings import Settings
+from tests.support.images import png_header_claiming
 from tests.support.metrics import metric, scrape
 from tests.support.server import ServerProcess
 from tests.support.waiting import poll
@@ -184,18 +185,6 @@ def png(image: Image.Image, format: str = "PNG", **options) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format, **options)
     return buffer.getvalue()
-
-
-def png_header_claiming(width: int, height: int) -> bytes:
-    """A valid PNG of one pixel whose IHDR is rewritten to claim width x height (CRC fixed)."""
-    import struct
-    import zlib
-
-    data = bytearray(png(Image.new("L", (1, 1))))
-    ihdr = struct.pack(">II", width, height) + bytes(data[24:29])
-    data[16:29] = ihdr
-    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
-    return bytes(data)
 
 
 def multipart(*parts: tuple[str, str | None, bytes]) -> tuple[bytes, dict]:

@@ -8,6 +8,7 @@ import pytest
 
 from service.decoding import BeamSearch, GreedySearch
 from service.settings import Settings
+from tests.support.responses import error_of
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +24,6 @@ def client(tiny_repository, serving):
 def engines(client):
     registry = client.app.state.registry
     return registry.resolve("translation", None, None).engine, registry.resolve("gpt", None, None).engine
-
-
-def error_of(response, status):
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}
-    return body["error"]
 
 
 def post_json(client, path, payload):
