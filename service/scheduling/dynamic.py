@@ -85,8 +85,8 @@ class DynamicBatcher(QueuedScheduler):
                     return None
                 self._leave_queue(WHERE_QUEUED)
                 first = self._pop_live()
-                if first is None:
-                    self._changed.wait(timeout=self._idle_wait())
+                if first is None:  # the queue is empty: nothing can expire until a submit wakes the worker
+                    self._changed.wait(timeout=IDLE_WAIT_S)
             batch, images = [first], first.size
             if self.batching:
                 flush_at = first.arrived + self.max_queue_delay
@@ -103,12 +103,6 @@ class DynamicBatcher(QueuedScheduler):
             self._active = batch  # set under the lock, so stop() never sees a batch in neither place
             self._retry.departed(len(batch))
             return batch
-
-    def _idle_wait(self) -> float:
-        """How long the worker may sleep: until the earliest waiting deadline, at most IDLE_WAIT_S."""
-        if not self._waiting:
-            return IDLE_WAIT_S
-        return max(0.0, min(IDLE_WAIT_S, min(job.deadline for job in self._waiting) - time.monotonic()))
 
     def _pop_live(self, fits: int | None = None) -> ImageJob | None:
         """The oldest waiting job that can still run (holding at most `fits` images), failing dead ones on the way."""
