@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     vit_batching: bool = True
     # bounded queues: requests waiting for admission, per model (beyond this: 429 with Retry-After)
     max_queue_size: int = Field(256, ge=1)
+    # forced decoding (`POST /v1/translate/score`) runs beside the schedulers: at most this many requests per model
+    # version at once (beyond this: 429 with Retry-After)
+    max_scoring_requests: int = Field(4, ge=1)
 
     # deadlines: default when a request gives no timeout_ms, and the most a request may ask for
     default_timeout_ms: int = Field(30_000, ge=1)

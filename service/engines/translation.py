@@ -6,6 +6,11 @@ the cache's `encoder_row`: beams share their source's keys/values by index, noth
 A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs every decoder
 call on it: the cache is fixed-capacity buffers, bound through IO binding as the graph's past and present, so a
 step writes its slot without copying the past.
+
+`score_ids` is forced decoding (CTranslate2's `Translator.score_batch`): the log-probability of given targets, one
+encoder pass for the sources and one teacher-forced decoder pass over every target position at once (the decoder
+graph builds its causal mask for however many tokens it is fed), or, on a version whose only decoder is the
+in-place step graph (one token per row), one step per target position for all the targets.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from service.decoding import Search, run_search
+from service.decoding.distributions import log_normaliser
 from service.engines import onnx_schema as schema
 from service.engines.iobinding import InPlaceStep
 from service.engines.kv_cache import KVCache
@@ -30,6 +36,10 @@ DEFAULT_LENGTH_PENALTY = 1.0  # beam search's, for a version whose config.json d
 # still ends.
 TARGET_PER_SOURCE_TOKEN = 2
 TARGET_SLACK_TOKENS = 10
+# The most logits (rows x target positions x vocabulary, float32) one teacher-forced decoder pass of `score_ids`
+# returns, 64 MiB: 32 targets of 64 tokens at the released vocabulary of 8,000 in one pass; a batch of longer
+# targets is scored in as many passes (of fewer rows each) as this takes.
+SCORE_PASS_LOGITS = 2**24
 
 
 @dataclass
@@ -84,8 +94,9 @@ class TranslationEngine:
         self.model = model
         self.tokenizer = Tokenizer.from_file(str(model.path / TOKENIZER_FILE))
         self.encoder = create_session(model.path / config["files"]["encoder"], options)
-        # the decoder is only ever fed one token per row (the start token, then steps), so a version with an
-        # in-place step graph needs no other decoder graph (`export.kv_inplace`: it replaces decoder.onnx)
+        # decoding only ever feeds one token per row (the start token, then steps), so a version with an in-place
+        # step graph needs no other decoder graph (`export.kv_inplace`: it replaces decoder.onnx); `score_ids`
+        # feeds whole targets to this one when there is one, and steps through the step graph otherwise
         decoder_file = config["files"].get("decoder")
         self.decoder = create_session(model.path / decoder_file, options) if decoder_file else None
         self.provider = active_provider(self.encoder)
@@ -134,20 +145,22 @@ class TranslationEngine:
             schema.ENCODER_ATTENTION_MASK: encoded.mask,
             schema.ENCODER_ROW: cache.encoder_row,
             **cache.feeds(),
+            **self._cross_feeds(encoded),
         }
-        for i in range(self.n_layers):
-            key_name, value_name = schema.cross_names(i)
-            feeds[key_name], feeds[value_name] = encoded.cross[2 * i], encoded.cross[2 * i + 1]
         logits, *presents = self.decoder.run(None, feeds)
         cache.append(presents, new_mask, cache.positions + 1)
         return logits[:, -1]
 
     def _run_in_place(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
         """One token per row (R,) written into the cache buffers by the in-place graph; returns logits (R, V)."""
-        inputs = {schema.ENCODER_ATTENTION_MASK: encoded.mask, schema.ENCODER_ROW: cache.encoder_row}
-        for i in range(self.n_layers):
-            inputs.update(zip(schema.cross_names(i), encoded.cross[2 * i : 2 * i + 2]))
+        inputs = {schema.ENCODER_ATTENTION_MASK: encoded.mask, schema.ENCODER_ROW: cache.encoder_row,
+                  **self._cross_feeds(encoded)}
         return self._in_place.run(cache, tokens, inputs)
+
+    def _cross_feeds(self, encoded: EncodedSources) -> dict[str, np.ndarray]:
+        """The decoder's cross-attention inputs: every layer's keys and values of the encoded sources."""
+        return {name: array for i in range(self.n_layers)
+                for name, array in zip(schema.cross_names(i), encoded.cross[2 * i : 2 * i + 2])}
 
     def start(self, encoded: EncodedSources) -> tuple[np.ndarray, DecoderBatch]:
         """Feed the decoder start token for every source -> first logits (N, V) and a batch of one row each."""
@@ -201,3 +214,93 @@ class TranslationEngine:
 
         run_search(searches, list(logits), step_fn)
         return searches
+
+    def score_ids(self, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                  source_rows: Sequence[int], before_run: Callable[[], None] = lambda: None) -> list[np.ndarray]:
+        """Forced decoding: for each target (ids, no start token, EOS excluded), the log-probability of each of
+        its tokens and then of EOS given the source `sources[source_rows[i]]` (source ids as `source_ids` makes
+        them): one float64 array (len(target) + 1,) per target. The log-probabilities are those of the raw logits,
+        as the searches' scores are (greedy decoding's score of its output is the sum of these).
+
+        One encoder pass for the sources (a source several targets share is encoded once); then one
+        teacher-forced decoder pass over every target position at once (rows in chunks of at most
+        SCORE_PASS_LOGITS logits), or one step per position for all targets on a version whose only decoder is
+        the in-place step graph. `before_run()` is called before every graph run: what it raises stops the work.
+        """
+        longest = max(len(t) for t in targets) + 1  # the start token, then every target token is fed
+        if longest > self.max_target_length:
+            raise ValueError(f"target of {longest - 1} tokens exceeds the {self.max_target_length - 1} the model "
+                             f"embeds after its start token")
+        before_run()
+        encoded = self.encode(sources)
+        rows = np.asarray(source_rows, np.int64)
+        if self.decoder is None:
+            return self._score_by_steps(encoded, targets, rows, before_run)
+        per_pass = max(1, SCORE_PASS_LOGITS // (longest * self.vocab_size))
+        scores: list[np.ndarray] = []
+        for start in range(0, len(targets), per_pass):
+            before_run()
+            chunk = targets[start : start + per_pass]
+            scores += self._score_in_one_pass(encoded, chunk, rows[start : start + per_pass])
+        return scores
+
+    def _forced_inputs(self, targets: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Teacher forcing's decoder inputs: the start token then each target, right-padded -> ids (R, T) and
+        mask (R, T), T = the longest target + 1."""
+        T = max(len(t) for t in targets) + 1
+        ids = np.full((len(targets), T), self.pad_id, np.int64)
+        mask = np.zeros((len(targets), T), np.int64)
+        for row, target in enumerate(targets):
+            ids[row, : len(target) + 1] = [self.bos_id, *target]
+            mask[row, : len(target) + 1] = 1
+        return ids, mask
+
+    def _score_in_one_pass(self, encoded: EncodedSources, targets: Sequence[Sequence[int]],
+                           rows: np.ndarray) -> list[np.ndarray]:
+        """Every position of every target through the decoder graph at once, no past: logits (R, T, V). The
+        padding after a target is masked and comes after its tokens, so it changes none of its logits."""
+        ids, mask = self._forced_inputs(targets)
+        R, T = ids.shape
+        feeds = {
+            schema.INPUT_IDS: ids,
+            schema.POSITION_IDS: np.tile(np.arange(T, dtype=np.int64), (R, 1)),
+            schema.ATTENTION_MASK: mask,
+            schema.ENCODER_ATTENTION_MASK: encoded.mask,
+            schema.ENCODER_ROW: rows,
+            **KVCache.empty(R, self.n_layers, self.n_heads, self.head_dim).feeds(),
+            **self._cross_feeds(encoded),
+        }
+        (logits,) = self.decoder.run([schema.LOGITS], feeds)  # (R, T, V)
+        return [self._forced_logprobs(logits[row, : len(target) + 1], target)
+                for row, target in enumerate(targets)]
+
+    def _score_by_steps(self, encoded: EncodedSources, targets: Sequence[Sequence[int]], rows: np.ndarray,
+                        before_run: Callable[[], None]) -> list[np.ndarray]:
+        """Teacher forcing through the one-token step graph: step j feeds every row's input j (a row whose target
+        has ended feeds padding, whose log-probabilities are dropped) and keeps the log-probability of its output
+        j (the target token j, or EOS after the last one)."""
+        ids, _ = self._forced_inputs(targets)
+        R, T = ids.shape
+        outputs = np.full((R, T), self.eos_id, np.int64)  # what each input predicts: the next token, then EOS
+        outputs[:, :-1] = ids[:, 1:]
+        for row, target in enumerate(targets):
+            outputs[row, len(target)] = self.eos_id
+        cache = KVCache.empty(R, self.n_layers, self.n_heads, self.head_dim)
+        cache.encoder_row = rows
+        logprobs = np.empty((R, T))
+        for j in range(T):
+            before_run()
+            logits = self._run(cache, encoded, ids[:, j])  # (R, V)
+            logprobs[:, j] = _logprobs_of(logits, outputs[:, j])
+        return [logprobs[row, : len(target) + 1] for row, target in enumerate(targets)]
+
+    def _forced_logprobs(self, logits: np.ndarray, target: Sequence[int]) -> np.ndarray:
+        """The log-probability of each target token, then of EOS, from the logits (len + 1, V) fed before each."""
+        return _logprobs_of(logits, np.array([*target, self.eos_id], np.int64))
+
+
+def _logprobs_of(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """log_softmax(logits)[i, tokens[i]] for logits (N, V), in float64 as the searches compute it -> (N,)."""
+    x = logits.astype(np.float64)
+    peak, log_z = log_normaliser(x)  # reads x, writes a copy
+    return (x[np.arange(len(tokens)), tokens] - peak) - log_z

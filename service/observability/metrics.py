@@ -14,9 +14,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 
-# The `mode` label's values: how a text request decodes (what each kind offers: `service.models.kinds`), or
-# `classify` for an image request.
-GREEDY, BEAM, SAMPLE, CLASSIFY = "greedy", "beam", "sample", "classify"
+# The `mode` label's values: how a text request decodes (what each kind offers: `service.models.kinds`), `score`
+# for forced decoding of given targets, or `classify` for an image request.
+GREEDY, BEAM, SAMPLE, SCORE, CLASSIFY = "greedy", "beam", "sample", "score", "classify"
 
 FAILURE_REASONS = ("bad_input", "unauthorized", "queue_full", "timeout", "cancelled", "internal", "unavailable")
 

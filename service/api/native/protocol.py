@@ -9,8 +9,9 @@ an escape, and no UTF-8 can) in any string or field name is a 422 naming where i
 (`service.api.fields.ValidUnicode`, shared with the OpenAI-compatible and Open Inference Protocol requests). What
 a schema cannot express is checked by the routes and answered 400 with the reason: a prompt whose tokens plus
 `max_new_tokens` exceed the model's context, `num_return_sequences` above `num_beams`, `min_new_tokens` above
-`max_new_tokens`, an image that does not decode. Each text request maps itself to the serving layer's parameters
-in one place, its `to_params` (vLLM's `to_sampling_params`); the Open Inference Protocol's options reuse it.
+`max_new_tokens`, an image that does not decode, score targets that do not pair with their sources or are too long
+for the model. Each text request maps itself to the serving layer's parameters in one place, its `to_params`
+(vLLM's `to_sampling_params`); the Open Inference Protocol's options reuse it.
 """
 
 from __future__ import annotations
@@ -80,12 +81,14 @@ class RequestModels:
     translate: type[BaseModel]
     generate: type[BaseModel]
     classify: type[BaseModel]
+    score: type[BaseModel]
 
 
 def request_models(settings: Settings) -> RequestModels:
     """The request models of an app served with `settings` (limits as maxLength / maxItems / maximum)."""
     s = settings
     Text = Annotated[str, Field(min_length=1, max_length=s.max_text_chars, pattern=NON_BLANK)]
+    Texts = Annotated[list[Text], Field(min_length=1, max_length=s.max_texts)]
     NewTokens, Beams = integer(ge=1, le=s.max_new_tokens), integer(ge=1, le=s.max_num_beams)
     MinNewTokens, NGramSize = integer(ge=0, le=s.max_new_tokens), integer(ge=0, le=MAX_NGRAM_SIZE)
     Version, Timeout = integer(ge=1), integer(ge=1, le=s.max_timeout_ms)
@@ -198,7 +201,23 @@ def request_models(settings: Settings) -> RequestModels:
         version: Version | None = Field(None, description=version_doc, examples=[1])
         timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[image_timeout])
 
-    return RequestModels(TranslateRequest, GenerateRequest, ClassifyJSONRequest)
+    class ScoreRequest(_Strict):
+        model_config = ConfigDict(json_schema_extra={"examples": [
+            {"source": "Ein Mann fährt Fahrrad.", "target": ["A man is riding a bicycle.", "A man rides a bike."]}]})
+
+        source: Text | Texts = Field(
+            ..., description=f"German sentence, or a list of up to {s.max_texts} (TSERVE_MAX_TEXTS), one per target; "
+            f"each up to {s.max_text_chars} characters, read as /v1/translate reads it.",
+            examples=["Ein Mann fährt Fahrrad."])
+        target: Text | Texts = Field(
+            ..., description=f"English sentence to score, or a list of up to {s.max_texts}: scored against the one "
+            "source, or pairwise against a list of as many sources (otherwise 400); a target longer than the "
+            "model's positional table is a 400.", examples=[["A man is riding a bicycle.", "A man rides a bike."]])
+        model: Name | None = _model_field("translation")
+        version: Version | None = Field(None, description=version_doc, examples=[1])
+        timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[text_timeout])
+
+    return RequestModels(TranslateRequest, GenerateRequest, ClassifyJSONRequest, ScoreRequest)
 
 
 class Translation(BaseModel):
@@ -223,6 +242,26 @@ class GenerateResponse(BaseModel):
     text: str = Field(..., examples=["What say you?"])
     finish_reason: Literal["eos", "length", "stop"]
     usage: Usage
+
+
+class TargetScore(BaseModel):
+    tokens: list[str] = Field(..., description="The target's tokens (the tokenizer's pieces), end of sentence last.",
+                              examples=[["▁A", "▁man", "▁is", "▁riding", "▁a", "▁bicycle.", "</s>"]])
+    token_ids: list[int]
+    logprobs: list[float] = Field(..., description="Each token's log-probability given the source and the tokens "
+                                  "before it (natural log), the end of sentence's included.")
+    score: float = Field(..., description="The sum of `logprobs`: the target's log-probability (greedy "
+                         "/v1/translate's score of the same output).")
+    mean_logprob: float = Field(..., description="`score` / number of tokens (end of sentence included), as "
+                                "CTranslate2's normalized_score.")
+
+
+class ScoreResponse(BaseModel):
+    model: str
+    version: int
+    scores: list[TargetScore] = Field(..., description="One per target, in order.")
+    usage: Usage = Field(..., description="prompt_tokens: the source tokens encoded (a source shared by several "
+                         "targets counted once); completion_tokens: the target tokens scored.")
 
 
 class Prediction(BaseModel):

@@ -1,7 +1,8 @@
-"""`POST /v1/translate` and `POST /v1/generate`, the native JSON API: a thin adapter from this API's request to
-the serving layer (`service.serving.translate` / `.generate`) and from its results back to this API's response or
-server-sent events. Validation and the mapping to the serving parameters (`to_params`) are the request model's
-(`service.api.native.protocol`); decoding, streaming, deadlines and cancellation are the serving layer's.
+"""`POST /v1/translate`, `POST /v1/translate/score` and `POST /v1/generate`, the native JSON API: a thin adapter
+from this API's request to the serving layer (`service.serving.translate` / `.score` / `.generate`) and from its
+results back to this API's response or server-sent events. Validation and the mapping to the serving parameters
+(`to_params`) are the request model's (`service.api.native.protocol`); decoding, streaming, deadlines and
+cancellation are the serving layer's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from service.api.native.protocol import (
     ErrorResponse,
     GenerateResponse,
     RequestModels,
+    ScoreResponse,
+    TargetScore,
     TranslateResponse,
     Translation,
     Usage,
@@ -24,7 +27,9 @@ from service.client.sse import event as sse_event
 from service.http.apis import NATIVE
 from service.http.routing import sse_response, with_body
 from service.models.repository import GPT, TRANSLATION
+from service.observability.metrics import SCORE
 from service.serving import generate as generation
+from service.serving import score as scoring
 from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
@@ -47,6 +52,9 @@ STREAM_DOC = {200: {"content": {"text/event-stream": {"example": 'data: {"token"
                                    "with finish_reason and usage, then [DONE]. Concatenating the events' `token` "
                                    "fields gives the full text."}}
 
+SCORE_400 = {400: {"model": ErrorResponse, "description": "Targets that do not pair with the sources (a list of "
+                   "sources needs as many targets), or a target longer than the model's positional table"}}
+
 
 def build_router(models: RequestModels) -> APIRouter:
     """The text routes, validating bodies with this app's request models."""
@@ -54,6 +62,10 @@ def build_router(models: RequestModels) -> APIRouter:
     router.add_api_route("/v1/translate", with_body(translate, models.translate), methods=["POST"],
                          response_model=TranslateResponse, responses={**ERRORS, **STREAM_DOC},
                          summary="Translate German to English (beam search, greedy, or streamed greedy)")
+    router.add_api_route("/v1/translate/score", with_body(score, models.score), methods=["POST"],
+                         response_model=ScoreResponse, responses={**ERRORS, **SCORE_400},
+                         summary="Score given English translations of German sources (forced decoding: each "
+                                 "token's log-probability)")
     router.add_api_route("/v1/generate", with_body(generate, models.generate), methods=["POST"],
                          response_model=GenerateResponse, responses={**ERRORS, **STREAM_DOC},
                          summary="Continue a prompt (sampling, greedy with temperature 0, or beam search)")
@@ -99,6 +111,19 @@ async def translate(body, request: Request):
     results = await translation.translate(request, loaded, texts, params, deadline)
     return TranslateResponse(model=loaded.name, version=loaded.version, translations=[
         [Translation(text=c.text, score=c.score) for c in completions] for completions in results])
+
+
+async def score(body, request: Request):
+    """The log-probability of each target given its source under the translator, token by token (CTranslate2's
+    `score_batch`): for reranking or scoring translations."""
+    loaded = resolve(request, TRANSLATION, body.model, body.version)
+    label(request, loaded, SCORE)
+    deadline = deadline_of(request, body.timeout_ms)
+    scored = await scoring.score(request, loaded, scoring.pairs_of(body.source, body.target), deadline)
+    return ScoreResponse(model=loaded.name, version=loaded.version, scores=[
+        TargetScore(tokens=t.tokens, token_ids=t.token_ids, logprobs=t.logprobs, score=t.score,
+                    mean_logprob=t.mean_logprob) for t in scored.targets],
+        usage=Usage(prompt_tokens=scored.source_tokens, completion_tokens=scored.target_tokens))
 
 
 async def generate(body, request: Request):
