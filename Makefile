@@ -64,7 +64,23 @@ lock:
 		-o requirements/serving-gpu.txt
 	$(UV_COMPILE) $(LOCK_CPU) requirements/locust.in -c requirements/dev.txt -o requirements/locust.txt
 	$(UV_COMPILE) $(LOCK_CPU) bench/requirements.txt -o requirements/bench.txt
+	$(MAKE) --no-print-directory kserve-lock
 	$(MAKE) --no-print-directory mutation-lock
+
+# The KServe SDK's venv (requirements/kserve.in says why it is its own): the SDK from its lock and nothing else,
+# not the project; tests/api/test_oip_api.py runs its client script with this venv's python.
+KSERVE_VENV ?= .venv-kserve
+$(KSERVE_VENV)/.installed: requirements/kserve.txt
+	$(PYTHON) -m venv --clear $(KSERVE_VENV)
+	$(call installer,$(KSERVE_VENV)) --no-deps --require-hashes -r requirements/kserve.txt
+	$(KSERVE_VENV)/bin/python -m pip check
+	touch $@
+
+.PHONY: kserve-venv kserve-lock
+kserve-venv: $(KSERVE_VENV)/.installed
+
+kserve-lock:
+	$(UV_COMPILE) $(LOCK_CPU) requirements/kserve.in -o requirements/kserve.txt
 
 # Serve the model repository on http://$(HOST):$(PORT) (built from the tiny presets first if it is empty).
 serve: repository
@@ -73,7 +89,7 @@ serve: repository
 repository: venv
 	$(BIN)/python -m export.bootstrap --repository $(REPOSITORY)
 
-test: venv
+test: venv kserve-venv
 	$(BIN)/python -m pytest -q
 
 test-fast: venv
@@ -84,7 +100,7 @@ train-tiny: venv
 	for task in translation gpt vit; do $(BIN)/python -m models.train $$task --preset tiny --out $(RUNS)/$$task-tiny || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(RUNS) .pytest_cache .venv-mutation mutation/work
+	rm -rf $(VENV) $(RUNS) .pytest_cache .venv-mutation .venv-kserve mutation/work
 
 # Download the three datasets into $(TSERVE_DATA_DIR) and verify every file against models/data_checksums.py
 # (nothing to do when all are present and verified): from GitHub, or from the base URL in TSERVE_DATA_MIRROR.

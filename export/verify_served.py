@@ -9,9 +9,16 @@ variable, no .env file), or uses --url, then
   the PyTorch model's `bleu` in metrics.json: must be within 0.2;
 - vit: accuracy of `POST /v1/classify` on the 10,000 Fashion-MNIST test images (sent as PNG files), compared with
   the PyTorch model's `test_accuracy`: must be within 0.1 percentage points or one binomial standard error of an
-  accuracy on that many images, whichever is larger (`export.tolerances`: 0.27 points on 10,000 images at 92%).
-Each check uses the sentences/images the card was measured on (`test_2016_flickr_sentences`, `test_images`: the
-whole split for release models, the first N for tiny ones). Models missing from the repository are skipped.
+  accuracy on that many images, whichever is larger (`export.tolerances`: 0.27 points on 10,000 images at 92%);
+- gpt: nats per character of tinyshakespeare's validation text (the last 10%), its rolling log-likelihood through
+  `POST /v1/completions` (`echo` + `logprobs`, `max_tokens` 0: the prompt scored, nothing generated), the text
+  tokenized by `POST /tokenize`: windows of the model's context over the end-of-text token and the text, each token
+  scored once (as lm-eval's `loglikelihood_rolling`: a window's first token is context, the last window starts a
+  full context before its end), compared with the PyTorch model's `val_loss` (nats per token: per character, for
+  its byte tokens on this ASCII text): must be within 0.002 nats.
+Each check uses the sentences/images/tokens the card was measured on (`test_2016_flickr_sentences`, `test_images`,
+`val_tokens`: the whole split for release models, the first N for tiny ones). Models missing from the repository are
+skipped.
 Prints JSON; exits 1 when a check fails.
 """
 
@@ -31,9 +38,12 @@ from PIL import Image
 
 from models import data
 from service.client.launcher import ServiceProcess
-from export.tolerances import SERVED_ACCURACY_FLOOR, SERVED_BLEU_TOLERANCE, accuracy_tolerance
+from export.tolerances import SERVED_ACCURACY_FLOOR, SERVED_BLEU_TOLERANCE, TOLERANCES, accuracy_tolerance
 from service.models.repository import ModelRepository
 
+# The served GPT's nats per character against its card's validation loss: the graph variants' own tolerance (the
+# rolling windows score each token with at most a context's worth of text before it, as the card's windows do).
+SERVED_LOSS_TOLERANCE = TOLERANCES["val_loss"]
 
 
 def _post(client: httpx.Client, path: str, **kwargs) -> dict:
@@ -80,16 +90,60 @@ def verify_vit(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
             "ok": abs(served - trained) <= tolerance}
 
 
+def rolling_windows(n_tokens: int, context: int) -> list[tuple[int, int, int]]:
+    """lm-eval's rolling windows (`lm_eval.utils.get_rolling_token_windows`, context_len 1) over a sequence of a
+    prefix token and `n_tokens` tokens: (begin, end, scored) for each window, the sequence's [begin, end) sent as one
+    prompt of at most `context` tokens and its last `scored` tokens scored, so that every token after the prefix is
+    scored exactly once. A window's first token is only context; the last window, when fewer tokens are left than
+    a window scores, starts `context` tokens before its end (a full context for its few)."""
+    if context < 2:
+        raise ValueError(f"a window needs at least 2 tokens, got a context of {context}")
+    windows, scored = [], 0  # sequence positions 1..scored are scored so far
+    while scored < n_tokens:
+        end = min(scored + context, n_tokens + 1)  # the window after the last scored token, one of context first
+        windows.append((max(0, end - context), end, end - 1 - scored))
+        scored = end - 1
+    return windows
+
+
+def verify_gpt(url: str, card: dict, data_dir: Path, workers: int = 4) -> dict:
+    _, text = data.load_shakespeare(data_dir)
+    with httpx.Client(base_url=url) as client:
+        tokenized = _post(client, "/tokenize", json={"model": "gpt", "prompt": text, "add_special_tokens": False})
+        ids, context = tokenized["tokens"][: card.get("val_tokens")], tokenized["max_model_len"]
+        characters = len(_post(client, "/detokenize", json={"model": "gpt", "tokens": ids})["prompt"])
+        info = client.get("/tokenizer_info", params={"model": "gpt"}, timeout=300).raise_for_status().json()
+        prefix = _post(client, "/tokenize", json={"model": "gpt", "prompt": info["eos_token"],
+                                                  "add_special_tokens": False})["tokens"]  # lm-eval's prefix token
+        sequence = prefix + ids
+
+        def score(window: tuple[int, int, int]) -> float:
+            begin, end, scored = window
+            choice = _post(client, "/v1/completions", json={
+                "model": "gpt", "prompt": sequence[begin:end], "echo": True, "logprobs": 1, "max_tokens": 0,
+                "temperature": 0})["choices"][0]
+            return sum(choice["logprobs"]["token_logprobs"][end - begin - scored:])
+
+        with ThreadPoolExecutor(workers) as pool:
+            log_likelihood = sum(pool.map(score, rolling_windows(len(ids), context)))
+    served = round(-log_likelihood / characters, 4)
+    trained = card["val_loss"]
+    return {"metric": "nats per character, tinyshakespeare validation text (rolling log-likelihood)",
+            "tokens": len(ids), "characters": characters, "context": context, "served": served, "trained": trained,
+            "delta": round(served - trained, 4), "tolerance": SERVED_LOSS_TOLERANCE,
+            "ok": abs(served - trained) <= SERVED_LOSS_TOLERANCE}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.verify_served", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--url", default=None, help="a running service (default: start one on the repository)")
-    parser.add_argument("--kinds", default="translation,vit", help="which checks to run (default: both)")
+    parser.add_argument("--kinds", default="translation,vit,gpt", help="which checks to run (default: all)")
     args = parser.parse_args(argv)
     repository = ModelRepository(args.repository)
     data_dir = data.resolve_data_dir(args.data_dir)
-    checks = {"translation": verify_translation, "vit": verify_vit}
+    checks = {"translation": verify_translation, "vit": verify_vit, "gpt": verify_gpt}
     wanted = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
     unknown = sorted(set(wanted) - set(checks))
     if unknown:

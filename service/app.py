@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import service
-from service.api import admin, control
+from service.api import admin, control, tokenize
 from service.api.native import images, text
 from service.api.native.protocol import request_models
 from service.api.oip import router as oip
@@ -24,6 +24,8 @@ from service.api.openai.protocol import openai_request_models
 from service.engines.imaging import ImageDecoder
 from service.http.apis import ApiTable
 from service.http.auth import ApiKeyMiddleware, load_api_keys
+from service.http.compression import ContentCodingMiddleware
+from service.http.docs import install_docs
 from service.http.errors import install_error_handlers
 from service.http.middleware import RequestMiddleware
 from service.models.control import ModelControl
@@ -76,19 +78,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="German->English translation, Shakespeare text generation and Fashion-MNIST classification, "
                 "served by ONNX Runtime with continuous and dynamic batching.",
         lifespan=lifespan,
+        docs_url=None, redoc_url=None,  # served by install_docs: their assets from the service, not a CDN
     )
+    install_docs(app)
     app.state.settings, app.state.metrics, app.state.registry = settings, metrics, registry
     app.state.request_models = models = request_models(settings)
     app.state.model_control = ModelControl(registry, settings.model_control, settings.drain_timeout_s)
+    openai_models = openai_request_models(settings)
     routers = [text.build_router(models), images.build_router(models, settings),
-               openai.build_router(openai_request_models(settings)), oip.build_router(), control.build_router(),
-               admin.router]
+               openai.build_router(openai_models), tokenize.build_router(settings, openai_models.chat),
+               oip.build_router(), control.build_router(), admin.router]
     for router in routers:
         app.include_router(router)
     apis = ApiTable(routers)  # each request's API (error shape, metrics labels) by its route
     install_error_handlers(app, apis)
     # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
     # middleware, which still logs and counts (by status) the requests they reject
+    app.add_middleware(ContentCodingMiddleware, max_body_bytes=settings.max_body_bytes)  # service.http.compression
     app.add_middleware(ApiKeyMiddleware, keys=load_api_keys(settings))  # a bad key setting raises here
     app.add_middleware(RequestMiddleware, metrics=metrics, apis=apis, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)

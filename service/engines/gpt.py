@@ -5,11 +5,19 @@ row with the cache. Rows of different lengths share a batch through explicit pos
 A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs the steps on
 it instead: the cache becomes fixed-capacity buffers, bound through IO binding as the graph's past and present,
 so a step writes its slot without copying the past.
+
+The prompt pass returns the logits at every prompt position (the graph's `logits` are (rows, positions, V)); the
+scheduler keeps the last position's for the next token and, for the prompts whose log-probabilities were asked for
+(OpenAI's `echo` + `logprobs`, vLLM's `prompt_logprobs`), the others too (`prefill_positions`): no second pass.
+Every exported variant returns them (float, int8, fused attention; the in-place step graph serves the steps only).
+A decoder graph whose logits held the last position only could neither score prompts nor end right-padded ones
+(`scores_prompts` is False: the serving layer refuses to score prompts on it, and its prompt pass raises rather
+than return another position's logits).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -39,6 +47,7 @@ class GPTEngine:
         self.context_length = config["context_length"]
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
+        self.scores_prompts = returns_every_position(self.session)
 
     def _run(self, cache: KVCache, ids: np.ndarray, positions: np.ndarray, new_mask: np.ndarray) -> np.ndarray:
         """Feed ids (R, T) at positions (R, T) after the cache; returns logits of the last column (R, V)."""
@@ -52,6 +61,14 @@ class GPTEngine:
         """Run the prompts (right-padded to a common length: each row's tokens from slot 0, where they are alone,
         so that its logits do not depend on the batch, `service.engines.kv_cache`) -> logits at each prompt's last token
         (B, V) and the cache holding the prompts."""
+        last, cache, _ = self.prefill_positions(prompts, ())
+        return last, cache
+
+    def prefill_positions(self, prompts: Sequence[Sequence[int]], rows: Collection[int]
+                          ) -> tuple[np.ndarray, KVCache, dict[int, np.ndarray]]:
+        """`prefill`, and for the prompts `rows` (indices into `prompts`) the logits at every one of their
+        positions, row -> (len(prompt), V) float32: position t's are those of the token after prompt[: t + 1].
+        Same pass, same numbers: the other rows pay nothing."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         longest = max(len(p) for p in prompts)
@@ -66,9 +83,13 @@ class GPTEngine:
             ids[row, : len(prompt)] = prompt
         cache = KVCache.empty(B, self.n_layers, self.n_heads, self.head_dim)
         feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **cache.feeds()}
-        logits, *presents = self.session.run(None, feeds)
+        logits, *presents = self.session.run(None, feeds)  # (B, T, V)
         cache.append(presents, mask, lengths)
-        return logits[np.arange(B), lengths - 1], cache
+        if logits.shape[1] != longest:  # right-padded rows end at different positions: each needs its own
+            raise ValueError(f"the decoder graph returned logits for {logits.shape[1]} of the {longest} prompt "
+                             "positions: it cannot score prompts nor end right-padded ones")
+        every = {row: logits[row, : lengths[row]].copy() for row in rows}
+        return logits[np.arange(B), lengths - 1], cache, every
 
     def step(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
         """Append one token per row (R,) and return the next-token logits (R, V)."""
@@ -104,3 +125,11 @@ class GPTEngine:
 
         run_search(searches, list(logits), step_fn)
         return searches
+
+
+def returns_every_position(session) -> bool:
+    """Whether a decoder graph's logits have a position axis that follows its input (rows, positions, V), as the
+    exported GPT's do; a graph that keeps the last position only (a fixed length of 1, or no position axis)
+    cannot score prompts."""
+    logits = next(o for o in session.get_outputs() if o.name == schema.LOGITS)
+    return len(logits.shape) == 3 and logits.shape[1] != 1

@@ -10,9 +10,11 @@ API's shape. Routes put `model`, `version` and `mode` into `request.state` for t
 most, here, by that reason or by its status.
 
 The body limits hold for chunked bodies too (no Content-Length): the receive channel counts the bytes and the time,
-and raises `ClientBodyError` (413 or 408) into whatever reads the body. An unexpected exception before the response
-started becomes a JSON 500 here, so uvicorn never sees it and keeps the connection open for the client's next
-request; once a response has started, the connection has to be cut (re-raised), as its body cannot be completed.
+and raises `ClientBodyError` (413 or 408) into whatever reads the body. These are the bytes as they travel; a
+compressed body is held to the same size limit once decoded (`service.http.compression`). An unexpected exception
+before the response started becomes a JSON 500 here, so uvicorn never sees it and keeps the connection open for the
+client's next request; once a response has started, the connection has to be cut (re-raised), as its body cannot be
+completed.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ router `Entry` (the request, where its responses go, its span's times) and its s
   creates itself;
 - `Generation`: one text job's outcome of one step of the batch (`TextBatch.generate_token`): the new tokens, done
   and its hypotheses, or the error that concerns it alone. The scheduler reads nothing else of a step.
+- `PromptLogprobs`: the log-probabilities of a prompt's tokens, from its prompt pass, for a job that asked
+  (`TextJob.prompt_logprobs`); the batch puts them on the job (`TextJob.prompt_scores`) before its first step's
+  outcome is delivered.
 
 The scheduler's own per-job state stays in the scheduler, the batch's (rows, pending tokens, what was handed back)
 in the batch, and the search is stepped by the batch alone.
@@ -26,7 +29,7 @@ import numpy as np
 
 from service.decoding import Hypothesis, Search, TokenLogprob
 
-__all__ = ["Generation", "ImageJob", "ImagePhases", "TextJob", "TextPhases"]
+__all__ = ["Generation", "ImageJob", "ImagePhases", "PromptLogprobs", "TextJob", "TextPhases"]
 
 
 @dataclass
@@ -39,12 +42,25 @@ class TextPhases:
     generated: int | None = None  # tokens generated so far by a single-row search (None: a beam search)
 
 
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of a prompt's tokens after the first, from the prompt pass: `tokens[i]` is prompt token
+    i + 1 given the tokens before it (its raw log-probability and the top alternatives of that distribution,
+    computed as a generated token's are, `service.decoding.TokenLogprob`), `ranks[i]` its rank in that
+    distribution (1 = the most likely; vLLM's `rank`). The first token has none: nothing comes before it."""
+
+    tokens: list[TokenLogprob]
+    ranks: list[int]
+
+
 @dataclass(eq=False)
 class TextJob:
     """One text request inside the scheduler. `on_tokens(new_ids, logprobs)` (optional, called on the worker
     thread) receives the tokens of a single-row search as they become final, with their `TokenLogprob`s when the
     search records them (else None); `future` resolves to the search's
-    hypotheses, best first. `rows` is the most batch rows it holds (its beam width): what admission reserves."""
+    hypotheses, best first. `rows` is the most batch rows it holds (its beam width): what admission reserves.
+    `prompt_logprobs`: score the prompt too, with this many top alternatives per token (None: not scored, no
+    cost); the batch sets `prompt_scores` from the prompt pass before the job's first tokens are delivered."""
 
     input_ids: list[int]
     search: Search  # its decoding parameters and state: stepped by the batch (`TextBatch`) alone
@@ -55,6 +71,8 @@ class TextJob:
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
     phases: TextPhases = field(default_factory=TextPhases)
+    prompt_logprobs: int | None = None
+    prompt_scores: PromptLogprobs | None = field(default=None, init=False)
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:

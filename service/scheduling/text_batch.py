@@ -3,7 +3,9 @@ each request's rows are. After text-generation-inference's ``Batch`` (``filter``
 ``generate_token(batch) -> (generations, next_batch)``.
 
 - `TextBatch.prefill(backend, jobs)`: a new batch from the newcomers' prompt pass (prompt, or encoder pass and
-  decoder start token), their searches stepped on the first logits;
+  decoder start token), their searches stepped on the first logits; the prompts of the jobs that asked for their
+  log-probabilities are scored from the same pass (`score_prompt`, on the logits at every position the GPT's pass
+  returns: `GPTEngine.prefill_positions`);
 - `filter(jobs)`: keep these requests. The others' rows stay in the state as dead rows (no copy of the cache for
   a departure); they are dropped at the next compaction;
 - `TextBatch.concatenate(batches)`: one batch from several, in one copy of the caches that also drops dead rows;
@@ -24,9 +26,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from service.decoding import StepResult, step_searches
+from service.decoding import StepResult, TokenLogprob, step_searches
+from service.decoding.distributions import log_normaliser, top_logprobs
 from service.engines.onnx_schema import PAD_ID
-from service.scheduling.jobs import Generation, TextJob
+from service.scheduling.jobs import Generation, PromptLogprobs, TextJob
 
 DEAD_ROWS_BEFORE_COMPACTION = 0.25  # fraction of the rows that may be dead before a step compacts the batch
 
@@ -35,6 +38,9 @@ class DecodingBackend(Protocol):
     """What the batch needs from an engine (`GPTEngine`, `TranslationEngine`)."""
 
     def prefill(self, inputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, Any]: ...
+
+    # A backend that can score prompts (the GPT) also has `prefill_positions(inputs, rows) -> (logits, state,
+    # {row: logits at every position of inputs[row]})`, the same pass; the batch calls it only for such jobs.
 
     def step(self, state: Any, tokens: np.ndarray) -> np.ndarray: ...
 
@@ -66,7 +72,14 @@ class TextBatch:
     def prefill(cls, backend: DecodingBackend, jobs: list[TextJob]) -> tuple[TextBatch, list[Generation]]:
         """The newcomers' prompt pass, their searches stepped on the first logits. The returned batch holds every
         newcomer; the caller filters out those whose generation is done or an error. Raises if the pass fails."""
-        logits, state = backend.prefill([job.input_ids for job in jobs])
+        inputs = [job.input_ids for job in jobs]
+        scored = [row for row, job in enumerate(jobs) if job.prompt_logprobs is not None]
+        if scored:
+            logits, state, every = backend.prefill_positions(inputs, scored)
+            for row in scored:
+                jobs[row].prompt_scores = score_prompt(inputs[row], every[row], jobs[row].prompt_logprobs)
+        else:
+            logits, state = backend.prefill(inputs)
         batch = cls(backend, state, len(jobs), list(jobs), {job: (row, 1) for row, job in enumerate(jobs)}, {},
                     {job: 0 for job in jobs})
         return batch, batch._step_searches(logits)
@@ -168,3 +181,19 @@ class TextBatch:
             if search.token_logprobs:
                 logprobs = search.token_logprobs[start : start + len(ids)]
         return Generation(job, rows, ids, logprobs, done, search.results() if done else None)
+
+
+def score_prompt(prompt: Sequence[int], logits: np.ndarray, top: int) -> PromptLogprobs:
+    """The log-probabilities of `prompt`'s tokens after the first, from the logits at each of its positions
+    (len(prompt), V): token t + 1 under position t's distribution, with its rank and the `top` most likely
+    tokens there. The same float64 operations as a generated token's (`service.decoding.sampling`), so a token
+    that is the most likely has exactly the top alternative's log-probability."""
+    x = np.asarray(logits[:-1], dtype=np.float64)  # (T - 1, V): the last position predicts the first new token
+    targets = np.asarray(prompt[1:], dtype=np.int64)
+    peak, log_z = log_normaliser(x)
+    chosen = x[np.arange(len(targets)), targets]  # (T - 1,)
+    values = ((chosen - peak) - log_z).tolist()
+    ranks = (1 + np.count_nonzero(x > chosen[:, None], axis=1)).tolist()
+    tokens = [TokenLogprob(token, value, top_logprobs(x[t], top, peak[t], log_z[t]) if top else [])
+              for t, (token, value) in enumerate(zip(targets.tolist(), values))]
+    return PromptLogprobs(tokens, ranks)

@@ -5,19 +5,26 @@ neutral parameters -> one search per choice -> the model's continuous batcher ->
   choice, reproducibly); with `num_beams > 1` one beam search returns the `n` best hypotheses instead.
 - `best_of > n` samples `best_of` choices and keeps the `n` with the highest log-probability per token (OpenAI's
   ranking). The OpenAI adapter maps `best_of` with temperature 0 to beam search (`num_beams = best_of`).
+- `prompt_logprobs`: the prompt's log-probabilities too, from the prompt pass (`TextJob.prompt_logprobs`), computed
+  once per prompt (by its first choice's job) and given to every choice; `max_new_tokens` 0 scores the prompt
+  only (`ScoreOnly`: one job per prompt, nothing generated, finish reason "length", each choice the same).
 - Prompts are tokenized on a worker thread (`encode_prompts`), never on the event loop.
 - Everything waits under the request's deadline and watches its client (`service.serving.awaiting`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from service.decoding import BeamSearch, SamplingSearch, Search, StopStrings
+import numpy as np
+
+from service.decoding import BeamSearch, Hypothesis, SamplingSearch, Search, StepResult, StopStrings
+from service.decoding.types import finished_step
 from service.errors import BadInput
 from service.models.registry import LoadedModel
 from service.scheduling.jobs import TextJob
@@ -47,6 +54,7 @@ class GenerationParams:
     stop: Sequence[str] = field(default_factory=tuple)
     num_beams: int = 1
     logprobs: int | None = None  # top-N log-probabilities per token (None: none; 0: the chosen token's only)
+    prompt_logprobs: int | None = None  # the prompt's too, top-N per token (None: not computed)
 
     @property
     def mode(self) -> str:
@@ -55,15 +63,18 @@ class GenerationParams:
 
 
 async def encode_prompts(loaded: LoadedModel, prompts: Sequence[str | Sequence[int]],
-                         max_new_tokens: int) -> list[list[int]]:
+                         max_new_tokens: int, tokens_field: str = "max_new_tokens") -> list[list[int]]:
     """`encode_prompt` of every prompt, on a worker thread: tokenizing is CPU work the event loop must not wait on."""
-    return await run_in_threadpool(lambda: [encode_prompt(loaded, prompt, max_new_tokens) for prompt in prompts])
+    return await run_in_threadpool(lambda: [encode_prompt(loaded, prompt, max_new_tokens, tokens_field)
+                                            for prompt in prompts])
 
 
-def encode_prompt(loaded: LoadedModel, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
+def encode_prompt(loaded: LoadedModel, prompt: str | Sequence[int], max_new_tokens: int,
+                  tokens_field: str = "max_new_tokens") -> list[int]:
     """The prompt's token ids (a string is encoded; ids are checked against the vocabulary), which with
-    `max_new_tokens` must fit the model's context (400 otherwise). A string is tokenized by the calling thread:
-    from a route, use `encode_prompts`."""
+    `max_new_tokens` must fit the model's context (400 otherwise, naming `tokens_field`: the request field that holds
+    `max_new_tokens` in the API that was called). A string is tokenized by the calling thread: from a route, use
+    `encode_prompts`."""
     engine = loaded.engine
     if isinstance(prompt, str):
         ids = engine.tokenizer.encode(prompt).ids
@@ -74,9 +85,46 @@ def encode_prompt(loaded: LoadedModel, prompt: str | Sequence[int], max_new_toke
     if not ids:
         raise BadInput("prompt: empty")
     if len(ids) + max_new_tokens > engine.context_length:
-        raise BadInput(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-                       f"of {engine.context_length} tokens")
+        raise BadInput(f"prompt ({len(ids)} tokens) + {tokens_field} ({max_new_tokens}) exceeds the model's context of "
+                       f"{engine.context_length} tokens", param=tokens_field)
     return ids
+
+
+class ScoreOnly(Search):
+    """Generate nothing (`max_new_tokens` 0: the prompt is only scored): done on the prompt pass's logits, with
+    one empty hypothesis (finish reason "length", as a budget of 0 tokens is spent)."""
+
+    def __init__(self, logprobs: int | None = None):
+        self.logprobs = logprobs  # None: the hypothesis records no log-probabilities, as a search asked for none
+        self._done = False
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self._done else 1
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def step(self, logits: np.ndarray) -> StepResult:
+        self._done = True
+        return finished_step()
+
+    def step_logprobs(self, lp: np.ndarray) -> StepResult:
+        """How the batch steps a search of several rows (`service.decoding.step_searches`): the same."""
+        return self.step(lp)
+
+    def results(self) -> list[Hypothesis]:
+        if not self._done:
+            raise RuntimeError("results() before the search is done")
+        return [Hypothesis([], 0.0, "length", logprobs=None if self.logprobs is None else [])]
+
+
+def _search(loaded: LoadedModel, prompt: list[int], params: GenerationParams, choice: int) -> Search:
+    """The search of a streamed choice `choice` (`ScoreOnly` when nothing is to be generated)."""
+    if params.max_new_tokens == 0:
+        return ScoreOnly(params.logprobs)
+    return _sampling_search(loaded, prompt, params, choice)
 
 
 def _sampling_search(loaded: LoadedModel, prompt: list[int], params: GenerationParams, choice: int) -> Search:
@@ -92,19 +140,32 @@ def _sampling_search(loaded: LoadedModel, prompt: list[int], params: GenerationP
 
 def _jobs(loaded: LoadedModel, prompt: list[int], params: GenerationParams, samples: int, n: int,
           deadline: float) -> list[TextJob]:
+    """The prompt's jobs; the first scores the prompt when its log-probabilities are asked for."""
+    scored = {"prompt_logprobs": params.prompt_logprobs}
+    if params.max_new_tokens == 0:
+        return [TextJob(prompt, ScoreOnly(params.logprobs), params.mode, deadline, **scored)]
     if params.num_beams > 1:
         search = BeamSearch(params.num_beams, params.max_new_tokens, loaded.engine.eos_id, prefix=prompt,
                             min_new_tokens=params.min_new_tokens, num_return_sequences=n,
                             no_repeat_ngram_size=params.no_repeat_ngram_size)
-        return [TextJob(prompt, search, params.mode, deadline)]
-    return [TextJob(prompt, _sampling_search(loaded, prompt, params, i), params.mode, deadline)
-            for i in range(samples)]
+        return [TextJob(prompt, search, params.mode, deadline, **scored)]
+    return [TextJob(prompt, _sampling_search(loaded, prompt, params, i), params.mode, deadline,
+                    **(scored if i == 0 else {})) for i in range(samples)]
+
+
+def check_prompt_scoring(loaded: LoadedModel, params: GenerationParams) -> None:
+    """400 when the prompt's log-probabilities are asked of a model version whose prompt pass does not return
+    every position's logits (`GPTEngine.scores_prompts`)."""
+    if params.prompt_logprobs is not None and not getattr(loaded.engine, "scores_prompts", False):
+        raise BadInput(f"{loaded.name} version {loaded.version} cannot score prompts: its decoder graph returns the "
+                       "last position's logits only", param="logprobs")
 
 
 async def generate(request: Request, loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams,
                    deadline: float, n: int = 1, best_of: int | None = None) -> list[list[Completion]]:
     """`n` completions per prompt (best first when ranked: beams, or `best_of` samples)."""
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
+    check_prompt_scoring(loaded, params)
     if params.num_beams > 1 and n > params.num_beams:
         raise BadInput(f"n / num_return_sequences ({n}) must be <= num_beams ({params.num_beams})")
     samples = max(n, best_of or n)
@@ -114,10 +175,13 @@ async def generate(request: Request, loaded: LoadedModel, prompts: Sequence[list
     decode = loaded.engine.tokenizer.decode
     out, i = [], 0
     for prompt, group in zip(prompts, per_prompt):
-        completions = [completion_from(h, decode, params.stop, len(prompt))
+        scores = group[0].prompt_scores
+        completions = [completion_from(h, decode, params.stop, len(prompt), scores)
                        for hypotheses in results[i : i + len(group)] for h in hypotheses]
         i += len(group)
-        if samples > n:  # OpenAI's best_of: the n samples with the highest log-probability per token
+        if params.max_new_tokens == 0:  # scored once: every choice is the same
+            completions = [dataclasses.replace(completions[0]) for _ in range(n)]
+        elif samples > n:  # OpenAI's best_of: the n samples with the highest log-probability per token
             completions = sorted(completions, key=lambda c: -c.mean_logprob)
         out.append(completions[:n])
     return out
@@ -129,7 +193,9 @@ def stream(loaded: LoadedModel, prompts: Sequence[list[int]], params: Generation
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     if params.num_beams > 1:
         raise BadInput("stream needs num_beams=1")
-    jobs = [TextJob(prompt, _sampling_search(loaded, prompt, params, i), params.mode, deadline)
+    if params.prompt_logprobs is not None:
+        raise BadInput("a stream does not carry the prompt's log-probabilities", param="stream")
+    jobs = [TextJob(prompt, _search(loaded, prompt, params, i), params.mode, deadline)
             for prompt in prompts for i in range(n)]
     tokenizer = loaded.engine.tokenizer
     texts = [IncrementalText(tokenizer, params.stop) for _ in jobs]

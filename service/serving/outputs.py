@@ -1,5 +1,6 @@
 """What the serving layer returns, API-neutral: a `Completion` per choice (text, tokens, finish reason, score,
-log-probabilities, token counts). Each API maps it to its own response shape."""
+log-probabilities, the prompt's log-probabilities when they were asked for, token counts). Each API maps it to its
+own response shape."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from service.decoding import Hypothesis, truncate_at_stop
+from service.scheduling.jobs import PromptLogprobs
 
 
 @dataclass
@@ -17,6 +19,7 @@ class Completion:
     score: float  # the search's score: sum of log-probabilities (length-normalised for beam search)
     prompt_tokens: int
     logprobs: list | None = None  # TokenLogprob per token of `token_ids`, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # of the prompt's tokens after the first, when asked for
 
     @property
     def completion_tokens(self) -> int:
@@ -29,10 +32,10 @@ class Completion:
 
 
 def completion_from(hypothesis: Hypothesis, decode: Callable[[list[int]], str], stops: Sequence[str],
-                    prompt_tokens: int) -> Completion:
+                    prompt_tokens: int, prompt_logprobs: PromptLogprobs | None = None) -> Completion:
     """A finished hypothesis as a completion: its text cut before the first stop string (finish_reason "stop").
     The tokens (and log-probabilities) are every token generated, the stop string's included: what was computed
     and is counted as usage."""
     text, hit = truncate_at_stop(decode(hypothesis.tokens), stops)
     return Completion(text, list(hypothesis.tokens), "stop" if hit else hypothesis.finish_reason, hypothesis.score,
-                      prompt_tokens, hypothesis.logprobs)
+                      prompt_tokens, hypothesis.logprobs, prompt_logprobs)

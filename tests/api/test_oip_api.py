@@ -2,12 +2,17 @@
 the tiny models: health, server and model metadata, and inference for all three models with binary and JSON
 tensors, requested outputs, the classification extension, `async_infer`, deadlines and errors. The ViT's
 probabilities equal the native route's for the same images; greedy text equals the native routes' text.
+Triton's model configuration and statistics extensions through `get_model_config` and `get_inference_statistics`
+(the counts grow by exactly the requests made), and the real KServe SDK (`InferenceRESTClient`, in its own venv:
+tests/api/kserve_sdk_client.py) for all three models, with the body fields it sends.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import subprocess
 
 import httpx
 import numpy as np
@@ -16,7 +21,14 @@ import tritonclient.http as triton
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
+from tests.support import ROOT
+
 pytestmark = pytest.mark.slow
+
+# The KServe SDK's venv (`make kserve-venv`; `make test` builds it) and the client script it runs
+KSERVE_PYTHON = ROOT / ".venv-kserve" / "bin" / "python"
+KSERVE_CLIENT = ROOT / "tests" / "api" / "kserve_sdk_client.py"
+KSERVE_TIMEOUT_S = 300  # the SDK's import and a dozen inferences on a busy 2-core machine
 
 GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 
@@ -145,3 +157,169 @@ def test_errors_come_as_the_protocol_says(client, server):
     assert response.status_code == 400 and set(response.json()) == {"error"}
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'api="oip",endpoint="/v2/models/{model}/infer"' in metrics
+
+
+# --- body fields the SDKs send ------------------------------------------------------------------------------------
+
+
+def test_the_body_may_name_its_model_and_id_and_the_response_echoes_the_id(client, server):
+    result = client.infer("gpt", [text_input("PROMPT", ["ROMEO:\n"])], request_id="req-7",
+                          parameters={"max_new_tokens": 4, "temperature": 0})
+    assert result.get_response()["id"] == "req-7"
+    body = {"id": "42", "model_name": "gpt", "model_version": "1", "parameters": None, "outputs": None,
+            "inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": ["KING:\n"], "parameters": None}]}
+    defaults = {"max_new_tokens": 3, "priority": 0, "sequence_id": 0, "sequence_start": False, "sequence_end": False}
+    answer = httpx.post(f"{server.url}/v2/models/gpt/infer", json={**body, "parameters": defaults})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["id"] == "42" and answer.json()["model_name"] == "gpt"
+    for field, value, named in [("model_name", "translation", "model_name"), ("model_version", "2", "model_version"),
+                                ("sequence", 1, "sequence")]:
+        refused = httpx.post(f"{server.url}/v2/models/gpt/infer", json={**body, field: value})
+        assert refused.status_code == 400 and named in refused.json()["error"], (field, refused.text)
+
+
+@pytest.mark.parametrize(("arguments", "named"), [({"sequence_id": 5}, "sequence_id"), ({"priority": 2}, "priority"),
+                                                  ({"sequence_id": 5, "sequence_start": True}, "sequence_start"),
+                                                  ({"sequence_id": 5, "sequence_end": True}, "sequence_end")])
+def test_protocol_parameters_the_server_does_not_implement_are_refused(client, arguments, named):
+    """tritonclient's own arguments for them (it sends each only when it is not the default)."""
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("gpt", [text_input("PROMPT", ["x"])], parameters={"max_new_tokens": 2}, **arguments)
+    assert refused.value.status() == "400" and named in refused.value.message()
+
+
+def test_shared_memory_parameters_are_refused(server):
+    body = {"inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
+            "outputs": [{"name": "TEXT", "parameters": {"shared_memory_region": "out0"}}]}
+    refused = httpx.post(f"{server.url}/v2/models/gpt/infer", json=body)
+    assert refused.status_code == 400 and "shared_memory_region" in refused.json()["error"]
+
+
+# --- Triton's model configuration and statistics extensions --------------------------------------------------------
+
+
+def test_model_configuration_as_triton_writes_it(client, server):
+    vit = client.get_model_config("vit")
+    assert (vit["name"], vit["platform"], vit["backend"], vit["max_batch_size"]) == \
+        ("vit", "onnxruntime_onnx", "onnxruntime", 0)
+    assert [(t["name"], t["data_type"], t["dims"]) for t in vit["input"]] == \
+        [("IMAGE", "TYPE_STRING", [-1]), ("PIXELS", "TYPE_FP32", [-1, 28, 28])]
+    assert [(t["name"], t["data_type"], t["dims"]) for t in vit["output"]] == \
+        [("PROBABILITIES", "TYPE_FP32", [-1, 10]), ("LABEL", "TYPE_STRING", [-1])]
+    assert vit["version_policy"] == {"specific": {"versions": [1]}} and vit["instance_group"][0]["kind"] == "KIND_CPU"
+    gpt = client.get_model_config("gpt", "1")
+    assert [t["name"] for t in gpt["input"]] == ["PROMPT"] and gpt["parameters"]["kind"] == {"string_value": "gpt"}
+    assert client.get_server_metadata()["extensions"][-2:] == ["model_configuration", "statistics"]
+    with pytest.raises(InferenceServerException) as unknown:
+        client.get_model_config("nope")
+    assert unknown.value.status() == "404"
+    missing = httpx.get(f"{server.url}/v2/models/gpt/versions/9/config")
+    assert missing.status_code == 404 and set(missing.json()) == {"error"}
+
+
+def _stats(client, model: str) -> dict:
+    (stats,) = client.get_inference_statistics(model)["model_stats"]
+    return stats
+
+
+def _grew(before: dict, after: dict, *path: str) -> int:
+    for key in path:
+        before, after = before[key], after[key]
+    return after - before
+
+
+def test_statistics_count_exactly_the_requests_made(client, images):
+    before = _stats(client, "vit")
+    for image in images[:3]:
+        tensor = triton.InferInput("IMAGE", [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([png(image)], dtype=object))
+        client.infer("vit", [tensor])
+    after = _stats(client, "vit")
+    assert (after["name"], after["version"]) == ("vit", "1")
+    assert _grew(before, after, "inference_stats", "success", "count") == 3
+    assert _grew(before, after, "inference_stats", "success", "ns") > 0
+    assert _grew(before, after, "inference_stats", "fail", "count") == 0
+    assert _grew(before, after, "inference_stats", "queue", "count") == 3
+    assert _grew(before, after, "inference_count") == 3 and _grew(before, after, "execution_count") == 3
+    ones = [{b["batch_size"]: b["compute_infer"]["count"] for b in s["batch_stats"]}.get(1, 0) for s in (before, after)]
+    assert ones[1] - ones[0] == 3  # three batches of one image
+    gpt_before = _stats(client, "gpt")
+    for prompt in ("ROMEO:\n", "KING:\n"):
+        client.infer("gpt", [text_input("PROMPT", [prompt])], parameters={"max_new_tokens": 5, "temperature": 0})
+    gpt_after = _stats(client, "gpt")
+    assert _grew(gpt_before, gpt_after, "inference_stats", "success", "count") == 2
+    assert _grew(gpt_before, gpt_after, "inference_count") == 2  # two sequences
+    assert _grew(gpt_before, gpt_after, "execution_count") >= 2  # decoding steps
+    assert _grew(gpt_before, gpt_after, "inference_stats", "queue", "count") == 2
+
+
+def test_statistics_count_failures_and_list_every_version(client, server):
+    before = _stats(client, "translation")
+    with pytest.raises(InferenceServerException):
+        client.infer("translation", [text_input("TEXT", GERMAN * 16)], parameters={"num_beams": 8}, timeout=1_000)
+    after = _stats(client, "translation")
+    assert _grew(before, after, "inference_stats", "fail", "count") == 1
+    assert _grew(before, after, "inference_stats", "fail", "ns") > 0
+    assert _grew(before, after, "inference_stats", "success", "count") == 0
+    every = client.get_inference_statistics()["model_stats"]
+    assert [(s["name"], s["version"]) for s in every] == [("gpt", "1"), ("translation", "1"), ("vit", "1")]
+    assert client.get_inference_statistics("vit", "1")["model_stats"][0]["version"] == "1"
+    for path in ("/v2/models/nope/stats", "/v2/models/vit/versions/9/stats"):
+        unknown = httpx.get(f"{server.url}{path}")
+        assert unknown.status_code == 404 and set(unknown.json()) == {"error"}, path
+
+
+# --- the KServe SDK -------------------------------------------------------------------------------------------------
+
+
+def kserve_infer(server, cases: list[dict], tmp_path) -> list[dict]:
+    """Each case through the real KServe SDK's `InferenceRESTClient.infer` (tests/api/kserve_sdk_client.py, run by
+    the SDK's own venv): its response or its error."""
+    if not KSERVE_PYTHON.exists():
+        pytest.skip(f"the KServe SDK's venv {KSERVE_PYTHON.parent.parent} is missing: run `make kserve-venv`")
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    done = subprocess.run([str(KSERVE_PYTHON), str(KSERVE_CLIENT), server.url, str(cases_file)], capture_output=True,
+                          text=True, timeout=KSERVE_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_the_kserve_sdk_infers_with_every_model(server, images, tmp_path):
+    prompts, greedy = ["ROMEO:\n", "KING:\n"], {"max_new_tokens": 12, "temperature": 0}
+    pixels = (images[:2].astype(np.float32) / 255.0)
+    files = [base64.b64encode(png(image)).decode() for image in images[:2]]
+    cases = [
+        {"model": "gpt", "id": "kserve-1", "parameters": greedy,
+         "inputs": [{"name": "PROMPT", "shape": [2], "datatype": "BYTES", "data": prompts}]},
+        {"model": "gpt", "parameters": greedy, "outputs": [{"name": "TEXT", "binary": True}],
+         "inputs": [{"name": "PROMPT", "shape": [2], "datatype": "BYTES", "binary": True,
+                     "data": [base64.b64encode(p.encode()).decode() for p in prompts]}]},
+        {"model": "translation", "parameters": {"num_beams": 4},
+         "inputs": [{"name": "TEXT", "shape": [2], "datatype": "BYTES", "data": GERMAN}]},
+        {"model": "vit", "inputs": [{"name": "PIXELS", "shape": [2, 28, 28], "datatype": "FP32",
+                                     "data": pixels.tolist()}]},
+        {"model": "vit", "outputs": [{"name": "PROBABILITIES", "binary": True}, {"name": "LABEL"}],
+         "inputs": [{"name": "IMAGE", "shape": [2], "datatype": "BYTES", "binary": True, "data": files}]},
+        {"model": "translation", "url_model": "gpt",
+         "inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": ["x"]}]},
+        {"model": "gpt", "parameters": {"sequence_id": 3},
+         "inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": ["x"]}]},
+    ]
+    text_json, text_binary, translated, from_pixels, from_files, wrong_model, sequence = \
+        kserve_infer(server, cases, tmp_path)
+    native = [httpx.post(f"{server.url}/v1/generate", json={"prompt": p, **greedy}).json()["text"] for p in prompts]
+    assert text_json["id"] == "kserve-1" and text_json["model_name"] == "gpt"
+    assert text_json["outputs"]["TEXT"]["data"] == native and text_binary["outputs"]["TEXT"]["data"] == native
+    assert text_binary["id"]  # the SDK sends a uuid of its own when none is given; it comes back
+    assert set(text_binary["outputs"]) == {"TEXT"}  # only what was asked for
+    translations = httpx.post(f"{server.url}/v1/translate", json={"text": GERMAN, "num_beams": 4}).json()
+    assert translated["outputs"]["TRANSLATION"]["data"] == [t[0]["text"] for t in translations["translations"]]
+    assert from_pixels["outputs"]["PROBABILITIES"]["shape"] == [2, 10]
+    np.testing.assert_allclose(from_pixels["outputs"]["PROBABILITIES"]["data"],
+                               from_files["outputs"]["PROBABILITIES"]["data"], atol=1e-6)
+    labels = [p[0]["label"] for p in httpx.post(f"{server.url}/v1/classify", files=[
+        ("files", (f"{i}.png", base64.b64decode(f))) for i, f in enumerate(files)]).json()["predictions"]]
+    assert from_files["outputs"]["LABEL"]["data"] == labels
+    assert wrong_model["status"] == 400 and "model_name" in wrong_model["error"]
+    assert sequence["status"] == 400 and "sequence_id" in sequence["error"]

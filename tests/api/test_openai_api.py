@@ -1,7 +1,8 @@
 """The OpenAI-compatible API proven with the real `openai` SDK (sync and async clients) against a real uvicorn
 server on the tiny GPT: completions and chat completions, streamed and not, `n > 1`, `logprobs`, `stop`, `seed`,
-`echo`, `best_of`, `models.list()`, the SDK's typed errors (BadRequestError, NotFoundError, RateLimitError with its
-retries), and API keys through the SDK's `api_key`.
+`echo`, `best_of`, `models.list()` and `models.retrieve()`, the SDK's typed errors (BadRequestError, NotFoundError,
+RateLimitError with its retries), and API keys through the SDK's `api_key`. What the API does with each request
+field (honoured, ignored, refused) is tests/api/test_openai_fields.py.
 
 The tiny GPT's context is 64 byte-level tokens, so prompts and `max_tokens` stay short.
 """
@@ -209,6 +210,21 @@ def test_models_list_with_the_services_details(client):
     assert not models["vit"].model_extra["ready"]  # in the repository, not loaded by this server
 
 
+def test_models_retrieve_is_the_lists_element_and_a_missing_id_is_openais_404(client):
+    listed = {m.id: m for m in client.models.list()}
+    for name in ("gpt", "vit"):  # loaded, and only in the repository
+        retrieved = client.models.retrieve(name)
+        assert retrieved.model_dump() == listed[name].model_dump()
+    assert client.models.retrieve("gpt").model_extra["kind"] == "gpt"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body == {"message": "The model 'gpt-4o' does not exist (GET /v1/models lists them)",
+                                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError) as nested:  # a hub-style id with a slash: the same answer
+        client.models.retrieve("openai/gpt-oss")
+    assert nested.value.body["code"] == "model_not_found" and "'openai/gpt-oss'" in nested.value.body["message"]
+
+
 def test_the_sdks_typed_errors(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
@@ -218,7 +234,8 @@ def test_the_sdks_typed_errors(client):
     assert invalid.value.body["param"] == "n" and invalid.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model="gpt", prompt="x" * 60, max_tokens=20)
-    assert "context" in too_long.value.body["message"]
+    assert "context" in too_long.value.body["message"] and too_long.value.body["param"] == "max_tokens"
+    assert "max_new_tokens" not in too_long.value.body["message"]  # the native API's name, not this one's
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=2,
                                        tools=[{"type": "function", "function": {"name": "f"}}])

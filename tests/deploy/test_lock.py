@@ -96,6 +96,8 @@ def lock_inputs() -> dict[str, tuple[list[Requirement], set[str], set[str], dict
                        CPU_TARGET),
         "bench.txt": (requirement_lines(ROOT / "bench" / "requirements.txt"), {"-r bench/requirements.txt"},
                       {"torch"}, CPU_TARGET),
+        "kserve.txt": (requirement_lines(REQUIREMENTS / "kserve.in"), {"-r requirements/kserve.in"}, {"torch"},
+                       CPU_TARGET),
         "../mutation/requirements.txt": (requirement_lines(ROOT / "mutation" / "requirements.in"),
                                          {"-r mutation/requirements.in"}, {"torch"}, CPU_TARGET),
     }
@@ -201,6 +203,15 @@ def test_make_venv_installs_the_lock(tmp_path, installer):
 def test_make_bench_engine_installs_the_bench_lock(tmp_path):
     commands = _make_dry_run("bench-engine", f"BENCH_VENV={tmp_path / 'bench'}")
     _assert_locked_installs(commands, "requirements/bench.txt")
+
+
+def test_make_kserve_venv_installs_the_kserve_lock_alone(tmp_path):
+    """The KServe SDK's venv (requirements/kserve.in): its lock with its hashes, no torch, no project."""
+    commands = _make_dry_run("kserve-venv", f"KSERVE_VENV={tmp_path / 'kserve'}")
+    installs = [c for c in commands if re.search(r"\bpip install\b", c)]
+    assert len(installs) == 1 and "--no-deps" in installs[0].split(), installs
+    assert "--require-hashes -r requirements/kserve.txt" in installs[0], installs
+    assert any("-m pip check" in c for c in commands[commands.index(installs[0]):]), "no `pip check` after the install"
 
 
 def _run_instructions(dockerfile: str) -> list[str]:

@@ -13,6 +13,15 @@ Everything a request says is checked before any work, 400 naming what is wrong: 
 Python's integers: a product past int64 is just too large), and the protocol's parameters of their types (`timeout`,
 `classification`, `binary_data_size` integers, `binary_data` / `binary_data_output` booleans: JSON's true is not 1).
 A response never holds a NaN or an infinity (`ModelOutputError` instead).
+
+The body's fields: those of the KServe v2 REST schema (`id`, `parameters`, `inputs`, `outputs`; `parameters` and
+`outputs` may be null, as KServe's schema allows), and what the KServe SDK's `InferRequest.to_rest` adds:
+`model_name` (and `model_version`, the SDK's gRPC field), checked against the URL's model and version by the router.
+The response echoes `id`. Anything else is refused (400 naming it). The protocol's parameters this server does not
+implement are refused unless they carry their default, which asks for nothing: `priority` (0; the queues are first
+come, first served), `sequence_id` (0 or ""), `sequence_start` and `sequence_end` (false; there is no sequence
+batcher); and Triton's shared-memory parameters (`shared_memory_region`, ...) on an input or output (no shared
+memory: tensors travel in the body).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import struct
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.api.fields import ValidUnicode, ascii_digits
 from service.decoding import top_k_indices
@@ -36,8 +45,18 @@ DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np
           "FP32": np.float32, "FP64": np.float64}
 Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
                    "FP32", "FP64", "BYTES"]
+# Request parameters the protocol defines that this server does not implement -> the values that ask for nothing
+# (accepted, and then nothing is to be done), and why any other value is refused.
+UNSUPPORTED_PARAMETERS = {
+    "priority": ((0,), "request priorities are not supported: the queues are first come, first served"),
+    "sequence_id": ((0, ""), "sequences are not supported: no sequence batcher keeps state between requests"),
+    "sequence_start": ((False,), "sequences are not supported: no sequence batcher keeps state between requests"),
+    "sequence_end": ((False,), "sequences are not supported: no sequence batcher keeps state between requests"),
+}
 # request parameters that belong to the protocol, not to the model
-RESERVED_PARAMETERS = ("timeout", "binary_data_output", "priority", "sequence_id", "sequence_start", "sequence_end")
+RESERVED_PARAMETERS = ("timeout", "binary_data_output", *UNSUPPORTED_PARAMETERS)
+# Triton's shared-memory extension, as input or output parameters: not implemented (tensors travel in the body).
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 MAX_DIMENSIONS = 8  # dimensions an input shape may have: room above the most any model here takes (4)
 BYTES_LENGTH = "<I"  # a BYTES element's length prefix: 4 bytes, little-endian unsigned
 BYTES_LENGTH_SIZE = struct.calcsize(BYTES_LENGTH)
@@ -45,6 +64,12 @@ BYTES_LENGTH_SIZE = struct.calcsize(BYTES_LENGTH)
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("parameters", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_empty(cls, value):
+        """`"parameters": null` is no parameters (KServe's schema makes every `parameters` optional and nullable)."""
+        return {} if value is None else value
 
 
 class RequestInput(_Message):
@@ -62,9 +87,20 @@ class RequestOutput(_Message):
 
 class InferenceRequest(_Message, ValidUnicode):
     id: str | None = None
+    # what the KServe SDK puts in the body beside the URL's model (checked against it: `check_target`)
+    model_name: str | None = None
+    model_version: str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     inputs: list[RequestInput] = Field(..., min_length=1)
     outputs: list[RequestOutput] | None = None
+
+    def check_target(self, name: str, version: int) -> None:
+        """400 when the body names another model or version than the one the URL resolved to."""
+        if self.model_name is not None and self.model_name != name:
+            raise BadInput(f"model_name {self.model_name[:80]!r} in the body is not the URL's model {name!r}")
+        if self.model_version is not None and self.model_version != str(version):
+            raise BadInput(f"model_version {self.model_version[:40]!r} in the body is not the version the URL "
+                           f"resolved to ({version})")
 
 
 class TensorMetadata(BaseModel):
@@ -147,6 +183,19 @@ def boolean_parameter(value, name: str) -> bool:
 
 def _check_parameters(request: InferenceRequest) -> None:
     """The protocol's own parameters, of their types, before any work is done for the request."""
+    refused = []
+    for key, (defaults, why) in UNSUPPORTED_PARAMETERS.items():
+        value = request.parameters.get(key, defaults[0])
+        if not any(type(value) is type(default) and value == default for default in defaults):
+            accepted = " or ".join(map(repr, defaults))
+            refused.append(f"parameters.{key} {repr(value)[:40]}: {why} (only {accepted} is accepted)")
+    if refused:
+        raise BadInput("; ".join(refused))
+    tensors = [("input", t) for t in request.inputs] + [("output", t) for t in request.outputs or []]
+    for what, tensor in tensors:
+        if shared := sorted(set(tensor.parameters) & set(SHARED_MEMORY_PARAMETERS)):
+            raise BadInput(f"{what} {tensor.name!r}: parameter(s) {shared}: shared memory is not supported, the "
+                           "tensors travel in the body")
     if "timeout" in request.parameters:
         integer_parameter(request.parameters["timeout"], "parameters.timeout (microseconds)", 1)
     if "binary_data_output" in request.parameters:

@@ -1,7 +1,9 @@
 """The Open Inference Protocol (KServe v2 REST, as Triton serves it and `tritonclient.http` calls it) for the three
-models: server and model metadata, liveness and readiness, and inference. A thin adapter: tensors
-(`service.api.oip.protocol`) -> the serving layer -> tensors. The same queues, batching, deadlines, limits and metrics
-as the native routes (metrics label `api="oip"`); errors are `{"error": "..."}` as the protocol says.
+models: server and model metadata, liveness and readiness, inference, and Triton's model configuration
+(`service.api.oip.signatures.model_config`) and statistics (`service.api.oip.statistics`) extensions. A thin
+adapter: tensors (`service.api.oip.protocol`) -> the serving layer -> tensors. The same queues, batching,
+deadlines, limits and metrics as the native routes (metrics label `api="oip"`); errors are `{"error": "..."}` as the
+protocol says.
 
 Tensors per model (its signature, `service.api.oip.signatures`, also in each model's metadata):
 - vit: input `IMAGE` BYTES [N] (encoded image files; base64 text when sent as JSON) or `PIXELS` FP32 [N, H, W]
@@ -42,7 +44,8 @@ from service.api.oip.protocol import (
     parse_request,
     validated_options,
 )
-from service.api.oip.signatures import signature
+from service.api.oip.signatures import PLATFORM, model_config, signature
+from service.api.oip.statistics import model_statistics
 from service.models.registry import LoadedModel
 from service.models.repository import GPT, TRANSLATION, VIT
 from service.serving import classify as classification_service
@@ -50,8 +53,7 @@ from service.serving import generate as generation
 from service.serving import translate as translation
 from service.serving.context import deadline_of, label, resolve
 
-EXTENSIONS = ["binary_tensor_data", "classification"]
-PLATFORM = "onnxruntime_onnx"
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics"]
 # Native request fields that an inference request gives in another way, and where: as `parameters` they are refused
 # (400), so that they can neither replace the input tensors (and slip past their limits) nor be silently ignored.
 GIVEN_OTHERWISE = {"text": "the texts are the TEXT input", "prompt": "the prompts are the PROMPT input",
@@ -75,7 +77,14 @@ def build_router() -> APIRouter:
                          summary="Server metadata")
     router.add_api_route("/v2/health/live", server_live, methods=["GET"], summary="Liveness")
     router.add_api_route("/v2/health/ready", server_ready, methods=["GET"], summary="Readiness", responses=ERRORS)
+    # before /v2/models/{name}, which would take "stats" for a model's name (Triton's paths shadow it alike)
+    router.add_api_route("/v2/models/stats", every_statistics, methods=["GET"], responses=ERRORS,
+                         summary="Statistics of every loaded model version (Triton's statistics extension)")
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        router.add_api_route(f"{prefix}/config", configuration, methods=["GET"], responses=ERRORS,
+                             summary="Model configuration (Triton's model configuration extension)")
+        router.add_api_route(f"{prefix}/stats", statistics, methods=["GET"], responses=ERRORS,
+                             summary="Model statistics (Triton's statistics extension)")
         router.add_api_route(prefix, model_metadata, methods=["GET"], response_model=ModelMetadata,
                              responses=ERRORS, summary="Model metadata: inputs and outputs")
         router.add_api_route(f"{prefix}/ready", model_ready, methods=["GET"], responses=ERRORS,
@@ -124,9 +133,38 @@ async def model_metadata(request: Request, name: ModelName, version: VersionPath
     def described(tensors):
         return [{"name": n, "datatype": d, "shape": s} for n, d, s in tensors]
 
-    versions = sorted(v for (n, v) in request.app.state.registry.loaded if n == loaded.name)
+    versions = _versions(request, loaded.name)
     return {"name": loaded.name, "versions": [str(v) for v in versions], "platform": PLATFORM,
             "inputs": described(tensors.inputs), "outputs": described(tensors.outputs)}
+
+
+def _loaded(request: Request) -> dict:
+    """A copy of the loaded versions by (name, version): model control changes the registry's while we read."""
+    return dict(request.app.state.registry.loaded)
+
+
+def _versions(request: Request, name: str) -> list[int]:
+    return sorted(v for (n, v) in _loaded(request) if n == name)
+
+
+async def configuration(request: Request, name: ModelName, version: VersionPath | None = None) -> dict:
+    loaded = _resolve(request, name, version)
+    return model_config(loaded, _versions(request, loaded.name))
+
+
+async def every_statistics(request: Request) -> dict:
+    """Every loaded version's statistics."""
+    return model_statistics(request.app.state.metrics, [loaded for _, loaded in sorted(_loaded(request).items())])
+
+
+async def statistics(request: Request, name: ModelName, version: VersionPath | None = None) -> dict:
+    """A model's statistics (every loaded version of it), or one version's."""
+    if version is None:
+        model = _resolve(request, name, None).name  # 404 for an unknown model
+        versions = [loaded for (n, _), loaded in sorted(_loaded(request).items()) if n == model]
+    else:
+        versions = [_resolve(request, name, version)]
+    return model_statistics(request.app.state.metrics, versions)
 
 
 async def model_ready(request: Request, name: ModelName, version: VersionPath | None = None) -> dict:
@@ -138,6 +176,7 @@ async def infer(request: Request, name: ModelName, version: VersionPath | None =
     loaded = resolve(request, None, name, _version(version))
     body = await request.body()
     inference, tensors, in_json = parse_request(body, request.headers.get(HEADER_LENGTH))
+    inference.check_target(loaded.name, loaded.version)
     options = {k: v for k, v in inference.parameters.items() if k not in RESERVED_PARAMETERS}
     if given := sorted(set(options) & set(GIVEN_OTHERWISE)):
         raise BadInput("; ".join(f"parameter {key!r} is not an option here: {GIVEN_OTHERWISE[key]}" for key in given))
@@ -256,7 +295,7 @@ async def _gpt(request: Request, loaded: LoadedModel, tensors, in_json: set[str]
               for i, p in enumerate(prompts)]
     params = bodies[0].to_params()
     label(request, loaded, params.mode)
-    ids = await generation.encode_prompts(loaded, prompts, params.max_new_tokens)
+    ids = await generation.encode_prompts(loaded, prompts, params.max_new_tokens, "parameters.max_new_tokens")
     results = await generation.generate(request, loaded, ids, params, deadline)
     best = [completions[0] for completions in results]
     return [("TEXT", "BYTES", np.array([c.text.encode() for c in best], dtype=object).reshape(array.shape)),

@@ -3,6 +3,14 @@ shape), what the model metadata reports and what an inference request's inputs a
 keyed by kind (the kinds of `service.models.repository`, whose other traits are `service.models.kinds`'), as
 Triton's model configuration lists a model's `input` and `output`; -1 is a dimension of any size, as the protocol
 writes it.
+
+`model_config` is Triton's model configuration extension (`GET /v2/models/{m}[/versions/{v}]/config`, what
+`tritonclient.http.InferenceServerClient.get_model_config` returns): the fields of Triton's `ModelConfig` that say
+something true of a served version, in Triton's JSON names. `max_batch_size` is 0, as Triton writes a model whose
+shapes hold their batch dimension themselves: the dims are the signature's, -1 first where a request may send any
+number of items, and the server batches on its own (continuous batching for text, dynamic batching for images),
+not as Triton's scheduler would (which, with a `max_batch_size` above 0, would prepend a batch dimension the dims
+leave out).
 """
 
 from __future__ import annotations
@@ -15,6 +23,14 @@ from service.models.repository import GPT, TRANSLATION, VIT
 
 ANY = -1  # a dimension of any size (the batch, a text's shape)
 TensorSpec = tuple[str, str, list[int]]  # name, datatype, shape
+# Triton's names for the model's runtime (ONNX Runtime) in the model metadata and configuration
+PLATFORM, BACKEND = "onnxruntime_onnx", "onnxruntime"
+# Triton's `data_type` for a protocol datatype: TYPE_<datatype>, except that BYTES is TYPE_STRING
+TRITON_STRING = "TYPE_STRING"
+# Triton's instance kinds; a version runs on the GPU when its ONNX Runtime provider is CUDA's
+KIND_CPU, KIND_GPU, GPU_PROVIDER = "KIND_CPU", "KIND_GPU", "CUDAExecutionProvider"
+# Triton's max_batch_size of a model whose dims hold the batch dimension themselves (see above)
+DIMS_HOLD_THE_BATCH = 0
 
 
 @dataclass(frozen=True)
@@ -52,3 +68,27 @@ SIGNATURES: dict[str, Callable[[object], Signature]] = {VIT: _vit, TRANSLATION: 
 def signature(loaded: LoadedModel) -> Signature:
     """The tensors of a loaded model (shapes from its engine: the image size, the number of labels)."""
     return SIGNATURES[loaded.kind](loaded.engine)
+
+
+def triton_data_type(datatype: str) -> str:
+    """A protocol datatype as Triton's model configuration names it: FP32 -> TYPE_FP32, BYTES -> TYPE_STRING."""
+    return TRITON_STRING if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def model_config(loaded: LoadedModel, versions: list[int]) -> dict:
+    """Triton's model configuration of a loaded version; `versions` are the model's loaded versions."""
+    tensors = signature(loaded)
+    return {
+        "name": loaded.name,
+        "platform": PLATFORM,
+        "backend": BACKEND,
+        "version_policy": {"specific": {"versions": versions}},
+        "max_batch_size": DIMS_HOLD_THE_BATCH,
+        "input": [{"name": name, "data_type": triton_data_type(datatype), "format": "FORMAT_NONE", "dims": shape}
+                  for name, datatype, shape in tensors.inputs],
+        "output": [{"name": name, "data_type": triton_data_type(datatype), "dims": shape, "label_filename": ""}
+                   for name, datatype, shape in tensors.outputs],
+        "instance_group": [{"name": f"{loaded.name}_0", "count": 1,
+                            "kind": KIND_GPU if loaded.provider == GPU_PROVIDER else KIND_CPU}],
+        "parameters": {"kind": {"string_value": loaded.kind}},
+    }

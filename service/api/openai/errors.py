@@ -3,12 +3,14 @@ label "openai", every route counted under its own path, and OpenAI's error shape
 
 OpenAI's shape is `{"error": {"message", "type", "param", "code"}}`, a superset of the service's own: `type` is
 OpenAI's error type for the status (the SDK maps the status to its exception class; the type is for people),
-`code` holds this service's error type. A request that does not conform to the schema is a 400, as OpenAI answers
-it. A stream that fails after its status was sent ends with an error event of the same type (`openai_error_type`).
+`code` holds this service's error type (`model_not_found` for a model id `GET /v1/models/{model}` does not know, as
+OpenAI's). A request that does not conform to the schema is a 400, as OpenAI answers it. A stream that fails after
+its status was sent ends with an error event of the same type (`openai_error_type`).
 """
 
 from __future__ import annotations
 
+from service.errors import NotFound
 from service.http.apis import VALIDATION_STATUS, Api
 
 # OpenAI answers a request that does not conform to the schema with 400, not FastAPI's 422.
@@ -19,6 +21,12 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403:
                  415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
                  503: "service_unavailable_error", 504: "timeout_error"}
 SERVER_ERRORS_FROM = 500
+
+
+class ModelNotFound(NotFound):
+    """A model id that no model of the repository has, as OpenAI's `models.retrieve` answers it (404, its code)."""
+
+    type = "model_not_found"
 
 
 def openai_error_type(status: int) -> str:

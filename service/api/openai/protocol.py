@@ -5,21 +5,33 @@ Built per app by `openai_request_models(settings)` (like `service.api.native.pro
 are in the schema: a prompt, a chat message's content and each of its text parts are at most
 `TSERVE_MAX_TEXT_CHARS` characters, as a native prompt (the conversation as a whole too: the route checks that,
 since a schema cannot sum lengths), and every string must be valid Unicode (`service.api.fields.ValidUnicode`).
-Fields OpenAI has and this service does not support are accepted only at their no-op value and otherwise answered
-400 naming the field (`check_supported`: `logit_bias`, `suffix`, tools, non-text `response_format`); `user` is
-ignored. Each request maps itself to the serving layer's parameters in one place, its `to_params` (vLLM's
-`to_sampling_params`).
+Every field OpenAI defines has a rule (`service.api.openai.field_rules`, docs/openai-fields.md): honoured, ignored
+(only a label or a hosted service's knob: named in the response's X-Ignored-Fields header) or refused with a 400
+naming it (`check_fields`); vLLM's sampling extensions (`top_k`, `min_tokens`, `ignore_eos`, `repetition_penalty`)
+map onto the native API's options. Each request maps itself to the serving layer's parameters in one place, its
+`to_params` (vLLM's `to_sampling_params`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from service.api.fields import MAX_STOP_STRINGS, STRICT, Name, Seed, StopString, ValidUnicode, integer
-from service.api.openai import chat_template
+from service.api.fields import (
+    MAX_JSON_INTEGER,
+    MAX_STOP_STRINGS,
+    STRICT,
+    Name,
+    Seed,
+    StopString,
+    ValidUnicode,
+    integer,
+)
+from service.api.native.protocol import MAX_REPETITION_PENALTY
+from service.api.openai import chat_template, field_rules
 from service.errors import BadInput
 from service.serving.generate import GenerationParams
 from service.settings import Settings
@@ -33,6 +45,13 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 MAX_CONTENT_PARTS = 64
 MAX_SPEAKER_CHARS = 64  # a chat message's `name`: OpenAI's limit for it
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0  # OpenAI's defaults: the model's distribution as it is
+VLLM_TOP_K_OFF = -1  # vLLM's "no top-k" (as 0 is, the native API's)
+NO_REPETITION_PENALTY = 1.0  # a repetition penalty that changes nothing (the default)
+# OpenAI's limits of `metadata`: pairs, key and value characters.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+# An ignored label (`service_tier`, `prompt_cache_key`, `reasoning_effort`, ...): OpenAI's longest is 512 characters.
+MAX_LABEL_CHARS = 512
+Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS)]
 
 
 class _OpenAIRequest(BaseModel):
@@ -42,6 +61,7 @@ class _OpenAIRequest(BaseModel):
 
 class StreamOptions(_OpenAIRequest):
     include_usage: StrictBool = Field(False, description="Send a last chunk with the usage (and no choices).")
+    include_obfuscation: StrictBool | None = Field(None, description="Ignored: the chunks carry no padding.")
 
 
 @dataclass(frozen=True)
@@ -88,24 +108,25 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
                                                   "so far.")
         logit_bias: dict[str, Any] | None = Field(None, description="Not supported (only empty).")
         user: str | None = Field(None, description="Ignored (valid Unicode, like every string).")
+        # vLLM's sampling extensions (the SDK sends them in `extra_body`), mapped onto the native API's options
+        top_k: integer(ge=VLLM_TOP_K_OFF, le=MAX_JSON_INTEGER) | None = Field(
+            None, description="vLLM's: keep the k most likely tokens; 0 or -1 = off.")
+        min_tokens: integer(ge=0, le=s.max_new_tokens) | None = Field(
+            None, description="vLLM's: the end of text is blocked before this many tokens (at most max_tokens).")
+        ignore_eos: StrictBool | None = Field(None, description="vLLM's: the end of text does not stop a choice.")
+        repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = Field(
+            None, description="vLLM's: > 1 discourages tokens already present (prompt included).")
+
+        RULES: ClassVar[dict[str, field_rules.FieldRule]]  # each field's rule (the endpoint's table)
 
         def stops(self) -> list[str]:
             """The stop strings, as a list (OpenAI's `stop` is one string or several)."""
             return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-        def check_supported(self) -> None:
-            """400 naming the field for what OpenAI has and this service does not do (only the no-op value is
-            accepted)."""
-            if self.logit_bias:
-                raise BadInput("logit_bias is not supported", param="logit_bias")
-            if getattr(self, "suffix", None) is not None:
-                raise BadInput("suffix is not supported (the model has no fill-in-the-middle training)",
-                               param="suffix")
-            if getattr(self, "tools", None) or getattr(self, "tool_choice", None) not in (None, "none"):
-                raise BadInput("tools are not supported", param="tools")
-            response_format = getattr(self, "response_format", None)
-            if response_format and response_format.get("type") != "text":
-                raise BadInput('response_format: only {"type": "text"} is supported', param="response_format")
+        def check_fields(self) -> list[str]:
+            """Every field's rule applied (`field_rules.check`): a 400 naming the first refused field, else the
+            ignored fields the request sent."""
+            return field_rules.check(self, self.RULES)
 
         def include_usage(self) -> bool:
             """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
@@ -119,25 +140,54 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         prompt: Text | Tokens | Annotated[list[Text], Field(min_length=1, max_length=s.max_texts)] | Annotated[
             list[Tokens], Field(min_length=1, max_length=s.max_texts)] = Field(
             ..., description=f"A prompt, or up to {s.max_texts} (text, or token ids).", examples=["ROMEO:\n"])
-        max_tokens: integer(ge=1, le=s.max_new_tokens) | None = Field(
-            None, description=f"Most tokens per choice (default {DEFAULT_COMPLETION_TOKENS}).")
+        max_tokens: integer(ge=0, le=s.max_new_tokens) | None = Field(
+            None, description=f"Most tokens per choice (default {DEFAULT_COMPLETION_TOKENS}); 0 only with echo: "
+            "score the prompt, generate nothing.")
         logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
-            None, description=f"Return the log-probability of each token and its top alternatives (0-{MAX_LOGPROBS}).")
-        echo: StrictBool | None = Field(None, description="Put the prompt in front of the text.")
+            None, description=f"Return the log-probability of each token and its top alternatives (0-{MAX_LOGPROBS}); "
+            "with echo the prompt's tokens' too (the first one's null).")
+        echo: StrictBool | None = Field(None, description="Put the prompt in front of the text (and its tokens in "
+                                        "front of the log-probabilities).")
+        prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
+            None, description="vLLM's extension: each prompt token's log-probability, rank and this many top "
+            "alternatives, in `choices[i].prompt_logprobs` (the first token's null); not with stream.")
         best_of: Choices | None = Field(None, description="Sample this many choices and return the n with the "
                                         "highest log-probability per token; with temperature 0: beam search of "
                                         "this width.")
         suffix: str | None = Field(None, description="Not supported (only null).")
+
+        RULES = field_rules.COMPLETION
 
         @property
         def beam_search(self) -> bool:
             """`best_of` > 1 at temperature 0: a beam search of width `best_of`, its n best beams the choices."""
             return self.best_of is not None and self.best_of > 1 and self.temperature == 0
 
+        @property
+        def echo_logprobs(self) -> bool:
+            """`echo` with `logprobs`: the prompt's tokens lead the legacy log-probabilities."""
+            return bool(self.echo) and self.logprobs is not None
+
+        def check_scoring(self) -> None:
+            """400 naming the field for what prompt scoring cannot do: `max_tokens` 0 without `echo` (nothing to
+            return), the prompt's log-probabilities in a stream (only unstreamed responses carry them, as vLLM)."""
+            if self.max_tokens == 0 and not self.echo:
+                raise BadInput("max_tokens: 0 is allowed only with echo (score the prompt)", param="max_tokens")
+            if self.stream and self.prompt_logprobs is not None:
+                raise BadInput("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+            if self.stream and self.echo_logprobs:
+                raise BadInput("stream with echo and logprobs is not supported: the prompt's log-probabilities "
+                               "come only in an unstreamed response", param="stream")
+
         def to_params(self) -> GenerationParams:
-            """The serving parameters of this request."""
-            return _generation_params(self, self.max_tokens or DEFAULT_COMPLETION_TOKENS, self.stops(),
-                                      self.logprobs, num_beams=self.best_of if self.beam_search else 1)
+            """The serving parameters of this request; the prompt is scored, with the most top alternatives either
+            shape asks, for `echo` + `logprobs` and for `prompt_logprobs`."""
+            max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
+            params = _generation_params(self, max_tokens, self.stops(), self.logprobs,
+                                        num_beams=self.best_of if self.beam_search else 1)
+            asked = [top for top in (self.logprobs if self.echo_logprobs else None, self.prompt_logprobs)
+                     if top is not None]
+            return dataclasses.replace(params, prompt_logprobs=max(asked)) if asked else params
 
     class ChatRequest(_Sampling):
         model_config = ConfigDict(json_schema_extra={"examples": [
@@ -156,32 +206,74 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token.")
         response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
         tools: list[Any] | None = Field(None, description="Not supported (only empty).")
-        tool_choice: Any | None = Field(None, description="Not supported (only none).")
+        tool_choice: Any | None = Field(None, description='Only "none" or "auto" (no tools are called).')
         parallel_tool_calls: StrictBool | None = Field(None, description="Ignored.")
+        functions: list[Any] | None = Field(None, description="Not supported (only empty).")
+        function_call: Any | None = Field(None, description='Only "none" or "auto" (no functions are called).')
+        audio: dict[str, Any] | None = Field(None, description="Only null (no audio output).")
+        modalities: list[Literal["text", "audio"]] | None = Field(None, description='Only ["text"].')
+        web_search_options: dict[str, Any] | None = Field(None, description="Not supported (only null).")
+        moderation: dict[str, Any] | None = Field(None, description="Not supported (only null).")
+        # accepted and ignored: labels of the request, or knobs of a hosted service (X-Ignored-Fields names them)
+        prediction: dict[str, Any] | None = Field(None, description="Ignored (only makes OpenAI's answer faster).")
+        reasoning_effort: Label | None = Field(None, description="Ignored (the GPT has no reasoning phase).")
+        verbosity: Label | None = Field(None, description="Ignored (the GPT has no verbosity control).")
+        metadata: Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                                 Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
+                            Field(max_length=MAX_METADATA_PAIRS)] | None = Field(None, description="Ignored.")
+        store: StrictBool | None = Field(None, description="Ignored (nothing is stored).")
+        service_tier: Label | None = Field(None, description="Ignored.")
+        prompt_cache_key: Label | None = Field(None, description="Ignored.")
+        prompt_cache_retention: Label | None = Field(None, description="Ignored.")
+        prompt_cache_options: dict[str, Any] | None = Field(None, description="Ignored.")
+        safety_identifier: Label | None = Field(None, description="Ignored.")
+
+        RULES = field_rules.CHAT
 
         @property
         def requested_tokens(self) -> int | None:
             """The most tokens per choice the request names (`max_completion_tokens`, else `max_tokens`), if any."""
             return self.max_completion_tokens or self.max_tokens
 
+        @property
+        def tokens_field(self) -> str:
+            """The field that names the most tokens per choice, for error messages: `max_completion_tokens` when
+            the request sent it, else `max_tokens`."""
+            return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+        def token_budget(self) -> tuple[int, str]:
+            """The tokens the prompt must leave room for in the context, and the field that asks for them: the
+            tokens asked for, else `min_tokens` (at least one)."""
+            if self.requested_tokens is not None:
+                return self.requested_tokens, self.tokens_field
+            return (self.min_tokens, "min_tokens") if self.min_tokens else (1, "max_tokens")
+
         def to_params(self, max_tokens: int) -> GenerationParams:
             """The serving parameters of this request, `max_tokens` per choice (the route's default fills in what the
             request leaves out: it depends on the prompt's length). The end of a turn is an implicit stop string."""
             top = (self.top_logprobs or 0) if self.logprobs else None
-            return _generation_params(self, max_tokens, [*self.stops(), chat_template.END_OF_TURN], top)
+            return _generation_params(self, max_tokens, [*self.stops(), chat_template.END_OF_TURN], top,
+                                      tokens_field=self.tokens_field)
 
     return OpenAIRequestModels(CompletionRequest, ChatRequest)
 
 
-def _generation_params(body, max_tokens: int, stop: list[str], logprobs: int | None,
-                       num_beams: int = 1) -> GenerationParams:
+def _generation_params(body, max_tokens: int, stop: list[str], logprobs: int | None, num_beams: int = 1,
+                       tokens_field: str = "max_tokens") -> GenerationParams:
     """What completions and chat requests map alike: sampling, penalties, seed (OpenAI's defaults for what is
-    left out)."""
+    left out) and vLLM's extensions as the native options: `min_tokens` is `min_new_tokens`, `ignore_eos` the end of
+    text blocked for all `max_tokens`. 400 when `min_tokens` is above the most tokens (`tokens_field` names them)."""
+    min_tokens = max_tokens if body.ignore_eos else body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise BadInput(f"min_tokens ({min_tokens}) must be <= {tokens_field} ({max_tokens})", param="min_tokens")
     return GenerationParams(
-        max_new_tokens=max_tokens, temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p, presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0, seed=body.seed, stop=tuple(stop), num_beams=num_beams,
-        logprobs=logprobs)
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens,
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_k=0 if body.top_k in (None, VLLM_TOP_K_OFF) else body.top_k,
+        top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
+        repetition_penalty=NO_REPETITION_PENALTY if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed, stop=tuple(stop), num_beams=num_beams, logprobs=logprobs)
 
 
 # --- responses (documented; built as dicts by `service.api.openai.render`) ----------------------------------------
@@ -193,10 +285,20 @@ class CompletionUsage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy log-probabilities; with `echo` the prompt's tokens first (the first one's null)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """One token of vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -204,6 +306,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="With the request's prompt_logprobs only (vLLM's extension).")
 
 
 class CompletionResponse(BaseModel):

@@ -1,9 +1,10 @@
 """The OpenAI-compatible API's responses, from the serving layer's completions and stream events: the response
 objects and server-sent chunks of `/v1/completions` and `/v1/chat/completions` (`CompletionRender`,
 `ChatRender`, one per request, holding what a stream keeps between wake-ups), log-probabilities in OpenAI's two
-shapes, token texts and bytes as OpenAI writes them, one chunk entry per choice per wake-up (`merge`), and the
-usage. As vLLM's `serving_completion` / `serving_chat` render what its engine returns; the router only validates,
-calls the serving layer and hands its results here.
+shapes (the legacy one led by the prompt's tokens with `echo`, as OpenAI's old API and vLLM) and vLLM's
+`prompt_logprobs`, token texts and bytes as OpenAI writes them, one chunk entry per choice per wake-up (`merge`),
+and the usage. As vLLM's `serving_completion` / `serving_chat` render what its engine returns; the router only
+validates, calls the serving layer and hands its results here.
 """
 
 from __future__ import annotations
@@ -91,6 +92,32 @@ def completion_logprobs(logprobs: Sequence, tokens: Sequence[int], start: int, t
             "token_logprobs": [max(lp.logprob, FLOOR_LOGPROB) for lp in logprobs],
             "top_logprobs": [{token_text(t)[0]: max(value, FLOOR_LOGPROB) for t, value in lp.top} for lp in logprobs],
             "text_offset": text_offsets(token_text.tokenizer.decode, tokens, start)}
+
+
+def echo_logprobs(prompt: Sequence[int], scores, top: int, token_text: TokenText) -> dict:
+    """The legacy `logprobs` entries of an echoed prompt (`scores`: its `PromptLogprobs`, top alternatives cut to
+    the request's `top`): every prompt token, the first with a null log-probability and null alternatives (nothing
+    comes before it), as OpenAI and vLLM return them; text offsets from 0, where the echoed text starts."""
+    return {"tokens": [token_text(t)[0] for t in prompt],
+            "token_logprobs": [None] + [max(lp.logprob, FLOOR_LOGPROB) for lp in scores.tokens],
+            "top_logprobs": [None] + [{token_text(t)[0]: max(value, FLOOR_LOGPROB) for t, value in lp.top[:top]}
+                                      for lp in scores.tokens],
+            "text_offset": text_offsets(token_text.tokenizer.decode, prompt, 0)}
+
+
+def prompt_logprobs(scores, top: int, token_text: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, then {token id: {logprob, rank,
+    decoded_token}} for the token itself and the `top` most likely tokens at its position (ranks from 1)."""
+    def entry(value: float, rank: int, token: int) -> dict:
+        return {"logprob": max(value, FLOOR_LOGPROB), "rank": rank, "decoded_token": token_text(token)[0]}
+
+    out: list[dict | None] = [None]
+    for lp, rank in zip(scores.tokens, scores.ranks):
+        tokens = {str(lp.token_id): entry(lp.logprob, rank, lp.token_id)}
+        for i, (token, value) in enumerate(lp.top[:top]):
+            tokens.setdefault(str(token), entry(value, i + 1, token))
+        out.append(tokens)
+    return out
 
 
 def chat_logprobs(logprobs: Sequence, token_text: TokenText) -> dict:
@@ -208,18 +235,35 @@ class _Render:
 
 class CompletionRender(_Render):
     """One `/v1/completions` request's response: choice `p * n + i` is prompt p's i-th, after the prompt's
-    `echoed` text; log-probabilities in the legacy shape when `logprobs` were asked for."""
+    `echoed` text; log-probabilities in the legacy shape when `logprobs` were asked for (led by the prompt's
+    tokens, `prompt_ids[p]`, with echo: `echo_logprobs`), vLLM's `prompt_logprobs` (that many alternatives) when
+    asked for. Streams carry neither of the prompt's (the request is refused before)."""
 
     ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, model: str, tokenizer, n: int, prompt_tokens: int, include_usage: bool,
-                 echoed: Sequence[str], logprobs: bool):
+                 echoed: Sequence[str], logprobs: int | None, prompt_ids: Sequence[Sequence[int]] = (),
+                 echo_logprobs: bool = False, prompt_logprobs: int | None = None):
         super().__init__(model, tokenizer, n, prompt_tokens, include_usage)
         self.echoed, self.logprobs = echoed, logprobs
+        self.prompt_ids, self.echo_logprobs, self.prompt_logprobs = prompt_ids, echo_logprobs, prompt_logprobs
         self.sent = [0] * (len(echoed) * n)  # characters sent per choice (text offsets of streamed log-probs)
 
     def _logprobs(self, logprobs, tokens: Sequence[int], start: int) -> dict | None:
-        return completion_logprobs(logprobs or [], tokens, start, self.token_text) if self.logprobs else None
+        if self.logprobs is None:
+            return None
+        return completion_logprobs(logprobs or [], tokens, start, self.token_text)
+
+    def _choice(self, index: int, p: int, c: Completion) -> dict:
+        logprobs = self._logprobs(c.logprobs, c.token_ids, len(self.echoed[p]))
+        if self.echo_logprobs:  # the prompt's entries first, then the completion's
+            prompt = echo_logprobs(self.prompt_ids[p], c.prompt_logprobs, self.logprobs, self.token_text)
+            logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
+        choice = {"index": index, "text": self.echoed[p] + c.text, "logprobs": logprobs,
+                  "finish_reason": finish_reason(c.finish_reason)}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(c.prompt_logprobs, self.prompt_logprobs, self.token_text)
+        return choice
 
     def response(self, results: Sequence[Sequence[Completion]]) -> dict:
         """The response object of the completions per prompt."""
@@ -227,9 +271,7 @@ class CompletionRender(_Render):
         for p, group in enumerate(results):
             for i, c in enumerate(group):
                 everything.append(c)
-                choices.append({"index": p * self.n + i, "text": self.echoed[p] + c.text,
-                                "logprobs": self._logprobs(c.logprobs, c.token_ids, len(self.echoed[p])),
-                                "finish_reason": finish_reason(c.finish_reason)})
+                choices.append(self._choice(p * self.n + i, p, c))
         return self._response(choices, everything)
 
     def _delta(self, d: ChoiceDelta) -> dict:

@@ -1,6 +1,7 @@
 """Each API's request -> serving parameters mapping, without a server: the native requests' `to_params`, the OpenAI
 requests' `to_params` (OpenAI's defaults for what is left out, `best_of` at temperature 0 as a beam search, the end of
-a chat turn as a stop string), what the OpenAI requests refuse (`check_supported`), and the Open Inference Protocol's
+a chat turn as a stop string, vLLM's extensions as the native options), what the OpenAI requests refuse and ignore
+(`check_fields`), and the Open Inference Protocol's
 parameter checks and `validated_options` (a native request model behind a 400 that names the field).
 
 Table-style: one request in, the exact parameters out, so a field mapped to the wrong parameter, a lost default or a
@@ -134,31 +135,87 @@ def test_include_usage(openai, options, expected):
 
 
 @pytest.mark.parametrize("kind, fields, param, message", [
-    ("completion", {"logit_bias": {"50": 10}}, "logit_bias", "logit_bias is not supported"),
+    ("completion", {"logit_bias": {"50": 10}}, "logit_bias",
+     "logit_bias is not supported (only {}: the sampler biases no token)"),
     ("completion", {"suffix": "end"}, "suffix",
      "suffix is not supported (the model has no fill-in-the-middle training)"),
-    ("chat", {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
-    ("chat", {"tool_choice": "auto"}, "tools", "tools are not supported"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools", "tools are not supported (the model calls no tools)"),
+    ("chat", {"tool_choice": "required"}, "tool_choice",
+     'tool_choice: the model calls no tools (only "none" or "auto")'),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format",
-     'response_format: only {"type": "text"} is supported'),
+     'response_format: only {"type": "text"} is supported (no JSON mode or JSON-schema output)'),
+    ("chat", {"modalities": ["audio"]}, "modalities", 'modalities: only ["text"] is supported (no audio output)'),
+    ("chat", {"audio": {"voice": "alloy"}}, "audio", "audio output is not supported (the model writes text)"),
+    ("chat", {"web_search_options": {}}, "web_search_options", "web_search_options: web search is not supported"),
+    ("chat", {"store": True, "tools": [{"type": "function"}]}, "tools",
+     "tools are not supported (the model calls no tools)"),  # a refused field wins over ignored ones
 ])
 def test_unsupported_options_are_a_400_naming_the_field(openai, kind, fields, param, message):
     """The client reads which field and why in OpenAI's error object (`param`, `message`)."""
     base = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "Hi"}]}
     body = getattr(openai, kind)(model="gpt", **base, **fields)
     with pytest.raises(BadInput) as raised:
-        body.check_supported()
+        body.check_fields()
     assert (raised.value.param, raised.value.message, raised.value.status) == (param, message, 400)
 
 
-@pytest.mark.parametrize("kind, fields", [
-    ("completion", {"logit_bias": {}, "suffix": None}),
-    ("chat", {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
-    ("chat", {"tool_choice": None}),
+@pytest.mark.parametrize("kind, fields, ignored", [
+    ("completion", {"logit_bias": {}, "suffix": None}, []),
+    ("chat", {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}, []),
+    ("chat", {"tool_choice": None, "function_call": "auto", "web_search_options": None}, []),
+    ("chat", {"modalities": ["text"], "audio": None}, ["audio", "modalities"]),
+    ("chat", {"store": True, "metadata": {"k": "v"}, "user": "u"}, ["user", "metadata", "store"]),
+    ("completion", {"user": "u", "stream_options": {"include_obfuscation": True, "include_usage": True}},
+     ["stream_options.include_obfuscation", "user"]),
+    ("chat", {"stream_options": {"include_usage": True}}, []),
+    ("chat", {"top_k": 3, "min_tokens": 1, "ignore_eos": False, "repetition_penalty": 1.1}, []),
 ])
-def test_no_op_values_of_unsupported_options_are_accepted(openai, kind, fields):
+def test_no_op_values_are_accepted_and_ignored_fields_listed(openai, kind, fields, ignored):
+    """What `check_fields` returns is what X-Ignored-Fields names: the ignored fields sent, in the table's order."""
     base = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "Hi"}]}
-    getattr(openai, kind)(model="gpt", **base, **fields).check_supported()
+    assert getattr(openai, kind)(model="gpt", **base, **fields).check_fields() == ignored
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_vllm_extensions_map_to_the_native_options(openai, kind):
+    """top_k, min_tokens and repetition_penalty are the native top_k, min_new_tokens and repetition_penalty;
+    ignore_eos blocks the end of text for every token; top_k -1 is vLLM's off (0)."""
+    base = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "Hi"}]}
+    body = getattr(openai, kind)(model="gpt", **base, max_tokens=10, top_k=7, min_tokens=3, repetition_penalty=1.3)
+    params = body.to_params() if kind == "completion" else body.to_params(10)
+    assert (params.top_k, params.min_new_tokens, params.repetition_penalty) == (7, 3, 1.3)
+    eos = getattr(openai, kind)(model="gpt", **base, max_tokens=10, ignore_eos=True, top_k=-1)
+    params = eos.to_params() if kind == "completion" else eos.to_params(10)
+    assert (params.top_k, params.min_new_tokens, params.max_new_tokens, params.repetition_penalty) == (0, 10, 10, 1.0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens (5) must be <= max_tokens (4)"),
+    ({"min_tokens": 17}, "min_tokens (17) must be <= max_tokens (16)"),  # OpenAI's default max_tokens
+])
+def test_min_tokens_above_max_tokens_is_a_400_in_openais_names(openai, fields, message):
+    with pytest.raises(BadInput) as raised:
+        openai.completion(model="gpt", prompt="x", **fields).to_params()
+    assert (raised.value.param, raised.value.message) == ("min_tokens", message)
+
+
+@pytest.mark.parametrize("fields, budget", [
+    ({"max_completion_tokens": 7, "max_tokens": 9}, (7, "max_completion_tokens")),
+    ({"max_tokens": 9}, (9, "max_tokens")),
+    ({"max_tokens": 9, "min_tokens": 12}, (9, "max_tokens")),
+    ({"min_tokens": 12}, (12, "min_tokens")),
+    ({}, (1, "max_tokens")),
+])
+def test_chat_token_budget_names_the_field_that_asks_for_it(openai, fields, budget):
+    """The tokens a chat prompt must leave room for, and the field a context error names."""
+    assert openai.chat(model="gpt", messages=[{"role": "user", "content": "Hi"}], **fields).token_budget() == budget
+
+
+def test_chat_min_tokens_error_names_max_completion_tokens(openai):
+    body = openai.chat(model="gpt", messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3,
+                       min_tokens=4)
+    with pytest.raises(BadInput, match=r"^min_tokens \(4\) must be <= max_completion_tokens \(3\)$"):
+        body.to_params(3)
 
 
 @pytest.mark.parametrize("stop, expected", [(None, []), ("\n", ["\n"]), ("END", ["END"]), (["a", "b"], ["a", "b"])])
@@ -199,3 +256,40 @@ def test_validated_options_are_a_400_naming_what_and_the_field(native):
     with pytest.raises(BadInput, match=r"^parameters: .*num_beams") as raised:
         validated_options(native.translate, {"text": "Ein Hund.", "num_beams": 7}, "parameters")
     assert raised.value.status == 400
+
+
+# --- OpenAI completions: prompt scoring (echo + logprobs, prompt_logprobs, max_tokens 0) ------------------------------
+
+@pytest.mark.parametrize(("fields", "prompt_logprobs", "max_new_tokens"), [
+    ({}, None, DEFAULT_COMPLETION_TOKENS),
+    ({"echo": True}, None, DEFAULT_COMPLETION_TOKENS),  # echo alone: the text only, nothing to score
+    ({"logprobs": 2}, None, DEFAULT_COMPLETION_TOKENS),  # the generated tokens' only
+    ({"echo": True, "logprobs": 2}, 2, DEFAULT_COMPLETION_TOKENS),
+    ({"echo": True, "logprobs": 0, "max_tokens": 0}, 0, 0),  # score only: 0 stays 0, not the default
+    ({"prompt_logprobs": 3}, 3, DEFAULT_COMPLETION_TOKENS),
+    ({"echo": True, "logprobs": 1, "prompt_logprobs": 4}, 4, DEFAULT_COMPLETION_TOKENS),  # the most either asks
+    ({"echo": True, "logprobs": 5, "prompt_logprobs": 0, "max_tokens": 1}, 5, 1),
+])
+def test_completion_scores_the_prompt_when_echo_with_logprobs_or_prompt_logprobs_ask(openai, fields, prompt_logprobs,
+                                                                                    max_new_tokens):
+    params = openai.completion(model="gpt", prompt="ROMEO:", **fields).to_params()
+    assert (params.prompt_logprobs, params.max_new_tokens) == (prompt_logprobs, max_new_tokens)
+    assert params.logprobs == fields.get("logprobs")
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"max_tokens": 0}, "max_tokens"),  # nothing to return without echo
+    ({"max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"stream": True, "echo": True, "logprobs": 1}, "stream"),
+])
+def test_completion_prompt_scoring_refusals_name_the_field(openai, fields, param):
+    with pytest.raises(BadInput) as refused:
+        openai.completion(model="gpt", prompt="ROMEO:", **fields).check_scoring()
+    assert refused.value.param == param
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 0, "echo": True}, {"stream": True, "echo": True},
+                                    {"stream": True, "logprobs": 2}, {"echo": True, "logprobs": 1}])
+def test_completion_prompt_scoring_accepts(openai, fields):
+    openai.completion(model="gpt", prompt="ROMEO:", **fields).check_scoring()

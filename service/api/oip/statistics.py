@@ -1,0 +1,114 @@
+"""Triton's statistics extension (`GET /v2/models[/{m}[/versions/{v}]]/stats`, what
+`tritonclient.http.InferenceServerClient.get_inference_statistics` returns): each loaded version's statistics in
+Triton's JSON, read from the samples of the Prometheus metrics the service keeps anyway
+(`service.observability.metrics`), so that the two can never disagree; no counter is kept twice.
+
+Where each figure comes from (every API counts: native, OpenAI and this protocol's requests alike):
+- `inference_stats.success` / `fail`: `tserve_request_duration_seconds` of the version, by status (2xx or not):
+  the requests routed to it and the time from their arrival to their last byte. A request refused before it
+  reached a model (an unknown model, a body that is not the protocol's) belongs to no model and is in neither.
+- `inference_stats.queue`: `tserve_queue_wait_seconds`: each job's wait from arrival to its first batch (a text
+  job is one sequence: a prompt, or each of its `n` samples).
+- `execution_count`: `tserve_batch_size`'s count: the batches the engine ran (text: decoding steps; images:
+  batches). `batch_stats`: those executions by the histogram's bucket, `batch_size` being the bucket's upper bound
+  (1, 2, 4, ... 256; larger ones are in `execution_count` only), their count under `compute_infer`.
+- `inference_count`: the images classified (`tserve_images`), or for a text model the sequences that got a
+  batch (the queue's count).
+Not measured, so reported as 0: `last_inference`, the `compute_input` / `compute_infer` / `compute_output`
+durations (the service does not time the engine's steps apart from the request), and every `ns` of `batch_stats`.
+`cache_hit` / `cache_miss` are 0 because there is no response cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from service.models.registry import LoadedModel
+from service.models.repository import VIT
+from service.observability.metrics import Metrics
+
+NS_PER_S = 1_000_000_000
+SUCCESS = range(200, 300)  # the statuses of a request that succeeded
+UNMEASURED = ("compute_input", "compute_infer", "compute_output")
+NO_CACHE = ("cache_hit", "cache_miss")
+
+
+def _duration(count: float = 0, seconds: float = 0.0) -> dict:
+    return {"count": int(count), "ns": round(seconds * NS_PER_S)}
+
+
+def _family(metric) -> str:
+    """The family name of a declared metric, as its samples are collected."""
+    (family,) = metric.describe()
+    return family.name
+
+
+class _Totals:
+    """One version's sums over the metric samples that carry its labels."""
+
+    def __init__(self):
+        self.success = [0.0, 0.0]  # count, seconds
+        self.fail = [0.0, 0.0]
+        self.queue = [0.0, 0.0]
+        self.images = 0.0
+        self.executions = 0.0
+        self.buckets: dict[float, float] = defaultdict(float)  # upper bound -> cumulative count
+
+
+def _collect(metrics: Metrics) -> dict[tuple[str, str], _Totals]:
+    """(model, version) -> its totals, in one pass over the registry's samples."""
+    names = {_family(metrics.request_duration): "request", _family(metrics.queue_wait): "queue",
+             _family(metrics.images): "images", _family(metrics.batch_size): "batch"}
+    totals: dict[tuple[str, str], _Totals] = defaultdict(_Totals)
+    for family in metrics.registry.collect():
+        what = names.get(family.name)
+        if what is None:
+            continue
+        for sample in family.samples:
+            labels, value = sample.labels, sample.value
+            entry = totals[(labels.get("model", ""), labels.get("version", ""))]
+            suffix = sample.name.removeprefix(family.name)
+            if what == "request" and suffix in ("_count", "_sum"):
+                pair = entry.success if int(labels["status"]) in SUCCESS else entry.fail
+                pair[suffix == "_sum"] += value
+            elif what == "queue" and suffix in ("_count", "_sum"):
+                entry.queue[suffix == "_sum"] += value
+            elif what == "images" and suffix == "_total":
+                entry.images += value
+            elif what == "batch" and suffix == "_count":
+                entry.executions += value
+            elif what == "batch" and suffix == "_bucket":
+                entry.buckets[float(labels["le"])] += value
+    return totals
+
+
+def _batch_stats(buckets: dict[float, float]) -> list[dict]:
+    stats, below = [], 0.0
+    for bound in sorted(b for b in buckets if math.isfinite(b)):
+        count, below = buckets[bound] - below, buckets[bound]
+        if count > 0:
+            stats.append({"batch_size": int(bound), "compute_input": _duration(), "compute_output": _duration(),
+                          "compute_infer": _duration(count)})
+    return stats
+
+
+def model_statistics(metrics: Metrics, versions: list[LoadedModel]) -> dict:
+    """Triton's statistics response for these loaded versions."""
+    totals = _collect(metrics)
+    stats = []
+    for loaded in versions:
+        entry = totals.get((loaded.name, str(loaded.version)), _Totals())
+        stats.append({
+            "name": loaded.name,
+            "version": str(loaded.version),
+            "last_inference": 0,
+            "inference_count": int(entry.images if loaded.kind == VIT else entry.queue[0]),
+            "execution_count": int(entry.executions),
+            "inference_stats": {"success": _duration(*entry.success), "fail": _duration(*entry.fail),
+                                "queue": _duration(*entry.queue), **{k: _duration() for k in UNMEASURED},
+                                **{k: _duration() for k in NO_CACHE}},
+            "batch_stats": _batch_stats(entry.buckets),
+            "memory_usage": [],
+        })
+    return {"model_stats": stats}
