@@ -81,10 +81,11 @@ class Settings(BaseSettings):
     drain_delay_s: float = Field(5.0, ge=0)
     drain_timeout_s: float = Field(30.0, ge=0)  # then let in-flight requests finish for at most this long
 
-    # optional API keys (service.http.auth): when any is configured, every request under /v1/ and /v2/ needs
-    # `Authorization: Bearer <key>`; health, metrics and the API docs stay open. The keys are the union of
-    # api_keys (a JSON list: TSERVE_API_KEYS='["key-1","key-2"]') and api_keys_file (one key per line; blank lines
-    # and lines starting with # ignored). None at all = no authentication. Each key: at least 16 characters
+    # optional API keys (service.http.auth): when any is configured, every request under /v1/ and /v2/ and the
+    # tokenizer routes needs `Authorization: Bearer <key>`; health, metrics and the API docs stay open. The keys
+    # are the union of api_keys (a JSON list: TSERVE_API_KEYS='["key-1","key-2"]') and api_keys_file (one key per
+    # line; blank lines and lines starting with # ignored). None at all = no authentication. Each key: at least
+    # 16 characters
     api_keys: list[str] = Field(default_factory=list)
     api_keys_file: Path | None = None
 

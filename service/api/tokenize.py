@@ -22,8 +22,9 @@ request like every model use (`service.serving.context.resolve`); encoding and d
 Errors are in OpenAI's shape (`service.api.openai.errors`, as vLLM answers these routes): 400 naming the field for
 a body that does not conform, an id outside the vocabulary or both or neither of `prompt` and `messages`; 404 naming
 `model` for an unknown model or one without a tokenizer (the ViT). A prompt may be as long as the body limit
-(`TSERVE_MAX_BODY_BYTES`): tokenizing runs no model, and lm-eval tokenizes whole documents for perplexity. Like
-vLLM's, these routes are outside /v1 and so outside the API keys (`service.http.auth`).
+(`TSERVE_MAX_BODY_BYTES`): tokenizing runs no model, and lm-eval tokenizes whole documents for perplexity.  Unlike
+vLLM's, these routes need the API key when keys are configured (`service.http.auth`): they run the served models'
+tokenizers on bodies up to the body limit.
 """
 
 from __future__ import annotations

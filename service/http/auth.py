@@ -1,4 +1,4 @@
-"""Optional API keys: `Authorization: Bearer <key>` on every request under /v1/ and /v2/.
+"""Optional API keys: `Authorization: Bearer <key>` on every request under /v1/ and /v2/ and on the tokenizer routes.
 
 The keys are the union of `api_keys` (`TSERVE_API_KEYS`, a JSON list) and the lines of `api_keys_file`
 (`TSERVE_API_KEYS_FILE`: one key per line, stripped; blank lines and lines starting with # ignored). No key at all =
@@ -7,8 +7,10 @@ setting, never showing a key): a file that is set but cannot be read or holds no
 `MIN_KEY_CHARS`, or a key with characters other than visible ASCII (it could not travel in a header as it is).
 
 When keys are configured, every HTTP request whose path is /v1 or /v2 or starts with /v1/ or /v2/ (the inference
-and model-listing routes, today's and later ones: OpenAI-compatible and Open Inference Protocol routes live there)
-needs `Authorization: Bearer <key>`; everything else (/health/*, /metrics, /docs, /openapi.json, /redoc) stays open.
+and model-listing routes, today's and later ones: OpenAI-compatible and Open Inference Protocol routes live there),
+and vLLM's tokenizer routes at the root (/tokenize, /detokenize, /tokenizer_info: they read whole documents with the
+served models' tokenizers; lm-eval's remote tokenizer sends the key it is given), needs `Authorization: Bearer
+<key>`; everything else (/health/*, /metrics, /docs, /openapi.json, /redoc) stays open.
 Only the Bearer scheme is accepted: no `X-API-Key` header, no query parameter. The scheme name is
 case-insensitive (RFC 7235 section 2.1: `bearer <key>` is accepted), the key itself is case-sensitive; more than one
 Authorization header is rejected. CORS preflights (OPTIONS) are not special-cased. A WebSocket under those paths
@@ -44,8 +46,8 @@ log = logging.getLogger(__name__)
 MIN_KEY_CHARS = 16
 # A key's characters: visible ASCII, from "!" to "~" (anything else could not travel in a header as it is).
 VISIBLE_ASCII = ("!", "~")
-# The paths that need a key, with everything under them: the inference and model-listing APIs.
-PROTECTED_PREFIXES = ("/v1", "/v2")
+# The paths that need a key, with everything under them: the inference and model-listing APIs, the tokenizer routes.
+PROTECTED_PREFIXES = ("/v1", "/v2", "/tokenize", "/detokenize", "/tokenizer_info")
 # A rejected HTTP request: 401 with this challenge; a rejected WebSocket: closed with "policy violation" (RFC 6455).
 UNAUTHORIZED_STATUS, WWW_AUTHENTICATE = 401, b"Bearer"
 POLICY_VIOLATION = 1008
@@ -119,7 +121,7 @@ class ApiKeyMiddleware:
         self.app = app
         self._digests = tuple(_digest(key.encode("ascii")) for key in sorted(keys))
         if self._digests:
-            log.info("API key authentication on for /v1/ and /v2/ (%d key(s))", len(self._digests))
+            log.info("API key authentication on for %s (%d key(s))", ", ".join(PROTECTED_PREFIXES), len(self._digests))
 
     def _matches(self, token: bytes) -> bool:
         given = _digest(token)

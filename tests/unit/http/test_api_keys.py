@@ -32,7 +32,9 @@ KEY_FILE = f"""# API keys for the tests
 """
 GENERATE = {"prompt": "A", "max_new_tokens": 2}
 TRANSLATE = {"text": "Ein Hund.", "max_new_tokens": 2, "num_beams": 1}
-PROTECTED = [("POST", "/v1/generate", GENERATE), ("POST", "/v1/translate", TRANSLATE), ("GET", "/v1/models", None)]
+PROTECTED = [("POST", "/v1/generate", GENERATE), ("POST", "/v1/translate", TRANSLATE), ("GET", "/v1/models", None),
+             ("POST", "/tokenize", {"prompt": "To be"}), ("POST", "/detokenize", {"tokens": [84, 111]}),
+             ("GET", "/tokenizer_info", None)]
 OPEN_PATHS = ["/health/live", "/health/ready", "/metrics", "/openapi.json", "/docs", "/redoc"]
 
 
@@ -284,9 +286,10 @@ def test_configuration_log_names_no_key(caplog):
 
 
 def test_protected_paths_and_root_path():
-    assert all(auth.is_protected(p) for p in ("/v1", "/v1/", "/v1/models", "/v2", "/v2/models/x/infer"))
+    assert all(auth.is_protected(p) for p in ("/v1", "/v1/", "/v1/models", "/v2", "/v2/models/x/infer", "/tokenize",
+                                              "/detokenize", "/tokenizer_info"))
     assert not any(auth.is_protected(p) for p in ("/v10/models", "/v1x", "/health/live", "/metrics", "/docs",
-                                                   "/openapi.json", "/redoc", "/", ""))
+                                                   "/openapi.json", "/redoc", "/", "", "/tokenizex"))
     assert auth._route_path({"path": "/api/v1/models", "root_path": "/api"}) == "/v1/models"
     assert auth._route_path({"path": "/v1/models", "root_path": "/api"}) == "/v1/models"
     assert auth._route_path({"path": "/apiv1/models", "root_path": "/api"}) == "/apiv1/models"
