@@ -55,12 +55,21 @@ class FakeBackend:
         self.gate.set()
         self.in_step = threading.Event()
         self.fail_step = False
+        self.scored_passes: list[list[int]] = []  # the rows of each prompt pass that scored prompts
 
     def prefill(self, inputs):
         if any(POISON in ids for ids in inputs):
             raise RuntimeError("poisoned prompt")
         histories = [history_of(ids) for ids in inputs]
         return np.stack([logits_of(h) for h in histories]), FakeState(histories, np.ones(len(histories), np.int64))
+
+    def prefill_positions(self, inputs, rows):
+        """`prefill`, and for `rows` the logits at every prompt position: position t's from the history of the
+        prompt's first t + 1 tokens (as the GPT's prompt pass gives them)."""
+        self.scored_passes.append(sorted(rows))
+        logits, state = self.prefill(inputs)
+        return logits, state, {row: np.stack([logits_of(history_of(inputs[row][: t + 1]))
+                                              for t in range(len(inputs[row]))]) for row in rows}
 
     def step(self, state, tokens):
         self.in_step.set()
