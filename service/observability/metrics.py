@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+BATCH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # The `mode` label's values: how a text request decodes (what each kind offers: `service.models.kinds`), `score`
 # for forced decoding of given targets, or `classify` for an image request.
@@ -47,6 +48,13 @@ class Metrics:
         self.batch_size = Histogram(
             "tserve_batch_size", "Rows per decoding step (text) or images per batch (ViT).",
             ["model", "version"], buckets=BATCH_BUCKETS, registry=r)
+        self.batch_seconds = Histogram(
+            "tserve_batch_seconds", "Seconds of each batch the engine ran: a decoding iteration (the newcomers' "
+            "prompt pass and the step) or an image batch.", ["model", "version"], buckets=BATCH_SECONDS_BUCKETS,
+            registry=r)
+        self.last_batch = Gauge(
+            "tserve_last_batch_timestamp_seconds", "Unix time at which the last batch ended.", ["model", "version"],
+            registry=r)
         self.queue_depth = Gauge(
             "tserve_queue_depth", "Requests waiting for admission.", ["model", "version"], registry=r)
         self.running_requests = Gauge(

@@ -143,6 +143,7 @@ class ContinuousBatcher(QueuedScheduler):
         with self._changed:
             self._leave_queue("while it waited in the queue")
         admitted = self._admit()
+        started = time.monotonic()
         if admitted:
             self._join(admitted)
         if not self._active:
@@ -150,11 +151,17 @@ class ContinuousBatcher(QueuedScheduler):
             return
         generations = self._batch.generate_token()
         self.metrics.batch_size.labels(**self.labels).observe(sum(g.rows for g in generations))
+        self._observe_batch(started)
         survivors = self._deliver(generations, time.monotonic())
         self._stepped_at = {job: self._stepped_at[job] for job in survivors}  # the others left the batch
         if len(survivors) != len(self._active):
             self._batch.filter(survivors)
             self._publish(survivors)
+
+    def _observe_batch(self, started: float) -> None:
+        """The iteration's time (the newcomers' prompt pass and the step), and when it ended."""
+        self.metrics.batch_seconds.labels(**self.labels).observe(time.monotonic() - started)
+        self.metrics.last_batch.labels(**self.labels).set_to_current_time()
 
     def _deliver(self, generations: list[Generation], now: float) -> list[TextJob]:
         """Hand each request its step's generation (metrics, streamed tokens, its results when done); returns

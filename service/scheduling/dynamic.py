@@ -146,10 +146,13 @@ class DynamicBatcher(QueuedScheduler):
         self._complete(job, np.concatenate(parts))
 
     def _infer(self, pixels: np.ndarray) -> np.ndarray:
+        started = time.monotonic()
         logits = np.asarray(self.engine.logits(pixels), dtype=np.float32)
         if logits.ndim != 2 or len(logits) != len(pixels):
             raise ValueError(f"engine returned logits of shape {logits.shape} for {len(pixels)} images")
         self.metrics.batch_size.labels(**self.labels).observe(len(pixels))
+        self.metrics.batch_seconds.labels(**self.labels).observe(time.monotonic() - started)
+        self.metrics.last_batch.labels(**self.labels).set_to_current_time()
         return logits
 
     def _observe_start(self, jobs: list[ImageJob], started: float) -> None:

@@ -14,8 +14,11 @@ Where each figure comes from (every API counts: native, OpenAI and this protocol
   (1, 2, 4, ... 256; larger ones are in `execution_count` only), their count under `compute_infer`.
 - `inference_count`: the images classified (`tserve_images`), or for a text model the sequences that got a
   batch (the queue's count).
-Not measured, so reported as 0: `last_inference`, the `compute_input` / `compute_infer` / `compute_output`
-durations (the service does not time the engine's steps apart from the request), and every `ns` of `batch_stats`.
+- `inference_stats.compute_infer`: `tserve_batch_seconds`: the batches the engine ran and their time (text: each
+  decoding iteration, the newcomers' prompt pass included); `last_inference`: `tserve_last_batch_timestamp_seconds`
+  in milliseconds since the epoch (0: none yet).
+Not measured apart, so reported as 0: `compute_input` / `compute_output` (feeding the graph and reading its outputs
+are inside `compute_infer`), and every `ns` of `batch_stats` (batch times are not kept per batch size).
 `cache_hit` / `cache_miss` are 0 because there is no response cache.
 """
 
@@ -30,7 +33,8 @@ from service.observability.metrics import Metrics
 
 NS_PER_S = 1_000_000_000
 SUCCESS = range(200, 300)  # the statuses of a request that succeeded
-UNMEASURED = ("compute_input", "compute_infer", "compute_output")
+UNMEASURED = ("compute_input", "compute_output")  # inside compute_infer
+MS_PER_S = 1000
 NO_CACHE = ("cache_hit", "cache_miss")
 
 
@@ -53,13 +57,16 @@ class _Totals:
         self.queue = [0.0, 0.0]
         self.images = 0.0
         self.executions = 0.0
+        self.compute = [0.0, 0.0]  # batches timed, seconds
+        self.last_batch = 0.0  # unix seconds
         self.buckets: dict[float, float] = defaultdict(float)  # upper bound -> cumulative count
 
 
 def _collect(metrics: Metrics) -> dict[tuple[str, str], _Totals]:
     """(model, version) -> its totals, in one pass over the registry's samples."""
     names = {_family(metrics.request_duration): "request", _family(metrics.queue_wait): "queue",
-             _family(metrics.images): "images", _family(metrics.batch_size): "batch"}
+             _family(metrics.images): "images", _family(metrics.batch_size): "batch",
+             _family(metrics.batch_seconds): "compute", _family(metrics.last_batch): "last"}
     totals: dict[tuple[str, str], _Totals] = defaultdict(_Totals)
     for family in metrics.registry.collect():
         what = names.get(family.name)
@@ -80,6 +87,10 @@ def _collect(metrics: Metrics) -> dict[tuple[str, str], _Totals]:
                 entry.executions += value
             elif what == "batch" and suffix == "_bucket":
                 entry.buckets[float(labels["le"])] += value
+            elif what == "compute" and suffix in ("_count", "_sum"):
+                entry.compute[suffix == "_sum"] += value
+            elif what == "last":
+                entry.last_batch = max(entry.last_batch, value)
     return totals
 
 
@@ -102,11 +113,12 @@ def model_statistics(metrics: Metrics, versions: list[LoadedModel]) -> dict:
         stats.append({
             "name": loaded.name,
             "version": str(loaded.version),
-            "last_inference": 0,
+            "last_inference": round(entry.last_batch * MS_PER_S),
             "inference_count": int(entry.images if loaded.kind == VIT else entry.queue[0]),
             "execution_count": int(entry.executions),
             "inference_stats": {"success": _duration(*entry.success), "fail": _duration(*entry.fail),
-                                "queue": _duration(*entry.queue), **{k: _duration() for k in UNMEASURED},
+                                "queue": _duration(*entry.queue), "compute_infer": _duration(*entry.compute),
+                                **{k: _duration() for k in UNMEASURED},
                                 **{k: _duration() for k in NO_CACHE}},
             "batch_stats": _batch_stats(entry.buckets),
             "memory_usage": [],

@@ -31,6 +31,9 @@ def test_an_image_model_s_statistics():
         metrics.queue_wait.labels(model="vit", version="1", mode="classify").observe(wait)
     for size in (1, 1, 3):
         metrics.batch_size.labels(model="vit", version="1").observe(size)
+    for seconds in (0.01, 0.02, 0.03):
+        metrics.batch_seconds.labels(model="vit", version="1").observe(seconds)
+    metrics.last_batch.labels(model="vit", version="1").set(1_700_000_000.25)
     metrics.images.labels(model="vit", version="1").inc(5)
     (stats,) = model_statistics(metrics, [loaded("vit", "vit")])["model_stats"]
     assert (stats["name"], stats["version"], stats["inference_count"], stats["execution_count"]) == ("vit", "1", 5, 3)
@@ -38,7 +41,10 @@ def test_an_image_model_s_statistics():
     assert inference["success"] == {"count": 2, "ns": 750_000_000}
     assert inference["fail"] == {"count": 1, "ns": 1_000_000_000}
     assert inference["queue"]["count"] == 2 and inference["queue"]["ns"] == pytest.approx(300_000_000, abs=1)
-    assert all(inference[k] == {"count": 0, "ns": 0} for k in ("compute_input", "compute_infer", "compute_output"))
+    assert inference["compute_infer"]["count"] == 3
+    assert inference["compute_infer"]["ns"] == pytest.approx(60_000_000, abs=1)
+    assert stats["last_inference"] == 1_700_000_000_250  # milliseconds since the epoch
+    assert all(inference[k] == {"count": 0, "ns": 0} for k in ("compute_input", "compute_output"))
     assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(1, 2), (4, 1)]
 
 

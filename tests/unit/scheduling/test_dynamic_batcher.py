@@ -382,3 +382,16 @@ def test_phases_and_queue_wait_are_those_of_the_job(make, metrics):
     assert blocker.phases.batch_size == 1
     waited = metrics.registry.get_sample_value("tserve_queue_wait_seconds_sum", {**LABELS, "mode": "classify"})
     assert 0 <= waited <= 3 * elapsed
+
+
+def test_each_batch_is_timed_and_stamped(make, metrics):
+    """`tserve_batch_seconds` (Triton's compute_infer) counts every engine call, at least the engine's own time."""
+    engine = FakeEngine(delay=0.02)
+    batcher = make(engine)
+    before = time.time()
+    results([batcher.submit(job(2, seed=s)) for s in range(3)])
+    labels = {"model": "vit", "version": "1"}
+    timed = metrics.registry.get_sample_value("tserve_batch_seconds_count", labels)
+    assert timed == len(engine.calls) == metrics.registry.get_sample_value("tserve_batch_size_count", labels)
+    assert metrics.registry.get_sample_value("tserve_batch_seconds_sum", labels) >= 0.02 * len(engine.calls)
+    assert before <= metrics.registry.get_sample_value("tserve_last_batch_timestamp_seconds", labels) <= time.time()

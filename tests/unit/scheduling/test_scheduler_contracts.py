@@ -303,3 +303,16 @@ def test_a_finished_request_records_its_phases_and_latencies(batcher):
     assert value(m, "tserve_inter_token_latency_seconds_count", MODE) == 4
     assert 0 <= value(m, "tserve_inter_token_latency_seconds_sum", MODE) <= p.finished_at - p.first_token_at + 1e-6
     assert 0 <= value(m, "tserve_queue_wait_seconds_sum", MODE) <= p.admitted_at - done.arrived + 1e-6
+
+
+def test_each_decoding_iteration_is_timed_and_stamped(batcher):
+    """`tserve_batch_seconds` (Triton's compute_infer) counts every step the batch size counts."""
+    b = batcher()
+    before = time.time()
+    jobs = [b.submit(job([1, 2], GreedySearch(4, None))), b.submit(job([3], GreedySearch(2, None)))]
+    assert all(isinstance(outcome(j), list) for j in jobs)
+    labels = LABELS
+    steps = b.metrics.registry.get_sample_value("tserve_batch_size_count", labels)
+    assert steps and b.metrics.registry.get_sample_value("tserve_batch_seconds_count", labels) == steps
+    assert b.metrics.registry.get_sample_value("tserve_batch_seconds_sum", labels) > 0
+    assert before <= b.metrics.registry.get_sample_value("tserve_last_batch_timestamp_seconds", labels) <= time.time()
