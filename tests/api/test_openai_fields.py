@@ -22,6 +22,7 @@ from openai.types.chat.chat_completion_stream_options_param import ChatCompletio
 from service.api.openai import field_rules
 from service.api.openai.protocol import StreamOptions, openai_request_models
 from service.settings import Settings
+from tests.support.openai_fields import IGNORED, NO_OP, REFUSED
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-fields.md"
 PROMPT = "ROMEO:\n"
@@ -105,25 +106,6 @@ def _create(client, kind: str, **fields):
                                                             temperature=0, **fields)
 
 
-IGNORED = [
-    ("completion", "user", "user-1"),
-    ("chat", "user", "user-1"),
-    ("chat", "metadata", {"run": "7", "team": "eval"}),
-    ("chat", "store", True),
-    ("chat", "service_tier", "flex"),
-    ("chat", "prompt_cache_key", "shakespeare"),
-    ("chat", "prompt_cache_retention", "24h"),
-    ("chat", "prompt_cache_options", {"mode": "implicit", "ttl": "30m"}),
-    ("chat", "safety_identifier", "hash-of-user"),
-    ("chat", "parallel_tool_calls", False),
-    ("chat", "prediction", {"type": "content", "content": "Good morrow to you."}),
-    ("chat", "reasoning_effort", "high"),
-    ("chat", "verbosity", "low"),
-    ("chat", "modalities", ["text"]),
-    ("chat", "audio", None),
-]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, field, value", IGNORED)
 def test_an_ignored_field_is_accepted_and_named_in_the_header(client, kind, field, value):
@@ -156,24 +138,6 @@ def test_several_ignored_fields_are_named_in_the_tables_order_and_streams_carry_
         assert chunks[-1].usage.completion_tokens == 4  # include_usage, beside it, is honoured
 
 
-REFUSED = [
-    ("completion", "logit_bias", {"50": 10}),
-    ("completion", "suffix", "THE END"),
-    ("chat", "logit_bias", {"50": -100}),
-    ("chat", "tools", [{"type": "function", "function": {"name": "lookup"}}]),
-    ("chat", "tool_choice", "required"),
-    ("chat", "tool_choice", {"type": "function", "function": {"name": "lookup"}}),
-    ("chat", "functions", [{"name": "lookup"}]),
-    ("chat", "function_call", {"name": "lookup"}),
-    ("chat", "audio", {"voice": "alloy", "format": "wav"}),
-    ("chat", "modalities", ["text", "audio"]),
-    ("chat", "web_search_options", {}),
-    ("chat", "moderation", {"model": "omni-moderation-latest"}),
-    ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "answer", "schema": {}}}),
-]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, field, value", REFUSED)
 def test_a_refused_field_is_a_400_naming_it(client, kind, field, value):
@@ -182,18 +146,6 @@ def test_a_refused_field_is_a_400_naming_it(client, kind, field, value):
     body = refused.value.body
     assert body["param"] == field and field in body["message"]
     assert body["type"] == "invalid_request_error"
-
-
-NO_OP = [
-    ("completion", "logit_bias", {}),
-    ("completion", "suffix", None),
-    ("chat", "tools", []),
-    ("chat", "tool_choice", "none"),
-    ("chat", "tool_choice", "auto"),
-    ("chat", "function_call", "none"),
-    ("chat", "response_format", {"type": "text"}),
-    ("chat", "web_search_options", None),
-]
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from service.errors import BadInput
 from service.serving.generate import GenerationParams
 from service.serving.translate import TranslationParams
 from service.settings import Settings
+from tests.support.openai_fields import IGNORED, NO_OP, REFUSED
 
 
 # Built per test (a few ms): each test then exercises the request models it checks (mutation testing maps a test
@@ -293,3 +294,23 @@ def test_completion_prompt_scoring_refusals_name_the_field(openai, fields, param
                                     {"stream": True, "logprobs": 2}, {"echo": True, "logprobs": 1}])
 def test_completion_prompt_scoring_accepts(openai, fields):
     openai.completion(model="gpt", prompt="ROMEO:", **fields).check_scoring()
+
+
+BASE = {"completion": {"prompt": "x"}, "chat": {"messages": [{"role": "user", "content": "Hi"}]}}
+
+
+@pytest.mark.parametrize("kind, field, value", IGNORED)
+def test_each_ignored_field_is_listed_alone(openai, kind, field, value):
+    assert getattr(openai, kind)(model="gpt", **BASE[kind], **{field: value}).check_fields() == [field]
+
+
+@pytest.mark.parametrize("kind, field, value", REFUSED)
+def test_each_refused_field_is_a_400_naming_it(openai, kind, field, value):
+    with pytest.raises(BadInput) as raised:
+        getattr(openai, kind)(model="gpt", **BASE[kind], **{field: value}).check_fields()
+    assert (raised.value.param, raised.value.status) == (field, 400) and field in raised.value.message
+
+
+@pytest.mark.parametrize("kind, field, value", NO_OP)
+def test_each_no_op_value_is_accepted_and_not_listed(openai, kind, field, value):
+    assert getattr(openai, kind)(model="gpt", **BASE[kind], **{field: value}).check_fields() == []
