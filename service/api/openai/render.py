@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -98,11 +98,11 @@ def echo_logprobs(prompt: Sequence[int], scores, top: int, token_text: TokenText
     """The legacy `logprobs` entries of an echoed prompt (`scores`: its `PromptLogprobs`, top alternatives cut to
     the request's `top`): every prompt token, the first with a null log-probability and null alternatives (nothing
     comes before it), as OpenAI and vLLM return them; text offsets from 0, where the echoed text starts."""
-    return {"tokens": [token_text(t)[0] for t in prompt],
-            "token_logprobs": [None] + [max(lp.logprob, FLOOR_LOGPROB) for lp in scores.tokens],
-            "top_logprobs": [None] + [{token_text(t)[0]: max(value, FLOOR_LOGPROB) for t, value in lp.top[:top]}
-                                      for lp in scores.tokens],
-            "text_offset": text_offsets(token_text.tokenizer.decode, prompt, 0)}
+    cut = [replace(lp, top=lp.top[:top]) for lp in scores.tokens]  # the prompt pass kept the most asked for
+    entries = completion_logprobs(cut, prompt, 0, token_text)
+    entries["token_logprobs"].insert(0, None)
+    entries["top_logprobs"].insert(0, None)
+    return entries
 
 
 def prompt_logprobs(scores, top: int, token_text: TokenText) -> list[dict | None]:
