@@ -52,86 +52,88 @@ def left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.nd
     return ids, mask, positions
 
 
-@torch.no_grad()
 def check_gpt(model, engine: GPTEngine, prompts: list[list[int]], max_new_tokens: int = 24) -> dict[str, Any]:
     """`prompts`: real validation prompts of different lengths (token ids)."""
-    ids, mask, positions = left_padded(prompts[:8])
-    empty = {name: np.zeros((len(ids), engine.n_heads, 0, engine.head_dim), np.float32)
-             for i in range(engine.n_layers) for name in schema.past_names(i)}
-    feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **empty}
-    onnx_logits, *presents = engine.session.run(None, feeds)
-    torch_logits, past = model(torch.from_numpy(ids), torch.from_numpy(positions), torch.from_numpy(mask).bool())
-    real = mask.astype(bool)
-    prompt_diff = _max_diff(onnx_logits[real], torch_logits.numpy()[real])
+    with torch.no_grad():
+        ids, mask, positions = left_padded(prompts[:8])
+        empty = {name: np.zeros((len(ids), engine.n_heads, 0, engine.head_dim), np.float32)
+                 for i in range(engine.n_layers) for name in schema.past_names(i)}
+        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **empty}
+        onnx_logits, *presents = engine.session.run(None, feeds)
+        torch_logits, past = model(torch.from_numpy(ids), torch.from_numpy(positions), torch.from_numpy(mask).bool())
+        real = mask.astype(bool)
+        prompt_diff = _max_diff(onnx_logits[real], torch_logits.numpy()[real])
 
-    step_ids = np.full((len(ids), 1), 7, np.int64)
-    step_positions = mask.sum(1, keepdims=True)
-    step_mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], axis=1)
-    feeds = {schema.INPUT_IDS: step_ids, schema.POSITION_IDS: step_positions, schema.ATTENTION_MASK: step_mask}
-    feeds.update({name: presents[j] for j, name in enumerate(n for i in range(engine.n_layers)
-                                                             for n in schema.past_names(i))})
-    onnx_step = engine.session.run(None, feeds)[0]
-    torch_step, _ = model(torch.from_numpy(step_ids), torch.from_numpy(step_positions),
-                          torch.from_numpy(step_mask).bool(), past)
-    step_diff = _max_diff(onnx_step, torch_step)
-    _require(max(prompt_diff, step_diff) <= ATOL,
-             f"GPT logits differ from PyTorch by {max(prompt_diff, step_diff):.2e} (> {ATOL})")
+        step_ids = np.full((len(ids), 1), 7, np.int64)
+        step_positions = mask.sum(1, keepdims=True)
+        step_mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], axis=1)
+        feeds = {schema.INPUT_IDS: step_ids, schema.POSITION_IDS: step_positions, schema.ATTENTION_MASK: step_mask}
+        feeds.update({name: presents[j] for j, name in enumerate(n for i in range(engine.n_layers)
+                                                                 for n in schema.past_names(i))})
+        onnx_step = engine.session.run(None, feeds)[0]
+        torch_step, _ = model(torch.from_numpy(step_ids), torch.from_numpy(step_positions),
+                              torch.from_numpy(step_mask).bool(), past)
+        step_diff = _max_diff(onnx_step, torch_step)
+        _require(max(prompt_diff, step_diff) <= ATOL,
+                 f"GPT logits differ from PyTorch by {max(prompt_diff, step_diff):.2e} (> {ATOL})")
 
-    def make(_):
-        return GreedySearch(max_new_tokens=max_new_tokens, eos_token_id=engine.eos_id)
+        def make(_):
+            return GreedySearch(max_new_tokens=max_new_tokens, eos_token_id=engine.eos_id)
 
-    onnx_out = [s.results()[0].tokens for s in engine.generate(prompts, make)]
-    torch_out = [s.results()[0].tokens for s in generate_ids(model, prompts, make)]
-    mismatches = sum(a != b for a, b in zip(onnx_out, torch_out))
-    _require(mismatches == 0, f"greedy GPT outputs differ from PyTorch on {mismatches} of {len(prompts)} prompts")
-    return {"logits_max_abs_diff_prompt": prompt_diff, "logits_max_abs_diff_step": step_diff,
-            "greedy_identical": f"{len(prompts) - mismatches}/{len(prompts)}"}
+        onnx_out = [s.results()[0].tokens for s in engine.generate(prompts, make)]
+        torch_out = [s.results()[0].tokens for s in generate_ids(model, prompts, make)]
+        mismatches = sum(a != b for a, b in zip(onnx_out, torch_out))
+        _require(mismatches == 0, f"greedy GPT outputs differ from PyTorch on {mismatches} of {len(prompts)} prompts")
+        return {"logits_max_abs_diff_prompt": prompt_diff, "logits_max_abs_diff_step": step_diff,
+                "greedy_identical": f"{len(prompts) - mismatches}/{len(prompts)}"}
 
 
-@torch.no_grad()
 def check_translation(model, engine: TranslationEngine, sources: list[list[int]], targets: list[list[int]]
                       ) -> dict[str, Any]:
     """`sources`: real validation sentences as ids + EOS; `targets`: their references as ids (no BOS/EOS)."""
-    batch_sources = sources[:8]
-    encoded = engine.encode(batch_sources)
-    src = torch.from_numpy(_pad_ids(batch_sources, encoded.mask.shape[1]))
-    src_mask = torch.from_numpy(encoded.mask).bool()
-    cross = model.cross_attention_kv(model.encode(src, src_mask))
-    torch_cross = [t for pair in cross for t in pair]
-    encoder_diff = max(_max_diff(a, b) for a, b in zip(encoded.cross, torch_cross))
+    with torch.no_grad():
+        batch_sources = sources[:8]
+        encoded = engine.encode(batch_sources)
+        src = torch.from_numpy(_pad_ids(batch_sources, encoded.mask.shape[1]))
+        src_mask = torch.from_numpy(encoded.mask).bool()
+        cross = model.cross_attention_kv(model.encode(src, src_mask))
+        torch_cross = [t for pair in cross for t in pair]
+        encoder_diff = max(_max_diff(a, b) for a, b in zip(encoded.cross, torch_cross))
 
-    # Teacher-forced target prefixes of different lengths, right-padded, as one decoder call with an empty past.
-    prefixes = [[engine.bos_id] + t[: 3 + i % 5] for i, t in enumerate(targets[:8])]
-    length = max(len(p) for p in prefixes)
-    ids, mask = np.zeros((8, length), np.int64), np.zeros((8, length), np.int64)
-    for row, prefix in enumerate(prefixes):
-        ids[row, : len(prefix)], mask[row, : len(prefix)] = prefix, 1
-    positions = np.tile(np.arange(length), (8, 1))
-    rows = np.arange(8, dtype=np.int64)
-    feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask,
-             schema.ENCODER_ATTENTION_MASK: encoded.mask, schema.ENCODER_ROW: rows}
-    for i in range(engine.n_layers):
-        key_name, value_name = schema.past_names(i)
-        feeds[key_name] = feeds[value_name] = np.zeros((8, engine.n_heads, 0, engine.head_dim), np.float32)
-        key_name, value_name = schema.cross_names(i)
-        feeds[key_name], feeds[value_name] = encoded.cross[2 * i], encoded.cross[2 * i + 1]
-    onnx_logits = engine.decoder.run(None, feeds)[0]
-    torch_logits, _ = model.decode_step(torch.from_numpy(ids), torch.from_numpy(positions),
-                                        torch.from_numpy(mask).bool(), cross, src_mask)
-    real = mask.astype(bool)
-    decoder_diff = _max_diff(onnx_logits[real], torch_logits.numpy()[real])
-    worst = max(encoder_diff, decoder_diff)
-    _require(worst <= ATOL, f"translation graphs differ from PyTorch by {worst:.2e} (> {ATOL})")
+        # Teacher-forced target prefixes of different lengths, right-padded, as one decoder call with an empty past.
+        prefixes = [[engine.bos_id] + t[: 3 + i % 5] for i, t in enumerate(targets[:8])]
+        length = max(len(p) for p in prefixes)
+        ids, mask = np.zeros((8, length), np.int64), np.zeros((8, length), np.int64)
+        for row, prefix in enumerate(prefixes):
+            ids[row, : len(prefix)], mask[row, : len(prefix)] = prefix, 1
+        positions = np.tile(np.arange(length), (8, 1))
+        rows = np.arange(8, dtype=np.int64)
+        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask,
+                 schema.ENCODER_ATTENTION_MASK: encoded.mask, schema.ENCODER_ROW: rows}
+        for i in range(engine.n_layers):
+            key_name, value_name = schema.past_names(i)
+            feeds[key_name] = feeds[value_name] = np.zeros((8, engine.n_heads, 0, engine.head_dim), np.float32)
+            key_name, value_name = schema.cross_names(i)
+            feeds[key_name], feeds[value_name] = encoded.cross[2 * i], encoded.cross[2 * i + 1]
+        onnx_logits = engine.decoder.run(None, feeds)[0]
+        torch_logits, _ = model.decode_step(torch.from_numpy(ids), torch.from_numpy(positions),
+                                            torch.from_numpy(mask).bool(), cross, src_mask)
+        real = mask.astype(bool)
+        decoder_diff = _max_diff(onnx_logits[real], torch_logits.numpy()[real])
+        worst = max(encoder_diff, decoder_diff)
+        _require(worst <= ATOL, f"translation graphs differ from PyTorch by {worst:.2e} (> {ATOL})")
 
-    def make(i):
-        return GreedySearch(max_new_tokens=engine.default_max_new_tokens(len(sources[i])), eos_token_id=engine.eos_id)
+        def make(i):
+            return GreedySearch(max_new_tokens=engine.default_max_new_tokens(len(sources[i])),
+                                eos_token_id=engine.eos_id)
 
-    onnx_out = [s.results()[0].tokens for s in engine.translate_ids(sources, make)]
-    torch_out = [s.results()[0].tokens for s in translate_ids(model, sources, num_beams=1)]
-    mismatches = sum(a != b for a, b in zip(onnx_out, torch_out))
-    _require(mismatches == 0, f"greedy translations differ from PyTorch on {mismatches} of {len(sources)} sentences")
-    return {"cross_kv_max_abs_diff": encoder_diff, "logits_max_abs_diff": decoder_diff,
-            "greedy_identical": f"{len(sources) - mismatches}/{len(sources)}"}
+        onnx_out = [s.results()[0].tokens for s in engine.translate_ids(sources, make)]
+        torch_out = [s.results()[0].tokens for s in translate_ids(model, sources, num_beams=1)]
+        mismatches = sum(a != b for a, b in zip(onnx_out, torch_out))
+        _require(mismatches == 0,
+                 f"greedy translations differ from PyTorch on {mismatches} of {len(sources)} sentences")
+        return {"cross_kv_max_abs_diff": encoder_diff, "logits_max_abs_diff": decoder_diff,
+                "greedy_identical": f"{len(sources) - mismatches}/{len(sources)}"}
 
 
 def _pad_ids(sequences: list[list[int]], length: int) -> np.ndarray:
@@ -149,16 +151,17 @@ def _vit_onnx_logits(engine: ViTEngine, images: np.ndarray) -> tuple[np.ndarray,
     return batch, np.concatenate([engine.logits(batch[i : i + 250]) for i in range(0, len(batch), 250)])
 
 
-@torch.no_grad()
 def check_vit(model, engine: ViTEngine, images: np.ndarray) -> dict[str, Any]:
     """`images`: real test images, uint8 (N, H, W)."""
-    batch, onnx_logits = _vit_onnx_logits(engine, images)
-    torch_logits = torch.cat([model(torch.from_numpy(batch[i : i + 250])) for i in range(0, len(batch), 250)])
-    diff = _max_diff(onnx_logits, torch_logits)
-    same = int((onnx_logits.argmax(1) == torch_logits.argmax(1).numpy()).sum())
-    _require(diff <= ATOL, f"ViT logits differ from PyTorch by {diff:.2e} (> {ATOL})")
-    _require(same == len(images), f"ViT argmax differs from PyTorch on {len(images) - same} of {len(images)} images")
-    return {"logits_max_abs_diff": diff, "argmax_identical": f"{same}/{len(images)}"}
+    with torch.no_grad():
+        batch, onnx_logits = _vit_onnx_logits(engine, images)
+        torch_logits = torch.cat([model(torch.from_numpy(batch[i : i + 250])) for i in range(0, len(batch), 250)])
+        diff = _max_diff(onnx_logits, torch_logits)
+        same = int((onnx_logits.argmax(1) == torch_logits.argmax(1).numpy()).sum())
+        _require(diff <= ATOL, f"ViT logits differ from PyTorch by {diff:.2e} (> {ATOL})")
+        _require(same == len(images),
+                 f"ViT argmax differs from PyTorch on {len(images) - same} of {len(images)} images")
+        return {"logits_max_abs_diff": diff, "argmax_identical": f"{same}/{len(images)}"}
 
 
 def gpt_validation_loss(engine: GPTEngine, ids: np.ndarray, batch_size: int = 32) -> float:

@@ -31,14 +31,17 @@ def make_search(num_beams: int, max_new_tokens: int, eos_id: int, **beam_options
 
 @torch.no_grad()
 def translate_ids(model: EncoderDecoderTransformer, sources: Sequence[list[int]], num_beams: int = 1,
-                  **beam_options) -> list[Search]:
-    """Decode a batch of source id lists (EOS included); returns the finished searches (n-best in `results()`)."""
+                  searches: Sequence[Search] | None = None, **beam_options) -> list[Search]:
+    """Decode a batch of source id lists (EOS included); returns the finished searches (n-best in `results()`):
+    `searches`, one per source, or made from `num_beams` and `beam_options` with the default room."""
     config = model.config
     src, src_mask = pad(sources, config.pad_id)  # (B, S)
     cross = model.cross_attention_kv(model.encode(src, src_mask))  # per layer (B, H, S, Dh)
     B = len(sources)
-    searches = [make_search(num_beams, default_max_new_tokens(len(s), config.max_positions), config.eos_id,
-                            **beam_options) for s in sources]
+    if searches is None:
+        searches = [make_search(num_beams, default_max_new_tokens(len(s), config.max_positions), config.eos_id,
+                                **beam_options) for s in sources]
+    searches = list(searches)
 
     start = torch.full((B, 1), config.bos_id, dtype=torch.long)
     logits, past = model.decode_step(start, torch.zeros_like(start), torch.ones(B, 1, dtype=torch.bool), cross,

@@ -101,24 +101,51 @@ def mutmut() -> str:
     return str(Path(sys.executable).parent / "mutmut")
 
 
+GENERATE = """\
+import os
+from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
+from mutmut.mutation.trampoline import set_mutant_under_test
+set_mutant_under_test("mutant_generation")
+os.makedirs("mutants", exist_ok=True)
+copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants({max_children})
+"""
+
+
+def generate(work: Path, max_children: int) -> int:
+    """The first steps of `mutmut run` alone (mutmut 3.8 has no command for them): copy the sources into mutants/
+    and write the mutants of every function whose source changed since the last run, their verdicts reset."""
+    return subprocess.call([sys.executable, "-c", GENERATE.format(max_children=max_children)], cwd=work,
+                           stdout=subprocess.DEVNULL)
+
+
+def exact(key: str) -> str:
+    """A mutmut name filter that matches `key` alone: a name with a `*` is matched with fnmatch (the leading `*`
+    matches nothing, keys start with the module), and mutmut looks a plain name's tests up without a default, which
+    fails for a function no test calls."""
+    return "*" + key
+
+
 def run_package(work: Path, package: dict, max_children: int, equivalent: dict[str, str]) -> int:
-    """mutmut run (the mutants of changed functions, and new ones; the other results are kept), then the survivors
-    of the last run again: mutmut keeps a verdict until the function changes, and a survivor may be killed by a
-    test added since."""
+    """Generate the mutants, then run by name only those the package's score needs a verdict for: the scored
+    mutants not tested yet (new, or of a function that changed) and the last run's survivors (a test added since may
+    kill them). mutmut's plain `run` would also test every unscored mutant (the response models and schema
+    documentation beside a package's `functions`), and it keeps a survivor's verdict until its function changes."""
     started = time.monotonic()
-    survivors = [k for k, code in results(work, package).items()
-                 if code not in KILLED and code is not None and k not in equivalent] if (work / "mutants").is_dir() else []
+    rc = generate(work, max_children)
+    if rc != 0:
+        print(f"    mutant generation in {work.relative_to(ROOT)} failed: exit {rc}", flush=True)
+        return rc
+    pending = [k for k, code in results(work, package).items()
+               if code is None or (code not in KILLED and k not in equivalent)]
+    if not pending:
+        print("    nothing to test: every scored mutant has its verdict", flush=True)
+        return 0
+    print(f"    testing {len(pending)} mutants (new, changed or surviving)", flush=True)
     # One thread per test process: mutmut runs max_children of them at once on as many cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "TSERVE_TEST_PATIENCE_S": PATIENCE_S}
-    command = [mutmut(), "run", "--max-children", str(max_children)]
+    command = [mutmut(), "run", "--max-children", str(max_children), *map(exact, pending)]
     rc = subprocess.call(command, cwd=work, env=env)
-    if rc == 0 and survivors:
-        current = results(work, package)
-        survivors = [k for k in survivors if k in current]  # a changed function's mutants were just re-tested
-        if survivors:
-            print(f"    re-testing the {len(survivors)} survivors of the last run", flush=True)
-            rc = subprocess.call(command + survivors, cwd=work, env=env)
     print(f"    mutmut in {work.relative_to(ROOT)}: exit {rc}, {time.monotonic() - started:.0f} s", flush=True)
     return rc
 

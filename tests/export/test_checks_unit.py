@@ -15,12 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from export import checks
-from export.checks import ATOL, ExportCheckError, check_gpt, check_vit, gpt_validation_loss, left_padded, \
-    vit_test_accuracy
+from export.checks import ATOL, ExportCheckError, check_gpt, check_translation, check_vit, gpt_validation_loss, \
+    left_padded, vit_test_accuracy
 from models.config import get_preset
 from models.generate import generate_ids
 from models.gpt import GPT
+from models.tasks.translation import pad
+from models.transformer import EncoderDecoderTransformer
+from models.translate import default_max_new_tokens, translate_ids
 from service.engines import onnx_schema as schema
+from service.engines.translation import EncodedSources
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +261,128 @@ def test_gpt_validation_loss_is_stable_per_window_whatever_the_logits_scale():
 def test_pad_ids_right_pads_each_sequence_to_the_length():
     np.testing.assert_array_equal(checks._pad_ids([[5, 6], [7]], 3), [[5, 6, 0], [7, 0, 0]])
     assert checks._pad_ids([[1]], 2).dtype == np.int64
+
+
+# --- check_translation: the encoder and decoder graphs' contracts computed by the PyTorch translator ----------------
+
+@pytest.fixture(scope="module")
+def translator():
+    torch.manual_seed(0)
+    config = get_preset("translation", "tiny")[0]
+    return EncoderDecoderTransformer(config).eval(), config
+
+
+class TorchDecoderSession:
+    """The translation decoder graph's contract (inputs by name: each row's sentence by `encoder_row` into the
+    cross K/V and the source mask; `[logits, *presents]` out) computed by the PyTorch model, `offset` added to the
+    logits."""
+
+    def __init__(self, model, n_layers: int, offset: float = 0.0):
+        self.model, self.n_layers, self.offset = model, n_layers, offset
+
+    @torch.no_grad()
+    def run(self, outputs, feeds):
+        for name in (schema.INPUT_IDS, schema.POSITION_IDS, schema.ATTENTION_MASK, schema.ENCODER_ATTENTION_MASK,
+                     schema.ENCODER_ROW):
+            assert feeds[name].dtype == np.int64, (name, feeds[name].dtype)
+        rows = torch.from_numpy(feeds[schema.ENCODER_ROW])
+
+        def pairs(names):
+            return [tuple(torch.from_numpy(feeds[n]) for n in names(i)) for i in range(self.n_layers)]
+
+        cross = [(k[rows], v[rows]) for k, v in pairs(schema.cross_names)]
+        src_mask = torch.from_numpy(feeds[schema.ENCODER_ATTENTION_MASK])[rows].bool()
+        logits, presents = self.model.decode_step(torch.from_numpy(feeds[schema.INPUT_IDS]),
+                                                  torch.from_numpy(feeds[schema.POSITION_IDS]),
+                                                  torch.from_numpy(feeds[schema.ATTENTION_MASK]).bool(), cross,
+                                                  src_mask, pairs(schema.past_names))
+        out = [logits.numpy() + np.float32(self.offset), *(t.numpy() for kv in presents for t in kv)]
+        return out if outputs is None else pytest.fail(outputs)
+
+
+class FakeTranslationEngine:
+    """What `check_translation` reads of a `TranslationEngine`: `encode` (cross K/V + `encoder_offset`), the
+    decoder session (+ `decoder_offset`), the default room, and `translate_ids` decoding with `decoder`'s weights
+    (default: the model itself) and the searches `make` gives."""
+
+    def __init__(self, model, config, decoder=None, encoder_offset: float = 0.0, decoder_offset: float = 0.0):
+        self.model, self.config, self.encoder_offset = model, config, encoder_offset
+        self.n_layers, self.n_heads = config.n_decoder_layers, config.n_heads
+        self.head_dim = config.d_model // config.n_heads
+        self.bos_id, self.eos_id = config.bos_id, config.eos_id
+        self.decoder = TorchDecoderSession(model, config.n_decoder_layers, decoder_offset)
+        self.decoding_model = decoder or model
+
+    @torch.no_grad()
+    def encode(self, sources):
+        src, src_mask = pad(sources, self.config.pad_id)
+        cross = self.model.cross_attention_kv(self.model.encode(src, src_mask))
+        flat = [t.numpy() + np.float32(self.encoder_offset) for pair in cross for t in pair]
+        return EncodedSources(flat, src_mask.numpy().astype(np.int64))
+
+    def default_max_new_tokens(self, source_length: int) -> int:
+        return default_max_new_tokens(source_length, self.config.max_positions)
+
+    def translate_ids(self, sources, make):
+        return translate_ids(self.decoding_model, sources, searches=[make(i) for i in range(len(sources))])
+
+
+SOURCES = [[5 + i % 7, 40 + 3 * i, 9, 100 + i][: 1 + i % 4] + [2] for i in range(9)]
+TARGETS = [[6 + j for j in range(2 + i)] for i in range(9)]  # 2 to 10 tokens: prefixes of 3 to 7 are cut
+
+
+def test_a_faithful_translation_graph_pair_passes_with_its_figures(translator):
+    model, config = translator
+    result = check_translation(model, FakeTranslationEngine(model, config), SOURCES, TARGETS)
+    assert result["greedy_identical"] == f"{len(SOURCES)}/{len(SOURCES)}"
+    assert 0 <= result["cross_kv_max_abs_diff"] <= ATOL and 0 <= result["logits_max_abs_diff"] <= ATOL
+
+
+@pytest.mark.parametrize("offsets, worst", [
+    ({"encoder_offset": 2 * ATOL}, r"\d\.\d\de-04"),  # the K/V's offset carries on into the decoder's logits
+    ({"decoder_offset": 2 * ATOL}, r"2\.\d\de-04"),
+])
+def test_translation_graphs_off_by_more_than_atol_fail(translator, offsets, worst):
+    """Either graph off by 2 x ATOL: the cross-attention K/V the encoder gives, or the decoder's logits."""
+    model, config = translator
+    with pytest.raises(ExportCheckError, match=rf"^translation graphs differ from PyTorch by {worst} \(> 0\.0001\)$"):
+        check_translation(model, FakeTranslationEngine(model, config, **offsets), SOURCES, TARGETS)
+
+
+@pytest.mark.parametrize("offsets, figure, share", [
+    ({"encoder_offset": ATOL / 10}, "cross_kv_max_abs_diff", 1 / 10),
+    ({"decoder_offset": ATOL / 2}, "logits_max_abs_diff", 1 / 2),
+])
+def test_translation_graphs_within_atol_pass_with_each_difference_reported(translator, offsets, figure, share):
+    model, config = translator
+    result = check_translation(model, FakeTranslationEngine(model, config, **offsets), SOURCES, TARGETS)
+    assert ATOL * share * 0.9 < result[figure] <= ATOL * share * 1.1
+    assert result["greedy_identical"] == f"{len(SOURCES)}/{len(SOURCES)}"
+
+
+def test_a_translator_that_decodes_other_tokens_fails_naming_how_many(translator):
+    model, config = translator
+    torch.manual_seed(1)
+    other = EncoderDecoderTransformer(config).eval()
+    ours = [s.results()[0].tokens for s in translate_ids(model, SOURCES)]
+    theirs = [s.results()[0].tokens for s in translate_ids(other, SOURCES)]
+    differ = sum(a != b for a, b in zip(ours, theirs))
+    assert differ > 0
+    with pytest.raises(ExportCheckError, match=rf"^greedy translations differ from PyTorch on {differ} of "
+                                               rf"{len(SOURCES)} sentences$"):
+        check_translation(model, FakeTranslationEngine(model, config, decoder=other), SOURCES, TARGETS)
+
+
+def test_the_greedy_comparison_decodes_with_the_engines_default_room(translator):
+    """The engine's searches get `default_max_new_tokens` of each source: an engine with less room than PyTorch's
+    default (at random weights no sentence ends early) decodes shorter outputs, so every sentence differs."""
+    model, config = translator
+
+    class ShortRoom(FakeTranslationEngine):
+        def default_max_new_tokens(self, source_length: int) -> int:
+            return super().default_max_new_tokens(source_length) - 1
+
+    ours = [s.results()[0].tokens for s in translate_ids(model, SOURCES)]
+    assert all(len(t) == default_max_new_tokens(len(s), config.max_positions) for s, t in zip(SOURCES, ours))
+    with pytest.raises(ExportCheckError, match=rf"on {len(SOURCES)} of {len(SOURCES)} sentences$"):
+        check_translation(model, ShortRoom(model, config), SOURCES, TARGETS)
