@@ -34,21 +34,31 @@ def gpt():
     return GPT(config).eval(), config
 
 
+# what a graph may put at a padded position: anything (a check must compare the real positions only)
+PADDING_GARBAGE = 1e3
+
+
 class TorchGPTSession:
     """The GPT decoder graph's contract (inputs by name, `[logits, *presents]` out) computed by the PyTorch model;
-    `offset` is added to the logits of the prompt pass, `step_offset` to those of a cached step."""
+    `offset` is added to the logits of the prompt pass, `step_offset` to those of a cached step; the logits of the
+    padded positions are garbage, as a graph may leave them. Records each call's batch size."""
 
     def __init__(self, model, n_layers: int, offset: float = 0.0, step_offset: float = 0.0):
         self.model, self.n_layers, self.offset, self.step_offset = model, n_layers, offset, step_offset
         self.calls = 0
+        self.batch_sizes: list[int] = []
 
     @torch.no_grad()
     def run(self, outputs, feeds):
         self.calls += 1
         names = [n for i in range(self.n_layers) for n in schema.past_names(i)]
-        # the graph's input types, as ONNX Runtime enforces them
+        # the graph's input types and shapes, as ONNX Runtime enforces them
         for name in (schema.INPUT_IDS, schema.POSITION_IDS, schema.ATTENTION_MASK):
             assert feeds[name].dtype == np.int64, (name, feeds[name].dtype)
+        ids = feeds[schema.INPUT_IDS]
+        assert feeds[schema.POSITION_IDS].shape == ids.shape, feeds[schema.POSITION_IDS].shape
+        assert set(np.unique(feeds[schema.ATTENTION_MASK])) <= {0, 1}
+        self.batch_sizes.append(len(ids))
         for name in names:
             assert feeds[name].dtype == np.float32, (name, feeds[name].dtype)
         flat = [torch.from_numpy(feeds[n]) for n in names]
@@ -57,7 +67,10 @@ class TorchGPTSession:
                                       torch.from_numpy(feeds[schema.POSITION_IDS]),
                                       torch.from_numpy(feeds[schema.ATTENTION_MASK]).bool(), past)
         offset = self.offset if past[0][0].shape[2] == 0 else self.step_offset
-        out = [logits.numpy() + np.float32(offset), *(t.numpy() for kv in presents for t in kv)]
+        logits = logits.numpy() + np.float32(offset)
+        new_mask = feeds[schema.ATTENTION_MASK][:, -ids.shape[1]:]
+        logits[new_mask == 0] = PADDING_GARBAGE
+        out = [logits, *(t.numpy() for kv in presents for t in kv)]
         return out if outputs is None else [out[0]] if outputs == [schema.LOGITS] else pytest.fail(outputs)
 
 
@@ -97,6 +110,7 @@ def test_a_faithful_gpt_graph_passes_with_its_figures(gpt):
     assert result["greedy_identical"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
     assert 0 <= result["logits_max_abs_diff_prompt"] <= ATOL and 0 <= result["logits_max_abs_diff_step"] <= ATOL
     assert engine.session.calls == 2  # the prompt pass and one cached step
+    assert engine.session.batch_sizes == [8, 8]  # the first 8 prompts, left-padded together
 
 
 @pytest.mark.parametrize("offsets", [{"offset": 2 * ATOL}, {"step_offset": 2 * ATOL}])
@@ -285,6 +299,9 @@ class TorchDecoderSession:
         for name in (schema.INPUT_IDS, schema.POSITION_IDS, schema.ATTENTION_MASK, schema.ENCODER_ATTENTION_MASK,
                      schema.ENCODER_ROW):
             assert feeds[name].dtype == np.int64, (name, feeds[name].dtype)
+        ids, mask = feeds[schema.INPUT_IDS], feeds[schema.ATTENTION_MASK]
+        assert feeds[schema.POSITION_IDS].shape == ids.shape and len(feeds[schema.ENCODER_ROW]) == len(ids)
+        assert set(np.unique(mask)) <= {0, 1} and set(np.unique(feeds[schema.ENCODER_ATTENTION_MASK])) <= {0, 1}
         rows = torch.from_numpy(feeds[schema.ENCODER_ROW])
 
         def pairs(names):
@@ -296,7 +313,9 @@ class TorchDecoderSession:
                                                   torch.from_numpy(feeds[schema.POSITION_IDS]),
                                                   torch.from_numpy(feeds[schema.ATTENTION_MASK]).bool(), cross,
                                                   src_mask, pairs(schema.past_names))
-        out = [logits.numpy() + np.float32(self.offset), *(t.numpy() for kv in presents for t in kv)]
+        logits = logits.numpy() + np.float32(self.offset)
+        logits[mask[:, -ids.shape[1]:] == 0] = PADDING_GARBAGE  # what a graph leaves at padded targets: anything
+        out = [logits, *(t.numpy() for kv in presents for t in kv)]
         return out if outputs is None else pytest.fail(outputs)
 
 
