@@ -67,6 +67,12 @@ lock:
 	$(MAKE) --no-print-directory kserve-lock
 	$(MAKE) --no-print-directory mutation-lock
 
+# Regenerate the gRPC stubs (service/api/oip/grpc/generated) from the vendored upstream protos with the locked
+# grpcio-tools (service/api/oip/grpc/protos.py); tests/unit/api/test_grpc_stubs.py fails while they are stale.
+.PHONY: proto
+proto: venv
+	$(BIN)/python -m service.api.oip.grpc.protos
+
 # The KServe SDK's venv (requirements/kserve.in says why it is its own): the SDK from its lock and nothing else,
 # not the project; tests/api/test_oip_api.py runs its client script with this venv's python.
 KSERVE_VENV ?= .venv-kserve

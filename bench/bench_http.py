@@ -9,7 +9,11 @@ What it measures (closed loop: N client tasks, each sends its next request when 
 - `POST /v1/classify`, one Fashion-MNIST test image per request (PNG, multipart `files`), 64 concurrent ->
   images/s, on two servers: dynamic batching on and off (TSERVE_VIT_BATCHING=true / false);
 - the baseline, `bench/baseline_server.py`: `POST /generate` calling `GPT2LMHeadModel.generate()` per request in
-  FastAPI's threadpool, same prompts and token count, not streamed, at 1 and 32 concurrent clients -> tokens/s.
+  FastAPI's threadpool, same prompts and token count, not streamed, at 1 and 32 concurrent clients -> tokens/s;
+- the same service over gRPC (the Open Inference Protocol, `grpc.aio` channels, tritonclient's raw tensor
+  contents): the GPT streamed (ModelStreamInfer, greedy, the same screened prompts and tokens) at 1 and 32 streams,
+  and the ViT, one PNG per ModelInfer as the binary BYTES input IMAGE, at 64 concurrent; printed as
+  `grpc/rest <case> = <ratio>` of throughput beside their REST cases (SSE; multipart), with latency and TTFT.
 Goals, printed as PASS/MISS: ViT images/s with batching >= 3x without; GPT tokens/s at 32 streams >= 5x the
 baseline's at 32 clients, and >= 4x this service's at 1 stream. A case with any error voids its goal's PASS.
 Per case it also reports the mean batch (rows per decoding step, images per ONNX Runtime call; from /metrics),
@@ -51,7 +55,7 @@ Run (main venv), e.g. as `make bench-http`:
     nice -n 10 .venv/bin/python bench/bench_http.py --quick      # smoke run, ~1-2 minutes once models are built
     nice -n 10 .venv/bin/python bench/bench_http.py              # full run (24 s per case), reports/bench_http.json
 Options: --duration S | --requests N (per case, over all rounds), --rounds N, --warmup N, --threads N, --spin,
---repository DIR, --data-dir DIR, --cases gpt,translation,vit,baseline, --max-new-tokens N,
+--repository DIR, --data-dir DIR, --cases gpt,translation,vit,baseline,grpc, --max-new-tokens N,
 --gpt-concurrency 1,32, --baseline-concurrency 1,32, --translation-concurrency 16, --vit-concurrency 64,
 --num-beams N, --translation-tokens N, --server-env KEY=VALUE, --out PATH, --workdir PATH.
 
@@ -84,17 +88,21 @@ for folder in (PROJECT_ROOT, PROJECT_ROOT / "bench"):  # the project's packages,
 from httpbench.cases import (  # after the sys.path set-up
     Case,
     baseline_workload,
+    gpt_grpc_workload,
     gpt_prompts,
     gpt_workload,
     screen_prompts,
     translation_workload,
+    vit_grpc_workload,
     vit_workload,
 )
 from httpbench.report import (
     describe_round,
     environment,
+    evaluate_comparisons,
     evaluate_goals,
     gpt_roofline,
+    print_comparisons,
     print_goals,
     print_tables,
 )
@@ -102,6 +110,9 @@ from httpbench.repository import build_repository
 from httpbench.servers import baseline_server, service_server
 
 from service.client.launcher import ServiceProcess
+
+
+CASES = ("gpt", "translation", "vit", "baseline", "grpc")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -123,8 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve this model repository instead of building random-weight models")
     parser.add_argument("--data-dir", type=Path, default=None, help="data folder (default $TSERVE_DATA_DIR, "
                         "else ../shared/data, else ./data)")
-    parser.add_argument("--cases", default="gpt,translation,vit,baseline",
-                        help="comma-separated subset of gpt,translation,vit,baseline")
+    parser.add_argument("--cases", default="gpt,translation,vit,baseline,grpc",
+                        help="comma-separated subset of gpt,translation,vit,baseline,grpc")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="GPT tokens per request (default 64)")
     parser.add_argument("--prompt-chars", type=int, default=32, help="GPT prompt length in characters (default 32)")
     parser.add_argument("--prompts", type=int, default=64, help="GPT candidate prompts (default 64)")
@@ -147,7 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = max(1, args.rounds or (1 if args.quick else 3))
     args.cases = [c for c in args.cases.split(",") if c]
     for case in args.cases:
-        if case not in ("gpt", "translation", "vit", "baseline"):
+        if case not in CASES:
             parser.error(f"unknown case {case!r}")
     for name in ("gpt_concurrency", "baseline_concurrency", "translation_concurrency", "vit_concurrency"):
         setattr(args, name, [int(c) for c in getattr(args, name).split(",") if c])
@@ -169,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if args.spin else "PASSIVE"  # for the export, if it runs
     env = environment(args)
     amount = f"{args.requests} requests" if args.requests else f"{args.duration:g} s"
+    print(f"CPU: {env['cpu']['model']} ({env['cpu']['cores']} cores; ISA: {' '.join(env['cpu']['isa']) or '-'})",
+          flush=True)
     print(f"threads={args.threads} spin={args.spin} per case: {amount} in {args.rounds} round(s); "
           f"load average={env['load_average']} nice={env['niceness']}", flush=True)
     random_weights = args.repository is None
@@ -183,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         (30 if random_weights else 0)
 
     skipped: dict[str, str] = {}
-    for case, kind in (("gpt", "gpt"), ("translation", "translation"), ("vit", "vit"), ("baseline", "gpt")):
+    for case, kind in (("gpt", "gpt"), ("translation", "translation"), ("vit", "vit"), ("baseline", "gpt"),
+                       ("grpc", "gpt")):
         if case in args.cases and kind not in kinds:
             skipped[case] = f"no {kind} model in {repository}"
     wanted = [c for c in args.cases if c not in skipped]
@@ -206,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # Every server is started first and stays up (an idle server costs next to nothing); then the cases
             # run round-robin, so a background load that drifts over time hits every case alike.
-            if any(c in wanted for c in ("gpt", "translation", "vit")):
+            if any(c in wanted for c in ("gpt", "translation", "vit", "grpc")):
                 servers["service"] = stack.enter_context(
                     service_server(args, "service", repository, vit_batching=True))
                 print(f"server 'service' (TSERVE_VIT_BATCHING=true) ready in {servers['service'].ready_seconds:.1f} s",
@@ -229,11 +243,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"server 'baseline' (transformers generate() per request) ready in "
                       f"{servers['baseline'].ready_seconds:.1f} s", flush=True)
 
-            if "gpt" in wanted:
+            if "gpt" in wanted or "grpc" in wanted:
                 prompts, screening = screen_prompts(servers["service"], prompts, max_new_tokens, args)
+            if "gpt" in wanted:
                 for c in args.gpt_concurrency:
                     cases.append(Case(f"gpt c={c}", "POST /v1/generate (stream, greedy)", servers["service"],
                                       gpt_workload(prompts, max_new_tokens), c, kinds["gpt"].name))
+            if "grpc" in wanted:
+                workload = gpt_grpc_workload(kinds["gpt"].name, prompts, max_new_tokens)
+                for c in args.gpt_concurrency:
+                    cases.append(Case(f"gpt grpc c={c}", "gRPC ModelStreamInfer (greedy)", servers["service"],
+                                      workload, c, kinds["gpt"].name))
+                if "vit" in kinds:
+                    vit_grpc = vit_grpc_workload(kinds["vit"].name, data_dir, 1024)
+                    for i, c in enumerate(args.vit_concurrency):
+                        cases.append(Case("vit grpc" + ("" if i == 0 else f" c={c}"),
+                                          "gRPC ModelInfer (1 PNG, raw BYTES)", servers["service"], vit_grpc, c,
+                                          kinds["vit"].name))
             elif "baseline" in wanted:
                 print("note: the gpt case is not selected, so the baseline's prompts are not screened", flush=True)
             if "baseline" in wanted:
@@ -282,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nfp32 matmul roofline of the GPT's step at batch 32: {roofline['throughput']:.0f} tokens/s")
     goals = evaluate_goals(summaries + ([roofline] if roofline else []))
     print_goals(goals)
+    comparisons = evaluate_comparisons(summaries)
+    print_comparisons(comparisons)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
     report = {
@@ -299,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "servers": [{"name": s.name, "command": s.command, "ready_s": s.ready_seconds, "log": str(s.log_path),
                      "env": {k: v for k, v in s.environment.items() if k.startswith(("TSERVE_", "OMP_"))}}
                     for s in servers.values()],
-        "cases": summaries, "roofline": roofline, "goals": goals, "skipped": skipped,
+        "cases": summaries, "roofline": roofline, "goals": goals, "comparisons": comparisons, "skipped": skipped,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,8 +1,11 @@
 """The FastAPI application: settings, metrics and the model registry on `app.state`, models loaded in the
-lifespan (in the background), routers, error handlers, the request middleware, and graceful shutdown.
+lifespan (in the background), routers, error handlers, the request middleware, the gRPC server (on the same event
+loop: `service.api.oip.grpc.server`), and graceful shutdown.
 
-Shutdown on SIGTERM: readiness turns 503 at once (draining); after `drain_delay_s` uvicorn stops accepting and
-lets in-flight requests finish (up to `drain_timeout_s`); then the schedulers drain what they accepted.
+Shutdown on SIGTERM: readiness turns 503 at once (draining; gRPC health NOT_SERVING); after `drain_delay_s`
+uvicorn stops accepting and lets in-flight requests finish (up to `drain_timeout_s`); then the gRPC server stops
+accepting and lets its in-flight calls finish (up to `drain_timeout_s`); then the schedulers drain what they
+accepted.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from service.api import admin, control, tokenize
 from service.api.native import images, text
 from service.api.native.protocol import request_models
 from service.api.oip import router as oip
+from service.api.oip.grpc import server as grpc_server
 from service.api.openai import router as openai
 from service.api.openai.protocol import openai_request_models
 from service.engines.imaging import ImageDecoder
 from service.http.apis import ApiTable
-from service.http.auth import ApiKeyMiddleware, load_api_keys
+from service.http.auth import ApiKeyMiddleware, ApiKeys, load_api_keys
 from service.http.compression import ContentCodingMiddleware
 from service.http.docs import install_docs
 from service.http.errors import install_error_handlers
@@ -61,13 +65,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     tracing.configure_from_environment()  # OTEL_* (service.observability.tracing): off unless they ask for it
     registry = ModelRegistry(settings, metrics)
+    keys = load_api_keys(settings)  # a bad key setting raises here
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.image_decoder = ImageDecoder(settings)  # its own bounded pool of decoder threads
         registry.start_loading()
         _hook_sigterm(registry, settings.drain_delay_s)
+        app.state.grpc = await grpc_server.start(app, ApiKeys(keys))  # None when TSERVE_GRPC_PORT is 0
         yield
+        if app.state.grpc is not None:
+            await app.state.grpc.stop(settings.drain_timeout_s)
         registry.stop(settings.drain_timeout_s)
         tracing.flush()  # the spans still buffered
         app.state.image_decoder.close()
@@ -95,7 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Starlette: the middleware added last runs outermost, so the API keys are checked inside the request
     # middleware, which still logs and counts (by status) the requests they reject
     app.add_middleware(ContentCodingMiddleware, max_body_bytes=settings.max_body_bytes)  # service.http.compression
-    app.add_middleware(ApiKeyMiddleware, keys=load_api_keys(settings))  # a bad key setting raises here
+    app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(RequestMiddleware, metrics=metrics, apis=apis, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     return app

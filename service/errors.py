@@ -32,6 +32,12 @@ class BadInput(ServiceError):
     status, type, reason = 400, "bad_input", "bad_input"
 
 
+class Unauthorized(ServiceError):
+    """A missing or wrong API key on a gRPC call (HTTP requests are answered by `service.http.auth` itself)."""
+
+    status, type, reason = 401, "unauthorized", "unauthorized"
+
+
 class PayloadTooLarge(ServiceError):
     status, type, reason = 413, "payload_too_large", "bad_input"
 

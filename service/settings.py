@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     models: list[str] = Field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
+    # the Open Inference Protocol over gRPC (service.api.oip.grpc), on the same host; 0 = off
+    grpc_port: int = Field(8001, ge=0, le=65535)
 
     # ONNX Runtime
     device: Literal["auto", "cuda", "cpu"] = "auto"

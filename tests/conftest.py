@@ -32,6 +32,10 @@ from tests.support.app import serving as _serving
 from tests.support.repository import SOURCE_VERSION, copy_versions
 from tests.support.server import ServerProcess, output_on_failure
 
+# The in-process apps (`serving`, create_app in a test) serve no gRPC port unless a test's settings ask for one:
+# many of them start and stop in one session, and TSERVE_GRPC_PORT's default (8001) is one port.
+os.environ.setdefault("TSERVE_GRPC_PORT", "0")
+
 FIXTURE_DATA = ROOT / "tests" / "fixtures" / "data"
 _MAKE_DATA = "get them with `make data` (or set TSERVE_DATA_DIR to a folder that holds them)"
 

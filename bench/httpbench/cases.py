@@ -15,9 +15,11 @@ import numpy as np
 from service.client.launcher import ServiceProcess
 
 from .load import Result, Workload, percentiles, run_async, run_load
-from .servers import batch_stats, process_cpu_seconds
+from .servers import batch_stats, grpc_target, process_cpu_seconds
 
 JSON_HEADERS = {"content-type": "application/json"}
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+GRPC_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 BOUNDARY = "bench-http-7d1f3a"
 
 
@@ -38,6 +40,61 @@ def gpt_workload(prompts: list[str], max_new_tokens: int) -> Workload:
     bodies = [json.dumps({"prompt": p, "max_new_tokens": max_new_tokens, "temperature": 0, "stream": True}).encode()
               for p in prompts]
     return Workload("/v1/generate", bodies, JSON_HEADERS, stream=True, unit="tokens/s")
+
+
+def _raw_bytes(items: list[bytes]) -> bytes:
+    """A BYTES tensor's raw contents: each element's 4-byte little-endian length, then its bytes."""
+    import struct
+
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def gpt_grpc_workload(model: str, prompts: list[str], max_new_tokens: int) -> Workload:
+    """The gpt case's requests over gRPC's ModelStreamInfer (tritonclient's raw contents); work = max_new_tokens
+    of a stream that ends with "length" (the screened prompts all do; anything else is an error)."""
+    from service.api.oip.grpc.generated import grpc_service_pb2 as pb
+
+    bodies = []
+    for prompt in prompts:
+        message = pb.ModelInferRequest(model_name=model)
+        message.inputs.add(name="PROMPT", datatype="BYTES", shape=[1])
+        message.raw_input_contents.append(_raw_bytes([prompt.encode()]))
+        message.parameters["max_new_tokens"].int64_param = max_new_tokens
+        message.parameters["temperature"].double_param = 0.0
+        bodies.append(message.SerializeToString())
+
+    def work(responses) -> float:
+        final = {o.name: raw for o, raw in zip(responses[-1].outputs, responses[-1].raw_output_contents)}
+        reason = final["FINISH_REASON"][4:].decode()
+        if reason != "length":
+            raise ValueError(f"finish reason {reason!r}, not length")
+        return float(max_new_tokens)
+
+    return Workload(GRPC_STREAM_INFER, bodies, {}, stream=True, unit="tokens/s", work=work, grpc=True)
+
+
+def vit_grpc_workload(model: str, data_dir: Path, count: int) -> Workload:
+    """The vit case's images over gRPC's ModelInfer: one PNG per request as the raw BYTES input IMAGE."""
+    from PIL import Image
+
+    from models.data import load_fashion_mnist
+    from service.api.oip.grpc.generated import grpc_service_pb2 as pb
+
+    images, _ = load_fashion_mnist(data_dir, "test")
+    bodies = []
+    for pixels in images[:count]:
+        png = io.BytesIO()
+        Image.fromarray(pixels, mode="L").save(png, format="PNG")
+        message = pb.ModelInferRequest(model_name=model)
+        message.inputs.add(name="IMAGE", datatype="BYTES", shape=[1])
+        message.raw_input_contents.append(_raw_bytes([png.getvalue()]))
+        bodies.append(message.SerializeToString())
+
+    def work(response) -> float:
+        probabilities = next(o for o in response.outputs if o.name == "PROBABILITIES")
+        return float(probabilities.shape[0])
+
+    return Workload(GRPC_INFER, bodies, {}, unit="images/s", work=work, grpc=True)
 
 
 def baseline_workload(prompts: list[str], max_new_tokens: int) -> Workload:
@@ -106,20 +163,25 @@ class Case:
     warmup: int = 0
     load_averages: list = field(default_factory=list)
 
+    @property
+    def target(self) -> str:
+        """Where the load goes: the server's URL, or its gRPC port (host:port) for a gRPC workload."""
+        return grpc_target(self.server) if self.workload.grpc else self.server.url
+
     def run_warmup(self, requests: int, timeout: float) -> None:
         self.warmup = requests
         if requests:
-            run_async(run_load(self.server.url, self.workload, self.concurrency, requests=requests, duration=0.0,
-                               offset=self.sent, timeout=timeout))
+            run_async(run_load(self.target, self.workload, self.concurrency, requests=requests, duration=0.0,
+                               offset=self.sent, timeout=timeout), uvloop_allowed=not self.workload.grpc)
             self.sent += requests
 
     def run_round(self, duration: float, requests: int | None, timeout: float) -> list[Result]:
         self.load_averages.append(os.getloadavg())
         batches = batch_stats(self.server.url) if self.model else {}
         cpu_before = process_cpu_seconds(self.server.pid)
-        results, client_cpu = run_async(run_load(self.server.url, self.workload, self.concurrency,
+        results, client_cpu = run_async(run_load(self.target, self.workload, self.concurrency,
                                                  requests=requests, duration=duration, offset=self.sent,
-                                                 timeout=timeout))
+                                                 timeout=timeout), uvloop_allowed=not self.workload.grpc)
         cpu_after = process_cpu_seconds(self.server.pid)
         self.sent += len(results)
         self.results += results

@@ -1,5 +1,6 @@
-"""The load generator: N client tasks on one event loop, each with its own keep-alive connection, sending requests
-back to back (a closed loop); every request becomes a Result (timings, work, error)."""
+"""The load generator: N client tasks on one event loop, each with its own keep-alive connection (an HTTP client,
+or a gRPC channel), sending requests back to back (a closed loop); every request becomes a Result (timings, work,
+error)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from service.client.sse import SSEParser
 @dataclass
 class Workload:
     """The requests of a case: `bodies` (encoded once) sent in turn to `path`; `work` counts the units of a JSON
-    response (a stream's are its token events)."""
+    response (a stream's are its token events). With `grpc`, `path` is the gRPC method, the bodies are serialized
+    `ModelInferRequest`s, and `work` reads the response message (a stream's: the list of its responses)."""
 
     path: str
     bodies: list[bytes]
     headers: dict[str, str]
     stream: bool = False
     unit: str = "requests/s"
-    work: Callable[[dict], float] = lambda payload: 1.0  # work units in a successful JSON response
+    work: Callable[[object], float] = lambda payload: 1.0  # work units in a successful response
+    grpc: bool = False
 
 
 @dataclass
@@ -101,21 +104,69 @@ async def send_json(client, workload: Workload, body: bytes) -> Result:
     return result
 
 
+FINAL_RESPONSE = "triton_final_response"  # the parameter of a gRPC stream's last response
+
+
+async def send_grpc(channel, workload: Workload, body: bytes) -> Result:
+    """One gRPC call: ModelInfer (work from its response), or ModelStreamInfer (work from its responses, to the one
+    flagged final; time to first token at the first)."""
+    import grpc
+
+    from service.api.oip.grpc.generated import grpc_service_pb2 as pb
+
+    start = time.perf_counter()
+    result = Result(start, start)
+    try:
+        if workload.stream:
+            call = channel.stream_stream(workload.path, response_deserializer=pb.ModelStreamInferResponse.FromString)
+            responses = []
+            async for answer in call(iter([body])):  # the body is sent as it is (no serializer: bytes)
+                if answer.error_message:
+                    result.error = f"stream error: {answer.error_message[:60]}"
+                    break
+                if result.ttft is None:
+                    result.ttft = time.perf_counter() - start
+                responses.append(answer.infer_response)
+                if answer.infer_response.parameters[FINAL_RESPONSE].bool_param:
+                    break
+            else:
+                result.error = result.error or "stream ended without a final response"
+            if result.error is None:
+                result.work = workload.work(responses)
+        else:
+            call = channel.unary_unary(workload.path, response_deserializer=pb.ModelInferResponse.FromString)
+            result.work = workload.work(await call(body))
+    except grpc.RpcError as error:
+        result.error = f"gRPC {error.code().name}"
+    except (ValueError, KeyError, IndexError) as error:
+        result.error = type(error).__name__
+    result.end = time.perf_counter()
+    return result
+
+
 async def run_load(base_url: str, workload: Workload, concurrency: int, *, requests: int | None, duration: float,
                    offset: int, timeout: float) -> tuple[list[Result], float]:
     """Closed loop: `concurrency` tasks send requests back to back, cycling through the bodies, until `requests`
     have been sent (or `duration` seconds have passed); returns the results and the client's CPU seconds.
+    `base_url`: the server's URL, or host:port of its gRPC port for a gRPC workload.
 
     Each task has its own AsyncClient (one keep-alive connection): one client shared by 64 tasks costs ~5 ms of
-    client CPU per request in httpcore's pool bookkeeping (measured here), against ~0.7 ms with one per task."""
+    client CPU per request in httpcore's pool bookkeeping (measured here), against ~0.7 ms with one per task. A
+    gRPC task has its own channel (one HTTP/2 connection) likewise."""
     import httpx
 
-    send: Callable[..., Awaitable[Result]] = send_stream if workload.stream else send_json
+    if workload.grpc:
+        import grpc
+
+        send: Callable[..., Awaitable[Result]] = send_grpc
+        clients = [grpc.aio.insecure_channel(base_url) for _ in range(concurrency)]
+    else:
+        send = send_stream if workload.stream else send_json
+        clients = [httpx.AsyncClient(base_url=base_url, timeout=timeout,
+                                     limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+                   for _ in range(concurrency)]
     results: list[Result] = []
     counter = itertools.count()
-    clients = [httpx.AsyncClient(base_url=base_url, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
-               for _ in range(concurrency)]
     try:
         cpu = time.process_time()
         stop_at = time.perf_counter() + duration
@@ -134,12 +185,15 @@ async def run_load(base_url: str, workload: Workload, concurrency: int, *, reque
         cpu = time.process_time() - cpu
     finally:
         for client in clients:
-            await client.aclose()
+            await (client.close() if workload.grpc else client.aclose())
     return results, cpu
 
 
-def run_async(coroutine):
+def run_async(coroutine, uvloop_allowed: bool = True):
+    """Run on uvloop when it is installed (and allowed: grpc.aio runs on asyncio's own loop)."""
     try:
+        if not uvloop_allowed:
+            raise ImportError
         import uvloop
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -18,6 +18,8 @@ GOALS = (  # (key, description, numerator case, denominator case, threshold)
     ("gpt_roofline", "GPT tokens/s, ours 32 streams / fp32 matmul roofline at batch 32", "gpt c=32",
      "roofline b=32", 0.4),
 )
+# gRPC against REST, the same work on the same server: (case over gRPC, its REST case); no goal, the figures
+COMPARISONS = (("gpt grpc c=1", "gpt c=1"), ("gpt grpc c=32", "gpt c=32"), ("vit grpc", "vit batching=on"))
 ROOFLINE_STEPS = 64  # decoding steps per timed pass of the roofline
 ROOFLINE_REPEATS = 5
 
@@ -116,16 +118,70 @@ def print_goals(goals: list[dict]) -> None:
               + (f"  [errors in these cases: {g['errors_in_cases']}]" if g["errors_in_cases"] else ""))
 
 
+def evaluate_comparisons(cases: list[dict]) -> list[dict]:
+    """gRPC / REST of each pair in COMPARISONS that ran: throughput, p50 latency and p50 time to first token."""
+    by_case = {c["case"]: c for c in cases}
+    out = []
+    for grpc_case, rest_case in COMPARISONS:
+        a, b = by_case.get(grpc_case), by_case.get(rest_case)
+        if not a or not b:
+            continue
+
+        def ratio(x, y):
+            return x / y if x is not None and y else None
+
+        out.append({"grpc": grpc_case, "rest": rest_case,
+                    "throughput": ratio(a["throughput"], b["throughput"]),
+                    "latency_p50": ratio(a["latency_ms"]["p50"], b["latency_ms"]["p50"]),
+                    "ttft_p50": ratio((a["ttft_ms"] or {}).get("p50"), (b["ttft_ms"] or {}).get("p50")),
+                    "errors_in_cases": a["errors"] + b["errors"]})
+    return out
+
+
+def print_comparisons(comparisons: list[dict]) -> None:
+    if not comparisons:
+        return
+    print("\ngRPC against REST (same server, same work; > 1 throughput: gRPC faster, < 1 latency: gRPC faster):")
+    for c in comparisons:
+        print(f"  grpc/rest {c['rest']} throughput = {_fmt(c['throughput'], '.2f')}   p50 latency = "
+              f"{_fmt(c['latency_p50'], '.2f')}   p50 TTFT = {_fmt(c['ttft_p50'], '.2f')}"
+              + (f"  [errors in these cases: {c['errors_in_cases']}]" if c["errors_in_cases"] else ""))
+
+
+def cpu() -> dict:
+    """The CPU model, its cores and the vector ISA extensions that change ONNX Runtime's kernels (from lscpu, else
+    /proc/cpuinfo): every figure holds only beside the CPU it ran on."""
+    import subprocess
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    if not text and os.path.exists("/proc/cpuinfo"):
+        text = open("/proc/cpuinfo").read().replace("model name", "Model name").replace("flags", "Flags")
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Model name" and value.strip():
+            model = value.strip()
+        elif key.strip() == "Flags":
+            flags = set(value.split())
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
+                       "amx_int8") if f in flags]
+    return {"model": model, "cores": os.cpu_count(), "isa": isa}
+
+
 def environment(args) -> dict:
     versions = {}
-    for package in ("numpy", "onnxruntime", "torch", "transformers", "fastapi", "uvicorn", "httpx"):
+    for package in ("numpy", "onnxruntime", "torch", "transformers", "fastapi", "uvicorn", "httpx", "grpcio"):
         try:
             from importlib.metadata import version
 
             versions[package] = version(package)
         except Exception:  # noqa: BLE001 - not installed
             versions[package] = None
-    return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu(),
+            "cpu_count": os.cpu_count(),
             "threads": args.threads, "spin": args.spin, "load_average": os.getloadavg(),
             "niceness": os.nice(0), "executable": sys.executable, "versions": versions}
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from service.client.launcher import ServiceProcess
+from service.client.processes import LOOPBACK, free_port
 
 from . import PROJECT_ROOT
 
@@ -50,14 +51,20 @@ def batch_stats(url: str) -> dict[str, tuple[float, float]]:
 
 def service_server(args, name: str, repository: Path, vit_batching: bool,
                    models: list[str] | None = None) -> ServiceProcess:
-    """`python -m service` on the repository, CPU, the benchmark's threads; --server-env over these settings."""
+    """`python -m service` on the repository, CPU, the benchmark's threads, its gRPC port on; --server-env over
+    these settings."""
     knobs = {"device": "cpu", "intra_op_threads": args.threads, "ort_spin": "true" if args.spin else "false",
              "vit_batching": "true" if vit_batching else "false", "drain_timeout_s": 5,
-             "max_new_tokens": max(256, args.max_new_tokens)}
+             "max_new_tokens": max(256, args.max_new_tokens), "grpc_port": free_port()}
     if models:
         knobs["models"] = json.dumps(models)
     return ServiceProcess(name, repository, env=args.server_env, log_path=args.workdir / "logs" / f"{name}.log",
                           ready_timeout=READY_TIMEOUT_S, die_with_parent=True, **knobs)
+
+
+def grpc_target(server: ServiceProcess) -> str:
+    """host:port of a service's gRPC port (its TSERVE_GRPC_PORT knob)."""
+    return f"{LOOPBACK}:{server.knobs['TSERVE_GRPC_PORT']}"
 
 
 def baseline_server(args, architecture: dict) -> ServiceProcess:

@@ -9,7 +9,7 @@ import threading
 
 import load_settings
 
-IMAGE_REQUESTS = ("classify", "oip classify")  # the request names whose work is images
+IMAGE_REQUESTS = ("classify", "oip classify", "grpc classify")  # the request names whose work is images
 PERCENTILES = (50, 95, 99)  # the response-time percentiles of the final totals, as deploy/loadtest.py reports them
 
 
@@ -20,7 +20,7 @@ class Extra:
         self.lock = threading.Lock()
         self.ttft_ms: list[float] = []
         self.tokens = {"generate": 0, "generate stream": 0, "openai completion": 0, "openai completion stream": 0,
-                       "openai chat": 0, "openai chat stream": 0, "oip generate": 0}
+                       "openai chat": 0, "openai chat stream": 0, "oip generate": 0, "grpc generate stream": 0}
         self.images = 0
         self.sentences = {"translate greedy": 0, "translate beam": 0, "oip translate": 0}
 

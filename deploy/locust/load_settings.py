@@ -6,7 +6,8 @@ Settings (environment):
   TSERVE_LOAD_WEIGHTS          task weights, default "translate_greedy=3,translate_beam=2,generate=2,
                                generate_stream=2,classify=3,openai_completion=1,openai_completion_stream=1,
                                openai_chat=1,openai_chat_stream=1,oip_translate=1,oip_generate=1,
-                               oip_classify=1" (a name left out: weight 0)
+                               oip_classify=1,grpc_generate_stream=1,grpc_classify=1" (a name left out:
+                               weight 0)
   TSERVE_LOAD_THINK_S          mean wait between a user's requests, seconds (default 0.1; 0 = back to back)
   TSERVE_LOAD_NUM_BEAMS        beam width of `translate beam` (default 4)
   TSERVE_LOAD_PROMPT_CHARS     GPT prompt length in characters = tokens, byte-level (default 16)
@@ -17,6 +18,7 @@ Settings (environment):
   TSERVE_LOAD_TIMEOUT_MS       timeout_ms sent with every native request (default: none, the server's default; the
                                OpenAI routes have no such field and always get the server's default)
   TSERVE_LOAD_GPT_MODEL        `model` of the OpenAI requests (default gpt)
+  TSERVE_LOAD_GRPC_HOST        host:port of the gRPC tasks (default: the HTTP host's name, port 8001)
   TSERVE_LOAD_API_KEY          sent as `Authorization: Bearer <key>` on every request when set (for a service
                                with TSERVE_API_KEYS / TSERVE_API_KEYS_FILE)
   TSERVE_LOAD_SEED             seed of the input choices (default 0)
@@ -28,10 +30,12 @@ import os
 
 DEFAULT_WEIGHTS = ("translate_greedy=3,translate_beam=2,generate=2,generate_stream=2,classify=3,"
                    "openai_completion=1,openai_completion_stream=1,openai_chat=1,openai_chat_stream=1,"
-                   "oip_translate=1,oip_generate=1,oip_classify=1")
+                   "oip_translate=1,oip_generate=1,oip_classify=1,grpc_generate_stream=1,grpc_classify=1")
 OPENAI_TASKS = ("openai_completion", "openai_completion_stream", "openai_chat", "openai_chat_stream")
 OIP_TASKS = ("oip_translate", "oip_generate", "oip_classify")  # the Open Inference Protocol (KServe v2), JSON
-TASKS = ("translate_greedy", "translate_beam", "generate", "generate_stream", "classify", *OPENAI_TASKS, *OIP_TASKS)
+GRPC_TASKS = ("grpc_generate_stream", "grpc_classify")  # the Open Inference Protocol over gRPC (load_grpc.py)
+TASKS = ("translate_greedy", "translate_beam", "generate", "generate_stream", "classify", *OPENAI_TASKS, *OIP_TASKS,
+         *GRPC_TASKS)
 # service.api.openai.chat_template: "ROMEO:\n" before the user's text, "\n\nJULIET:\n" after it (byte-level: 1 token a byte);
 # it may strip the text and merge blank lines in it, never add to it
 CHAT_TEMPLATE_TOKENS = len("ROMEO:\n" + "\n\nJULIET:\n")
@@ -70,6 +74,7 @@ MAX_IMAGES = env_int("TSERVE_LOAD_MAX_IMAGES", 4, minimum=1)
 TIMEOUT_MS = env_int("TSERVE_LOAD_TIMEOUT_MS", 0)
 SEED = env_int("TSERVE_LOAD_SEED", 0)
 GPT_MODEL = os.environ.get("TSERVE_LOAD_GPT_MODEL", "gpt")
+GRPC_HOST = os.environ.get("TSERVE_LOAD_GRPC_HOST", "").strip() or None  # None: load_grpc.default_target
 API_KEY = os.environ.get("TSERVE_LOAD_API_KEY", "").strip() or None
 N_INPUTS = 500  # distinct sentences / prompts / images kept in memory
 

@@ -17,7 +17,8 @@ max_completion_tokens is 17 fewer than max_new_tokens (at least 1): it fits wher
 
 Request names in the statistics: `translate greedy`, `translate beam`, `generate`, `generate stream`, `classify`,
 `openai completion`, `openai completion stream`, `openai chat`, `openai chat stream` (the OpenAI-compatible API),
-`oip translate`, `oip generate`, `oip classify` (the Open Inference Protocol, JSON tensors).
+`oip translate`, `oip generate`, `oip classify` (the Open Inference Protocol, JSON tensors), `grpc generate stream`,
+`grpc classify` (the same protocol over gRPC, raw tensors: load_grpc.py, locust's gRPC pattern).
 A streamed request's response time is the whole stream (to `[DONE]`), not the time to the response headers.
 Client-side extras locust does not keep (time to first token of streams, generated tokens, images, sentences),
 and locust's final totals (its CSV files are written every second and may miss the last one), are written to
@@ -27,7 +28,7 @@ Settings: the TSERVE_LOAD_* variables (and TSERVE_DATA_DIR), listed in load_sett
 
 Code: this file (the inputs, the user and its tasks, the stream reader, the event hooks); beside it, standard library
 only: load_settings.py (the settings), load_checks.py (what a response must be), load_extra.py (the client-side
-measurements). The project modules the load test needs are this file's imports (the locust image copies them,
+measurements), load_grpc.py (the gRPC calls; grpcio and the project's generated stubs). The project modules the load test needs are this file's imports (the locust image copies them,
 deploy/Dockerfile.locust). This folder is importable both ways: locust puts it first on sys.path while it loads the
 locustfile, and the locustfile adds it when imported otherwise.
 """
@@ -72,6 +73,7 @@ from load_checks import (  # noqa: E402 - after the sys.path set-up
     expect,
 )
 from load_extra import Extra, final_stats  # noqa: E402
+from load_grpc import GrpcInference, default_target  # noqa: E402
 from load_settings import (  # noqa: E402
     API_KEY,
     CHAT_MAX_TOKENS,
@@ -79,6 +81,7 @@ from load_settings import (  # noqa: E402
     CLASSIFY_TOP_K,
     DATA_DIR,
     GPT_MODEL,
+    GRPC_HOST,
     MAX_IMAGES,
     MAX_NEW_TOKENS,
     N_INPUTS,
@@ -184,6 +187,22 @@ class TserveUser(HttpUser):
         self.rng = random.Random(f"{SEED}-{id(self)}")
         if API_KEY:
             self.client.headers["Authorization"] = f"Bearer {API_KEY}"
+        self._grpc_client = None
+
+    def on_stop(self):
+        if self._grpc_client is not None:
+            self._grpc_client.close()
+
+    def _grpc(self) -> GrpcInference:
+        """This user's gRPC channel (made at its first gRPC task), reporting each call as a locust request."""
+        if self._grpc_client is None:
+            def fire(name: str, started: float, length: int, exception) -> None:
+                self.environment.events.request.fire(
+                    request_type="grpc", name=name, response_time=(time.perf_counter() - started) * 1000,
+                    response_length=length, exception=exception, context={})
+
+            self._grpc_client = GrpcInference(GRPC_HOST or default_target(self.host), API_KEY, fire)
+        return self._grpc_client
 
     def _with_timeout(self, body: dict) -> dict:
         if TIMEOUT_MS:
@@ -341,6 +360,21 @@ class TserveUser(HttpUser):
         body = {"inputs": [{"name": "IMAGE", "shape": [len(images)], "datatype": "BYTES", "data": images}]}
 
         self._oip_task("vit", "oip classify", body, partial(check_oip_classification, images=len(images)))
+
+    # --- the Open Inference Protocol over gRPC (load_grpc.py) ----------------------------------------------------
+
+    @task(WEIGHTS["grpc_generate_stream"])
+    def grpc_generate_stream(self):
+        options = {**SAMPLING, "seed": self.rng.randrange(SEEDS)}
+        if result := self._grpc().generate_stream(self.rng.choice(PROMPTS), options, MAX_NEW_TOKENS):
+            tokens, first_ms = result
+            EXTRA.add("grpc generate stream", tokens, first_ms)
+
+    @task(WEIGHTS["grpc_classify"])
+    def grpc_classify(self):
+        chosen = self.rng.sample(PNGS, self.rng.randint(1, MAX_IMAGES))
+        if images := self._grpc().classify([data for _, data, _ in chosen]):
+            EXTRA.add("grpc classify", images)
 
     # --- classification ---------------------------------------------------------------------------------------
 

@@ -50,6 +50,11 @@ async def _parameters(request: Request) -> dict[str, Any]:
     parameters = payload.get("parameters", {}) if isinstance(payload, dict) else None
     if not isinstance(parameters, dict):
         raise BadInput('expected a JSON object {"parameters": {...}}')
+    return repository_parameters(parameters)
+
+
+def repository_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
+    """A load or unload request's parameters (REST's body, gRPC's message): 400 for one this server lacks."""
     if unsupported := sorted(set(parameters) - SUPPORTED_PARAMETERS):
         raise BadInput(f"unsupported parameter(s) {unsupported}: a version is loaded from the repository as it is")
     return parameters

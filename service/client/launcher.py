@@ -63,8 +63,9 @@ READY_POLL_TIMEOUT_S, READY_POLL_INTERVAL_S, READY_TIMEOUT_S = 2.0, 0.1, 120.0
 READY_STATUS = 200
 ERROR_BODY_CHARS = 300  # of a not-ready answer's body, shown in a start error
 READER_JOIN_S = 5.0  # how long stop() waits for the output reader threads once the process is gone
-# what log_records() and access_records() read: JSON lines, the access log's INFO records (knobs override them)
-DEFAULTS = {"TSERVE_HOST": LOOPBACK, "TSERVE_LOG_FORMAT": "json", "TSERVE_LOG_LEVEL": "INFO"}
+# what log_records() and access_records() read: JSON lines, the access log's INFO records; no gRPC port, so that
+# launched servers run side by side (a knob `grpc_port=N` turns it on). Knobs override them.
+DEFAULTS = {"TSERVE_HOST": LOOPBACK, "TSERVE_LOG_FORMAT": "json", "TSERVE_LOG_LEVEL": "INFO", "TSERVE_GRPC_PORT": "0"}
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through an http_proxy
 
 

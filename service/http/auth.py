@@ -114,14 +114,19 @@ def is_protected(path: str) -> bool:
     return any(path == prefix or path.startswith(prefix + "/") for prefix in PROTECTED_PREFIXES)
 
 
-class ApiKeyMiddleware:
-    """With no keys, a pass-through; else requests under /v1/ and /v2/ need `Authorization: Bearer <key>`."""
+class ApiKeys:
+    """The configured keys' digests, and the check of a request's Authorization values against them: for HTTP
+    requests (`ApiKeyMiddleware`) and gRPC calls (their `authorization` metadata, `service.api.oip.grpc.calls`)."""
 
-    def __init__(self, app, keys: Iterable[str]):
-        self.app = app
+    def __init__(self, keys: Iterable[str]):
         self._digests = tuple(_digest(key.encode("ascii")) for key in sorted(keys))
-        if self._digests:
-            log.info("API key authentication on for %s (%d key(s))", ", ".join(PROTECTED_PREFIXES), len(self._digests))
+
+    def __bool__(self) -> bool:
+        """Whether any key is configured (none: no authentication)."""
+        return bool(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
 
     def _matches(self, token: bytes) -> bool:
         given = _digest(token)
@@ -130,9 +135,9 @@ class ApiKeyMiddleware:
             matched |= hmac.compare_digest(given, digest)
         return matched
 
-    def check(self, scope) -> str | None:
-        """None when the request may pass, else what is missing or wrong (never the key given)."""
-        values = [value for name, value in scope.get("headers") or () if name.lower() == b"authorization"]
+    def check(self, values: list[bytes]) -> str | None:
+        """None when the Authorization values (every one the request sent) let it pass, else what is missing or
+        wrong (never the key given)."""
         if not values:
             return "missing API key: send the header 'Authorization: Bearer <key>'"
         if len(values) > 1:
@@ -147,8 +152,23 @@ class ApiKeyMiddleware:
             return "invalid API key"
         return None
 
+
+class ApiKeyMiddleware:
+    """With no keys, a pass-through; else requests under /v1/ and /v2/ need `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, keys: Iterable[str]):
+        self.app = app
+        self.keys = ApiKeys(keys)
+        if self.keys:
+            log.info("API key authentication on for %s (%d key(s))", ", ".join(PROTECTED_PREFIXES), len(self.keys))
+
+    def check(self, scope) -> str | None:
+        """None when the request may pass, else what is missing or wrong (never the key given)."""
+        headers = scope.get("headers") or ()
+        return self.keys.check([value for name, value in headers if name.lower() == b"authorization"])
+
     async def __call__(self, scope, receive, send):
-        if not self._digests or scope["type"] not in ("http", "websocket") or not is_protected(_route_path(scope)):
+        if not self.keys or scope["type"] not in ("http", "websocket") or not is_protected(_route_path(scope)):
             return await self.app(scope, receive, send)
         problem = self.check(scope)
         if problem is None:

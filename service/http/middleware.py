@@ -42,10 +42,6 @@ TOO_LARGE_STATUS, BODY_TIMEOUT_STATUS = 413, 408
 MS_PER_S, LATENCY_DECIMALS = 1000, 2
 # A request id a client sends is kept when it is this tame (it goes into logs and headers), else one is made up.
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# Failures by final status (unless the route set `failure_reason`); 499 = the client went away.
-FAILURE_REASONS = {400: "bad_input", 401: "unauthorized", 404: "bad_input", 405: "bad_input", 408: "bad_input",
-                   413: "bad_input", 415: "bad_input", 422: "bad_input", 429: "queue_full", 499: "cancelled",
-                   500: "internal", 503: "unavailable", 504: "timeout"}
 
 
 class RequestMiddleware:
@@ -130,11 +126,8 @@ class RequestMiddleware:
         endpoint = None if route is None else route.endpoint_label
         model, version, mode = state.get("model", ""), str(state.get("version", "")), state.get("mode", "")
         if endpoint is not None:
-            self.metrics.request_duration.labels(endpoint=endpoint, api=route.api.name, model=model, version=version,
-                                                 mode=mode, status=str(status)).observe(seconds)
-            reason = state.get("failure_reason") or FAILURE_REASONS.get(status)
-            if reason:
-                self.metrics.failures.labels(model=model or "none", version=version, reason=reason).inc()
+            self.metrics.count_request(endpoint=endpoint, api=route.api.name, model=model, version=version, mode=mode,
+                                       status=status, seconds=seconds, failure_reason=state.get("failure_reason"))
         if route is None or route.api.access_log:
             log_access(request_id=request_id, method=scope.get("method"), path=path, model=model or None,
                        version=int(version) if version else None, mode=mode or None, status=status,

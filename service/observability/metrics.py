@@ -20,6 +20,11 @@ BATCH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 GREEDY, BEAM, SAMPLE, SCORE, CLASSIFY = "greedy", "beam", "sample", "score", "classify"
 
 FAILURE_REASONS = ("bad_input", "unauthorized", "queue_full", "timeout", "cancelled", "internal", "unavailable")
+# A failed request's reason by its final status (unless the request set its own); 499 = the client went away. A gRPC
+# call is counted by the HTTP status of its error (`service.api.oip.grpc.calls`), so one table serves every API.
+FAILURE_BY_STATUS = {400: "bad_input", 401: "unauthorized", 403: "bad_input", 404: "bad_input", 405: "bad_input",
+                     408: "bad_input", 413: "bad_input", 415: "bad_input", 422: "bad_input", 429: "queue_full",
+                     499: "cancelled", 500: "internal", 503: "unavailable", 504: "timeout"}
 
 
 class Metrics:
@@ -28,7 +33,7 @@ class Metrics:
         r = self.registry
         self.request_duration = Histogram(
             "tserve_request_duration_seconds", "Time from receiving a request to its last byte, by endpoint, API "
-            "(native | openai) and status.",
+            "(native | openai | oip | oip-grpc) and status (a gRPC call's: the HTTP status of its error).",
             ["endpoint", "api", "model", "version", "mode", "status"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram(
             "tserve_queue_wait_seconds", "Time a request waited before its first batch (prefill or image batch).",
@@ -74,6 +79,15 @@ class Metrics:
         self.model_info = Info("tserve_model", "Loaded models: kind, version, provider.", ["model"], registry=r)
         self.ready = Gauge("tserve_ready", "1 when every configured model is loaded and the server is not draining.",
                            registry=r)
+
+    def count_request(self, *, endpoint: str, api: str, model: str, version: str, mode: str, status: int,
+                      seconds: float, failure_reason: str | None = None) -> None:
+        """One finished request: its duration by endpoint, API and status, and its failure (if any) by reason."""
+        self.request_duration.labels(endpoint=endpoint, api=api, model=model, version=version, mode=mode,
+                                     status=str(status)).observe(seconds)
+        reason = failure_reason or FAILURE_BY_STATUS.get(status)
+        if reason:
+            self.failures.labels(model=model or "none", version=version, reason=reason).inc()
 
     def declare_model(self, model: str, version: int, decoding_modes: tuple[str, ...]) -> None:
         """Create a loaded model's series at zero, so that rate() and alerts see its first events too: a text

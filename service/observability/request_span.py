@@ -10,6 +10,11 @@ trace id goes into the request's access-log line (`trace_id`). Status ERROR for 
 away) or a failure after the status was sent (a stream); other 4xx are the client's errors and leave the status
 unset, as the conventions say. The probes and the scrape (`/health/*`, `/metrics`) are not traced, as they are not
 access-logged. The span's start and end are taken on the clock of the jobs' phase spans, so they nest exactly.
+
+A gRPC request (`start_rpc`) gets the same span after the RPC conventions: named `inference.GRPCInferenceService/
+ModelInfer`, with `rpc.system` "grpc", `rpc.service`, `rpc.method`, `client.address`, `tserve.request_id`, the
+`tserve.*` labels, and the HTTP status its outcome maps to as `http.response.status_code` (the one status every
+API's metrics and spans share; `service.api.oip.grpc.calls`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class RequestSpan:
         otel_context.detach(self._token)
         span = self.span
         if span.is_recording():
-            route = getattr(scope.get("route"), "path", None)
+            route = getattr(scope.get("route"), "path", None) if scope else None
             if route:
                 span.update_name(f"{scope.get('method', '')} {route}")
                 span.set_attribute("http.route", route)
@@ -94,5 +99,19 @@ def start(tracer: Tracer, epoch_ns: Callable[[float], int], scope,
     if request_id:
         attributes["tserve.request_id"] = request_id
     span = tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes=attributes,
+                             start_time=epoch_ns(time.monotonic()))
+    return RequestSpan(span, otel_context.attach(trace.set_span_in_context(span, parent)), epoch_ns)
+
+
+def start_rpc(tracer: Tracer, epoch_ns: Callable[[float], int], method: str, metadata: Mapping[str, str],
+              peer: str | None, request_id: str) -> RequestSpan:
+    """Start the SERVER span of a gRPC request to `method` (`/package.Service/Method`) and make it current."""
+    carrier = {name: metadata[name] for name in ("traceparent", "tracestate") if metadata.get(name)}
+    parent = _propagator.extract(carrier)
+    service, _, name = method.strip("/").partition("/")
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name, "tserve.request_id": request_id}
+    if peer:
+        attributes["client.address"] = peer
+    span = tracer.start_span(method.strip("/"), context=parent, kind=SpanKind.SERVER, attributes=attributes,
                              start_time=epoch_ns(time.monotonic()))
     return RequestSpan(span, otel_context.attach(trace.set_span_in_context(span, parent)), epoch_ns)

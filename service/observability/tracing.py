@@ -157,6 +157,13 @@ def start_request(scope, headers: Mapping[bytes, bytes]) -> request_span.Request
     return None if tracer is None else request_span.start(tracer, epoch_ns, scope, headers)
 
 
+def start_rpc(method: str, metadata: Mapping[str, str], peer: str | None,
+              request_id: str) -> request_span.RequestSpan | None:
+    """Start the SERVER span of one gRPC request (`/package.Service/Method`; a child of its `traceparent` metadata,
+    if any) and make it current. Only call while tracing is on (`tracer is not None`)."""
+    return None if tracer is None else request_span.start_rpc(tracer, epoch_ns, method, metadata, peer, request_id)
+
+
 def _current() -> trace.Tracer | None:
     """The tracer now (None once switched off): what a job's spans look at when they are recorded."""
     return tracer

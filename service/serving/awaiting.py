@@ -13,18 +13,18 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 
-from fastapi import Request
 
 from service.decoding import Hypothesis
 from service.errors import Cancelled, DeadlineExceeded
 from service.observability import tracing
 from service.scheduling.jobs import TextJob
 from service.serving.streaming import submit
+from service.serving.context import Caller
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting route checks whether its client is still there
 
 
-async def watched(request: Request, work: Awaitable, deadline: float, abandon: Callable[[], None] | None = None):
+async def watched(request: Caller, work: Awaitable, deadline: float, abandon: Callable[[], None] | None = None):
     """The result of `work`. Raises DeadlineExceeded at `deadline` (time.monotonic() seconds), Cancelled when the
     client disconnects, or the work's own error; on any of these `work` is cancelled and `abandon()` runs first."""
     task = asyncio.ensure_future(work)
@@ -46,14 +46,14 @@ async def watched(request: Request, work: Awaitable, deadline: float, abandon: C
         raise
 
 
-async def await_results(request: Request, futures: Sequence[Future], deadline: float,
+async def await_results(request: Caller, futures: Sequence[Future], deadline: float,
                         abandon: Callable[[], None]) -> list:
     """The scheduler futures' results, in order, watched as `watched` says (`abandon` tells the scheduler)."""
     return await watched(request, asyncio.gather(*(asyncio.wrap_future(future) for future in futures)), deadline,
                          abandon)
 
 
-async def run_text_jobs(request: Request, loaded, jobs: Sequence[TextJob],
+async def run_text_jobs(request: Caller, loaded, jobs: Sequence[TextJob],
                         deadline: float) -> list[list[Hypothesis]]:
     """Submit every job (or none: `streaming.submit`), then each job's hypotheses, best first, in order, awaited as
     `watched` says (the jobs cancelled when the request ends early); their phase spans once over (tracing on)."""

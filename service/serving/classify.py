@@ -9,7 +9,6 @@ import logging
 from collections.abc import Sequence
 
 import numpy as np
-from fastapi import Request
 
 from service.decoding import softmax
 from service.engines.imaging import EncodedImage
@@ -19,11 +18,12 @@ from service.models.registry import LoadedModel
 from service.observability import tracing
 from service.scheduling.jobs import ImageJob
 from service.serving.awaiting import await_results, watched
+from service.serving.context import Caller
 
 log = logging.getLogger(__name__)
 
 
-async def classify(request: Request, loaded: LoadedModel, images: Sequence[EncodedImage],
+async def classify(request: Caller, loaded: LoadedModel, images: Sequence[EncodedImage],
                    deadline: float) -> np.ndarray:
     """Softmax probabilities (n, classes) float32, one row per encoded image, in order."""
     decoder = request.app.state.image_decoder
@@ -31,7 +31,7 @@ async def classify(request: Request, loaded: LoadedModel, images: Sequence[Encod
     return await classify_pixels(request, loaded, pixels, deadline)
 
 
-async def classify_pixels(request: Request, loaded: LoadedModel, pixels: np.ndarray,
+async def classify_pixels(request: Caller, loaded: LoadedModel, pixels: np.ndarray,
                           deadline: float) -> np.ndarray:
     """Softmax probabilities (n, classes) of images already preprocessed to the model's input (n, C, H, W)."""
     job = loaded.scheduler.submit(ImageJob(pixels=pixels, deadline=deadline))

@@ -18,7 +18,6 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 import numpy as np
@@ -29,7 +28,7 @@ from service.errors import BadInput
 from service.models.registry import LoadedModel
 from service.scheduling.jobs import TextJob
 from service.serving.awaiting import run_text_jobs
-from service.serving.context import check_new_tokens
+from service.serving.context import Caller, check_new_tokens
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
     Finished,
@@ -161,7 +160,7 @@ def check_prompt_scoring(loaded: LoadedModel, params: GenerationParams) -> None:
                        "last position's logits only", param="logprobs")
 
 
-async def generate(request: Request, loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams,
+async def generate(request: Caller, loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams,
                    deadline: float, n: int = 1, best_of: int | None = None) -> list[list[Completion]]:
     """`n` completions per prompt (best first when ranked: beams, or `best_of` samples)."""
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)

@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from service.errors import BadInput, Cancelled, DeadlineExceeded, ModelOutputError, QueueFull
 from service.models.registry import LoadedModel
 from service.serving.awaiting import watched
+from service.serving.context import Caller
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ScoringSlots:
         self._free.release()
 
 
-def slots_of(request: Request, loaded: LoadedModel) -> ScoringSlots:
+def slots_of(request: Caller, loaded: LoadedModel) -> ScoringSlots:
     """The scoring slots of the model version `loaded`, made on its first scoring request."""
     table = getattr(request.app.state, "scoring_slots", None)
     if table is None:
@@ -150,7 +150,7 @@ def _scores(loaded: LoadedModel, pairs: ScorePairs, abandoned: threading.Event, 
     return Scored(scored, sum(len(ids) for ids in sources))
 
 
-async def score(request: Request, loaded: LoadedModel, pairs: ScorePairs, deadline: float) -> Scored:
+async def score(request: Caller, loaded: LoadedModel, pairs: ScorePairs, deadline: float) -> Scored:
     """Each target's forced decoding given its source, in order (see the module docstring)."""
     slots = slots_of(request, loaded)
     slots.take(loaded)

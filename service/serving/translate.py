@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from service.decoding import BeamSearch, GreedySearch, Search
@@ -15,7 +14,7 @@ from service.errors import BadInput
 from service.models.registry import LoadedModel
 from service.scheduling.jobs import TextJob
 from service.serving.awaiting import run_text_jobs
-from service.serving.context import check_new_tokens
+from service.serving.context import Caller, check_new_tokens
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
     Finished,
@@ -67,7 +66,7 @@ def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, 
     return jobs
 
 
-async def translate(request: Request, loaded: LoadedModel, texts: Sequence[str], params: TranslationParams,
+async def translate(request: Caller, loaded: LoadedModel, texts: Sequence[str], params: TranslationParams,
                     deadline: float) -> list[list[Completion]]:
     """An n-best list (`num_return_sequences` long, best first) per text."""
     jobs = await run_in_threadpool(_jobs, loaded, texts, params, deadline)

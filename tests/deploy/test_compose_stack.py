@@ -5,7 +5,8 @@ against a Docker daemon, from the images `make images` builds (deploy/images.sh)
   packages on the same Debian base, running deploy/nginx/nginx.conf and deploy/prometheus/); Grafana is left out
   by the override (no image here; its provisioning is checked as files by tests/deploy/test_deploy.py);
 - through nginx's published port on 127.0.0.1: translate, generate (plain and streamed) and classify answer with
-  the release models, /health/ready and /metrics answer; Prometheus has both replicas as up targets;
+  the release models, /health/ready and /metrics answer; Prometheus has both replicas as up targets; through
+  nginx's published gRPC port (grpc_pass), `tritonclient.grpc` translates and generates as REST does;
 - the image: no torch, a non-root user, and its HEALTHCHECK (the one compose runs) turns healthy;
 - a replica stopped as `docker-compose stop` stops one (SIGTERM, then the stop_grace_period) under a short
   bounded load: no accepted request is lost, nginx passes them to the other replica.
@@ -103,6 +104,7 @@ class Stack:
     env: dict[str, str]
     docker: httpx.Client
     url: str = ""
+    grpc_address: str = ""  # nginx's published gRPC port, host:port
     prometheus_url: str = ""
     seconds_to_healthy: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
@@ -148,9 +150,9 @@ def stack(tmp_path_factory):
     stack = Stack(compose, f"tservetest{secrets.token_hex(4)}", env, docker)
     try:
         for attempt in range(3):  # a free port can be taken before Docker binds it: new ports, once more
-            nginx_port, prometheus_port = free_port(), free_port()
+            nginx_port, grpc_port, prometheus_port = free_port(), free_port(), free_port()
             env.update(TSERVE_BIND_ADDRESS="127.0.0.1", TSERVE_PUBLIC_PORT=str(nginx_port),
-                       TSERVE_PROMETHEUS_PORT=str(prometheus_port))
+                       TSERVE_GRPC_PUBLIC_PORT=str(grpc_port), TSERVE_PROMETHEUS_PORT=str(prometheus_port))
             started = time.monotonic()
             result = stack.run("--env-file", str(env_file), "up", "-d", "--no-build", check=False)
             taken = "address already in use" in result.stderr or "port is already allocated" in result.stderr
@@ -160,6 +162,7 @@ def stack(tmp_path_factory):
         assert result.returncode == 0, f"up exited {result.returncode}\n{result.stdout}\n{result.stderr}"
         stack.timings["up"] = time.monotonic() - started
         stack.url = f"http://127.0.0.1:{nginx_port}"
+        stack.grpc_address = f"127.0.0.1:{grpc_port}"
         stack.prometheus_url = f"http://127.0.0.1:{prometheus_port}"
 
         def all_healthy():
@@ -262,6 +265,26 @@ def test_translate_generate_and_classify_through_nginx(client, pngs):
     metrics = client.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert "tserve_request_duration_seconds_bucket" in metrics.text and "tserve_ready" in metrics.text
+
+
+def test_grpc_inference_through_nginx(stack, client):
+    import numpy as np
+    import tritonclient.grpc as tgrpc
+
+    grpc_client = tgrpc.InferenceServerClient(stack.grpc_address)
+    try:
+        assert grpc_client.is_server_ready() and grpc_client.is_model_ready("translation")
+        text = tgrpc.InferInput("TEXT", [1], "BYTES")
+        text.set_data_from_numpy(np.array(["Zwei Hunde spielen im Schnee.".encode()], dtype=object))
+        result = grpc_client.infer("translation", [text], parameters={"num_beams": 4})
+        assert result.as_numpy("TRANSLATION")[0].decode() == "Two dogs play in the snow."
+        prompt = tgrpc.InferInput("PROMPT", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([b"ROMEO:\n"], dtype=object))
+        greedy = {"max_new_tokens": 40, "temperature": 0}
+        generated = grpc_client.infer("gpt", [prompt], parameters=greedy).as_numpy("TEXT")[0].decode()
+        assert generated == client.post("/v1/generate", json={"prompt": "ROMEO:\n", **greedy}).json()["text"]
+    finally:
+        grpc_client.close()
 
 
 # --- Prometheus -------------------------------------------------------------------------------------------------

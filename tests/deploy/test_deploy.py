@@ -242,12 +242,13 @@ def _published(port) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("env, address, ports", [
-    ({}, "127.0.0.1", {"nginx": "8000", "prometheus": "9090", "grafana": "3000", "locust-master": "8089"}),
+    ({}, "127.0.0.1", {"nginx": ["8000", "8001"], "prometheus": ["9090"], "grafana": ["3000"],
+                       "locust-master": ["8089"]}),
     ({"TSERVE_BIND_ADDRESS": "0.0.0.0"}, "0.0.0.0",
-     {"nginx": "8000", "prometheus": "9090", "grafana": "3000", "locust-master": "8089"}),
-    ({"TSERVE_PUBLIC_PORT": "18000", "TSERVE_PROMETHEUS_PORT": "19090", "TSERVE_GRAFANA_PORT": "13000",
-      "TSERVE_LOCUST_PORT": "18089"}, "127.0.0.1",
-     {"nginx": "18000", "prometheus": "19090", "grafana": "13000", "locust-master": "18089"}),
+     {"nginx": ["8000", "8001"], "prometheus": ["9090"], "grafana": ["3000"], "locust-master": ["8089"]}),
+    ({"TSERVE_PUBLIC_PORT": "18000", "TSERVE_GRPC_PUBLIC_PORT": "18001", "TSERVE_PROMETHEUS_PORT": "19090",
+      "TSERVE_GRAFANA_PORT": "13000", "TSERVE_LOCUST_PORT": "18089"}, "127.0.0.1",
+     {"nginx": ["18000", "18001"], "prometheus": ["19090"], "grafana": ["13000"], "locust-master": ["18089"]}),
 ], ids=["default-loopback", "bind-all-interfaces", "other-ports"])
 def test_compose_publishes_ports_on_loopback_unless_told(env, address, ports):
     """Every published port of every profile binds to TSERVE_BIND_ADDRESS, 127.0.0.1 by default: a stack
@@ -255,8 +256,8 @@ def test_compose_publishes_ports_on_loopback_unless_told(env, address, ports):
     services = _compose_config("--profile", "load", "--profile", "gpu", env=env)["services"]
     published = {name: [_published(p) for p in service.get("ports", [])] for name, service in services.items()}
     assert {name for name, found in published.items() if found} == set(ports), published
-    for name, port in ports.items():
-        assert [(a, p) for a, p, _ in published[name]] == [(address, port)], (name, published[name])
+    for name, expected in ports.items():
+        assert [(a, p) for a, p, _ in published[name]] == [(address, port) for port in expected], (name, published)
 
 
 def test_compose_config():
@@ -351,7 +352,7 @@ def test_dockerfile(dockerfile):
     assert env["TSERVE_HOST"] == "0.0.0.0" and env["TSERVE_PORT"] == "8000"
     fields = set(Settings.model_fields)
     assert all(key[7:].lower() in fields for key in env), f"not settings: {[k for k in env if k[7:].lower() not in fields]}"
-    assert "EXPOSE 8000" in instructions
+    assert "EXPOSE 8000 8001" in instructions and env["TSERVE_GRPC_PORT"] == "8001"
 
 
 def test_locust_image_has_the_project_modules_the_locustfile_imports():

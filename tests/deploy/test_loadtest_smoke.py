@@ -1,6 +1,6 @@
 """The load test works end to end: deploy/locust/locustfile.py runs headless for ~15 s against a live service with
 real inputs and every task succeeds (zero failures), the OpenAI-compatible ones included, through API-key
-authentication (the service has a key, the load test sends it); then deploy/loadtest.py writes the summary and the
+authentication (the service has a key, the load test sends it), the gRPC tasks too; then deploy/loadtest.py writes the summary and the
 PNG and passes; and the report fails (exit 1) when the failures exceed the threshold.
 
 Needs locust (the project's `load` extra); a missing one fails the test, it does not skip.
@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from service.client.launcher import ServiceProcess, clean_environment
+from service.client.processes import free_port
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
@@ -27,8 +28,8 @@ LOCUSTFILE = ROOT / "deploy" / "locust" / "locustfile.py"
 REPORT = ROOT / "deploy" / "loadtest.py"
 TASK_NAMES = {"translate greedy", "translate beam", "generate", "generate stream", "classify", "openai completion",
               "openai completion stream", "openai chat", "openai chat stream", "oip translate", "oip generate",
-              "oip classify"}
-STREAM_NAMES = ("generate stream", "openai completion stream", "openai chat stream")
+              "oip classify", "grpc generate stream", "grpc classify"}
+STREAM_NAMES = ("generate stream", "openai completion stream", "openai chat stream", "grpc generate stream")
 API_KEY = "loadtest-smoke-key-0123456789"
 
 
@@ -49,7 +50,9 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
     require_locust()
     # the service reads .env in its working directory (pydantic-settings): every /v1 request needs the key
     (tmp_path / ".env").write_text(f"TSERVE_API_KEYS={json.dumps([API_KEY])}\n")
-    service = ServiceProcess("service", tiny_repository, tmp_path, ready_timeout=180, intra_op_threads=1)
+    grpc_port = free_port()
+    service = ServiceProcess("service", tiny_repository, tmp_path, ready_timeout=180, intra_op_threads=1,
+                             grpc_port=grpc_port)
     locust_log = tmp_path / "locust.log"
     prefix = tmp_path / "loadtest"
     try:
@@ -58,7 +61,8 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
 
         # the tiny GPT's context is 64 tokens: 16 prompt + 24 new (chat: 17 more of template, 17 fewer new)
         load_env = {**clean_environment(), "TSERVE_DATA_DIR": str(data_dir), "TSERVE_LOAD_PROMPT_CHARS": "16",
-                    "TSERVE_LOAD_MAX_NEW_TOKENS": "24", "TSERVE_LOAD_THINK_S": "0.05", "TSERVE_LOAD_API_KEY": API_KEY}
+                    "TSERVE_LOAD_MAX_NEW_TOKENS": "24", "TSERVE_LOAD_THINK_S": "0.05", "TSERVE_LOAD_API_KEY": API_KEY,
+                    "TSERVE_LOAD_GRPC_HOST": f"127.0.0.1:{grpc_port}"}
         command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
                    "--users", "4", "--spawn-rate", "4", "--run-time", "15s", "--stop-timeout", "20",
                    "--host", service.url, "--csv", str(prefix), "--csv-full-history",

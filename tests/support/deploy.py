@@ -41,15 +41,26 @@ def require_tool(name: str) -> str:
     return path
 
 
-def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> Path:
-    """deploy/nginx/nginx.conf with loopback upstreams, a loopback listen address and its paths under prefix."""
+def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str], grpc_listen: str | None = None,
+                      grpc_upstreams: list[str] | None = None) -> Path:
+    """deploy/nginx/nginx.conf with loopback upstreams, loopback listen addresses and its paths under prefix; the
+    gRPC server listens on `grpc_listen` (default: the HTTP port + 1) and passes to `grpc_upstreams` (default: the
+    HTTP upstreams' ports + 1, as TSERVE_GRPC_PORT is TSERVE_PORT + 1 by default)."""
     text = (DEPLOY / "nginx" / "nginx.conf").read_text()
-    server_line = re.search(r"^(\s*)server api:8000( [^;]*);$", text, flags=re.M)
-    assert server_line, "nginx.conf: `server api:8000 ...;` not found in the upstream block"
-    indent, params = server_line.groups()
-    text = text.replace(server_line.group(0), "\n".join(f"{indent}server {u}{params};" for u in upstreams))
-    assert "listen 80;" in text
-    text = text.replace("listen 80;", f"listen {listen};").replace("/tmp/nginx", str(prefix / "run"))
+
+    def plus_one(address: str) -> str:
+        host, _, port = address.rpartition(":")
+        return f"{host}:{int(port) + 1}"
+
+    for port, servers in (("8000", upstreams), ("8001", grpc_upstreams or [plus_one(u) for u in upstreams])):
+        server_line = re.search(rf"^(\s*)server api:{port}( [^;]*);$", text, flags=re.M)
+        assert server_line, f"nginx.conf: `server api:{port} ...;` not found in an upstream block"
+        indent, params = server_line.groups()
+        text = text.replace(server_line.group(0), "\n".join(f"{indent}server {u}{params};" for u in servers))
+    assert "listen 80;" in text and "listen 8001 http2;" in text
+    text = text.replace("listen 80;", f"listen {listen};")
+    text = text.replace("listen 8001 http2;", f"listen {grpc_listen or plus_one(listen)} http2;")
+    text = text.replace("/tmp/nginx", str(prefix / "run"))
     text = text.replace("access_log /dev/stdout", f"access_log {prefix / 'access.log'}")
     (prefix / "run").mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"

@@ -53,8 +53,10 @@ UNSUPPORTED_PARAMETERS = {
     "sequence_start": ((False,), "sequences are not supported: no sequence batcher keeps state between requests"),
     "sequence_end": ((False,), "sequences are not supported: no sequence batcher keeps state between requests"),
 }
+# Triton's decoupled-response switch (gRPC's ModelStreamInfer: an empty last response; nothing to do elsewhere)
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 # request parameters that belong to the protocol, not to the model
-RESERVED_PARAMETERS = ("timeout", "binary_data_output", *UNSUPPORTED_PARAMETERS)
+RESERVED_PARAMETERS = ("timeout", "binary_data_output", EMPTY_FINAL_RESPONSE, *UNSUPPORTED_PARAMETERS)
 # Triton's shared-memory extension, as input or output parameters: not implemented (tensors travel in the body).
 SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 MAX_DIMENSIONS = 8  # dimensions an input shape may have: room above the most any model here takes (4)
@@ -139,7 +141,7 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[InferenceRequ
         request = InferenceRequest.model_validate(json.loads(body[:split]))
     except (ValueError, RecursionError) as error:  # invalid JSON, or not the protocol's shape
         raise BadInput(_describe(error)) from None
-    _check_parameters(request)
+    check_parameters(request)
     raw, offset, tensors, in_json = body[split:], 0, {}, set()
     for tensor in request.inputs:
         if tensor.name in tensors:
@@ -149,7 +151,7 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[InferenceRequ
             integer_parameter(size, f"input {tensor.name!r}: binary_data_size", 0)
             if offset + size > len(raw):
                 raise BadInput(f"input {tensor.name!r}: binary_data_size {size!r} exceeds the binary data sent")
-            tensors[tensor.name] = _from_bytes(tensor, raw[offset : offset + size], len(body))
+            tensors[tensor.name] = tensor_from_bytes(tensor, raw[offset : offset + size], len(body))
             offset += size
         elif tensor.data is None:
             raise BadInput(f"input {tensor.name!r} has neither data nor binary_data_size")
@@ -181,7 +183,7 @@ def boolean_parameter(value, name: str) -> bool:
     return value
 
 
-def _check_parameters(request: InferenceRequest) -> None:
+def check_parameters(request: InferenceRequest) -> None:
     """The protocol's own parameters, of their types, before any work is done for the request."""
     refused = []
     for key, (defaults, why) in UNSUPPORTED_PARAMETERS.items():
@@ -198,8 +200,9 @@ def _check_parameters(request: InferenceRequest) -> None:
                            "tensors travel in the body")
     if "timeout" in request.parameters:
         integer_parameter(request.parameters["timeout"], "parameters.timeout (microseconds)", 1)
-    if "binary_data_output" in request.parameters:
-        boolean_parameter(request.parameters["binary_data_output"], "parameters.binary_data_output")
+    for flag in ("binary_data_output", EMPTY_FINAL_RESPONSE):
+        if flag in request.parameters:
+            boolean_parameter(request.parameters[flag], f"parameters.{flag}")
     for output in request.outputs or []:
         if "binary_data" in output.parameters:
             boolean_parameter(output.parameters["binary_data"], f"output {output.name!r}: binary_data")
@@ -207,7 +210,7 @@ def _check_parameters(request: InferenceRequest) -> None:
             integer_parameter(output.parameters["classification"], f"output {output.name!r}: classification", 1)
 
 
-def _elements(tensor: RequestInput, body_bytes: int) -> int:
+def elements(tensor: RequestInput, body_bytes: int) -> int:
     """The element count of the tensor's shape. Every element takes at least a byte of the body, so a shape of more
     elements than the body has bytes is refused before numpy sees it (its int64 product would wrap); zero
     dimensions count as one in that bound, so that an empty tensor's shape is one numpy can represent too."""
@@ -219,8 +222,8 @@ def _elements(tensor: RequestInput, body_bytes: int) -> int:
     return math.prod(tensor.shape)
 
 
-def _from_bytes(tensor: RequestInput, raw: bytes, body_bytes: int) -> np.ndarray:
-    count = _elements(tensor, body_bytes)
+def tensor_from_bytes(tensor: RequestInput, raw: bytes, body_bytes: int) -> np.ndarray:
+    count = elements(tensor, body_bytes)
     if tensor.datatype == "BYTES":
         items, offset = [], 0
         while offset < len(raw):
@@ -242,7 +245,7 @@ def _from_bytes(tensor: RequestInput, raw: bytes, body_bytes: int) -> np.ndarray
 
 
 def _from_json(tensor: RequestInput, body_bytes: int) -> np.ndarray:
-    count = _elements(tensor, body_bytes)
+    count = elements(tensor, body_bytes)
     flat = np.array(tensor.data, dtype=object).reshape(-1) if tensor.data else np.array([], dtype=object)
     if len(flat) != count:
         raise BadInput(f"input {tensor.name!r}: {len(flat)} elements of data for shape {tensor.shape}")
@@ -267,15 +270,14 @@ def encode_response(model: str, version: int, request: InferenceRequest,
     """(body, JSON header length or None) of the response: `outputs` as (name, datatype, array), in binary where
     asked for (the parameters' types were checked by `parse_request`). An output holding a NaN or an infinity is a
     `ModelOutputError`: JSON has no such numbers, and a score that is one is no answer."""
+    check_finite(outputs)
     binary_by_default = request.parameters.get("binary_data_output", False)
     asked = {o.name: o.parameters for o in request.outputs or []}
     tensors, blobs = [], []
     for name, datatype, array in outputs:
-        if datatype != "BYTES" and not np.isfinite(array).all():
-            raise ModelOutputError(f"output {name!r} holds a NaN or an infinity")
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if asked.get(name, {}).get("binary_data", binary_by_default):
-            blob = _to_bytes(datatype, array)
+            blob = tensor_bytes(datatype, array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
@@ -291,7 +293,15 @@ def encode_response(model: str, version: int, request: InferenceRequest,
     return header_bytes + b"".join(blobs), len(header_bytes)
 
 
-def _to_bytes(datatype: str, array: np.ndarray) -> bytes:
+def check_finite(outputs: list[tuple[str, str, np.ndarray]]) -> None:
+    """`ModelOutputError` for an output that holds a NaN or an infinity: no response may carry one."""
+    for name, datatype, array in outputs:
+        if datatype != "BYTES" and not np.isfinite(array).all():
+            raise ModelOutputError(f"output {name!r} holds a NaN or an infinity")
+
+
+def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
+    """A tensor's raw data: little-endian; a BYTES element is its 4-byte length and its bytes."""
     if datatype == "BYTES":
         return b"".join(struct.pack(BYTES_LENGTH, len(x)) + x for x in array.reshape(-1))
     return np.ascontiguousarray(array, dtype=np.dtype(DTYPES[datatype]).newbyteorder("<")).tobytes()

@@ -43,6 +43,9 @@ class Signature:
     def input_datatypes(self) -> dict[str, str]:
         return {name: datatype for name, datatype, _ in self.inputs}
 
+    def output_names(self) -> list[str]:
+        return [name for name, _, _ in self.outputs]
+
 
 def _vit(engine) -> Signature:
     """Encoded image files, or pixels [N, H, W] (one channel) / [N, C, H, W]; probabilities and the top label."""
