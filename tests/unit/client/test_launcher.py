@@ -80,8 +80,11 @@ def test_the_service_is_configured_by_tserve_variables_only(monkeypatch, tmp_pat
     env = process._environment()
     assert {k: v for k, v in env.items() if k.startswith("TSERVE_")} == {
         "TSERVE_HOST": "127.0.0.1", "TSERVE_LOG_FORMAT": "json", "TSERVE_LOG_LEVEL": "WARNING", "TSERVE_PORT": "1234",
-        "TSERVE_REPOSITORY": str(Path("relative/repository").resolve()), "TSERVE_MAX_QUEUE_SIZE": "2"}
+        "TSERVE_REPOSITORY": str(Path("relative/repository").resolve()), "TSERVE_MAX_QUEUE_SIZE": "2",
+        "TSERVE_GRPC_PORT": "0"}  # no gRPC port unless a knob asks: launched servers run side by side
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PYTHONPATH"].split(":")[0] == str(ROOT)
+    with_grpc = ServiceProcess("service", "relative/repository", tmp_path, grpc_port=8123)._environment()
+    assert with_grpc["TSERVE_GRPC_PORT"] == "8123"
 
 
 def test_an_exit_before_ready_is_an_error_with_the_output(tmp_path):

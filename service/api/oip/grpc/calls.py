@@ -99,8 +99,9 @@ class Calls:
             return
         values = [v if isinstance(v, bytes) else v.encode("latin-1")
                   for k, v in self._metadata(context) if k.lower() == AUTHORIZATION_KEY]
-        if problem := self.keys.check(values):
-            raise Unauthorized(problem.replace("header", "metadata"))
+        if problem := self.keys.check(values):  # worded for HTTP headers: said of gRPC metadata here
+            raise Unauthorized(problem.replace("the header 'Authorization", "the metadata 'authorization")
+                               .replace("Authorization header", "authorization metadata entry"))
 
     def begin(self, context: grpc.aio.ServicerContext, method: str) -> tuple[GrpcCall, object, float]:
         """A request's GrpcCall, its trace span (None: tracing off) and its start time."""
