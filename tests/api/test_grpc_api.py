@@ -198,6 +198,33 @@ def test_typed_contents_equal_raw_contents(stub, client, images):
         "TEXT")[0].decode()
 
 
+def test_the_request_id_is_kept_logged_and_sent_back(stub, server):
+    message = pb.ModelInferRequest(model_name="gpt")
+    message.inputs.add(name="PROMPT", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"ROMEO:\n")
+    message.parameters["max_new_tokens"].int64_param = 2
+    _, call = stub.ModelInfer.with_call(message, metadata=(("x-request-id", "grpc-id-1"),), timeout=PATIENCE_S)
+    assert dict(call.trailing_metadata())["x-request-id"] == "grpc-id-1"
+    message.parameters["max_new_tokens"].int64_param = 10_000
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(message, metadata=(("x-request-id", "grpc-id-2"),), timeout=PATIENCE_S)
+    assert dict(refused.value.trailing_metadata())["x-request-id"] == "grpc-id-2"
+    _, untamed = stub.ModelInfer.with_call(_small(message), metadata=(
+        ("x-request-id", "no spaces allowed"),), timeout=PATIENCE_S)
+    made_up = dict(untamed.trailing_metadata())["x-request-id"]
+    assert made_up != "no spaces allowed" and len(made_up) == 32
+    records = {r["request_id"]: r for r in server.access_records() if r.get("method") == "GRPC"}
+    assert records["grpc-id-1"]["status"] == 200 and records["grpc-id-2"]["status"] == 400
+    assert records["grpc-id-1"]["path"] == "/inference.GRPCInferenceService/ModelInfer"
+    assert records["grpc-id-1"]["model"] == "gpt" and records[made_up]["status"] == 200
+
+
+def _small(message: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    small = pb.ModelInferRequest()
+    small.CopyFrom(message)
+    small.parameters["max_new_tokens"].int64_param = 2
+    return small
+
+
 @pytest.mark.parametrize("parameters", [{"num_beams": 4}, {"num_beams": 1}])
 def test_translation_equals_rest(client, rest, parameters):
     result = client.infer("translation", [text_input("TEXT", GERMAN)], parameters=parameters)

@@ -11,8 +11,8 @@ each one gets around its work, as the HTTP middleware (`service.http.middleware`
   its jobs are cancelled on the way out (`service.serving.awaiting`), counted as 499.
 - **Deadline**: the call's gRPC deadline (what `client_timeout` sets) is the request's deadline unless the request's
   `timeout` parameter says otherwise (`service.api.oip.inference.deadline`).
-- **Observed**: the request id (`x-request-id` metadata when it is tame, else a new one; sent back as initial
-  metadata), the leases of the model versions it resolved released at its end, one access-log line (method
+- **Observed**: the request id (`x-request-id` metadata when it is tame, else a new one; sent back as trailing
+  metadata of a unary call), the leases of the model versions it resolved released at its end, one access-log line (method
   "GRPC", path `/inference.GRPCInferenceService/<rpc>`), and for inference (ModelInfer, each request of a
   ModelStreamInfer) the request metrics with `api="oip-grpc"`, `endpoint` the RPC's name and `status` the HTTP
   status its outcome maps to (200 or its error's), so one dashboard and Triton's statistics read every API alike.
@@ -137,15 +137,16 @@ class Calls:
         """Run `work(call)` as one request: authorized, observed, its errors the call's status."""
         call, span, started = self.begin(context, method)
         status, failure = INTERNAL_STATUS, None
+        request_id = ((REQUEST_ID_KEY, call.request_id),)  # trailing: it rides on the status, no frame of its own
         try:
-            await context.send_initial_metadata(((REQUEST_ID_KEY, call.request_id),))
             self.authorize(context)
             result = await work(call)
+            context.set_trailing_metadata(request_id)
             status = OK_STATUS
             return result
         except ServiceError as error:
             status, failure = error.status, error
-            await context.abort(status_code(error), error.message, trailing_metadata(error))
+            await context.abort(status_code(error), error.message, request_id + trailing_metadata(error))
         except asyncio.CancelledError as error:
             status, failure = CANCELLED_STATUS, error
             raise
