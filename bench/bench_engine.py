@@ -17,6 +17,10 @@ Systems (one function each, `run_<system>_<task>`):
   `decoder.onnx` our engine loads, unchanged, through a generated `genai_config.json` (bench/genai_system.py). Same
   graph and weights as ours, so its tokens must equal ours: the harness checks and reports it. It runs in this
   process (its wheel uses the installed onnxruntime package), timed and interleaved like the others;
+- ctranslate2 (translation only): CTranslate2's `Translator` (C++) on OUR translator's weights, converted by
+  `enginebench.ct2` into its `TransformerSpec` (the same random weights as ours, seed 0), beam search with the same
+  beams and exactly as many tokens; its best beams are compared with ours every run ("identical best beams"), and
+  each ratio is printed as `ours/ctranslate2 <case> = <x>`;
 - ours: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the searches of
   `service.decoding`, on our own from-scratch models (`models.gpt.GPT`, `models.transformer`; same sizes,
   random weights) exported by `export.onnx_export`.
@@ -49,13 +53,15 @@ Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
     .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, 1-2 minutes once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
 Options: --threads N, --spin, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16,
---scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems transformers,optimum,genai,ours,
---out PATH, --workdir PATH. A system whose package is missing (e.g. Optimum in the main venv) or that does not
-apply to a task (genai: translation) is reported as skipped, with the reason.
+--scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems
+transformers,optimum,genai,ctranslate2,ours,shipped, --out PATH, --workdir PATH. A system whose package is missing
+(e.g. Optimum in the main venv) or that does not apply to a task (genai: translation) is reported as skipped, with
+the reason. The CPU model and its ISA are printed first (bench/cpuinfo.py) and recorded in the report.
 
 Code: this file (options, the run); bench/enginebench/: workloads.py (sizes, inputs, thread settings), baselines.py
-(transformers, Optimum, GenAI), ours.py (our engine, plain and shipped), systems.py (the systems by task), measure.py
-(interleaved timing, checks, summaries), scaling.py (the scaling table), report.py (printing, environment).
+(transformers, Optimum, GenAI), ct2.py (CTranslate2 on our weights), ours.py (our engine, plain and shipped),
+systems.py (the systems by task), measure.py (interleaved timing, checks, summaries), scaling.py (the scaling
+table), report.py (printing, environment).
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ for folder in (PROJECT_ROOT, PROJECT_ROOT / "bench"):  # the project's packages,
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from enginebench.measure import measure, summarise  # after the sys.path set-up
+from cpuinfo import describe as describe_cpu  # after the sys.path set-up
+from enginebench.measure import measure, summarise
 from enginebench.report import environment, print_result, print_table
 from enginebench.scaling import bench_scaling, print_scaling
 from enginebench.systems import SYSTEMS, build_systems
@@ -133,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="scaling table batch sizes (default 1,8,16,32,64,128)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated: transformers,optimum,genai,ours,shipped (the scaling task always runs "
-                             "ours and shipped)")
+                        help="comma-separated: transformers,optimum,genai,ctranslate2,ours,shipped (the scaling "
+                             "task always runs ours and shipped)")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_engine.json"), help="JSON results")
     parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_engine"),
                         help="where exported models are kept between runs (default .cache/bench_engine)")
@@ -166,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_interop_threads(1)
     args.workdir.mkdir(parents=True, exist_ok=True)
     env = environment(args.runtime)
+    print(describe_cpu(), flush=True)
     print(f"threads={args.threads} spin={args.spin} repeats={args.repeats} warmup={args.warmup} "
           f"load average={env['load_average']}")
     print(f"versions: {env['versions']}", flush=True)

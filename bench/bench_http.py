@@ -85,7 +85,8 @@ for folder in (PROJECT_ROOT, PROJECT_ROOT / "bench"):  # the project's packages,
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from httpbench.cases import (  # after the sys.path set-up
+from cpuinfo import describe as describe_cpu  # after the sys.path set-up
+from httpbench.cases import (
     Case,
     baseline_workload,
     gpt_grpc_workload,
@@ -180,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if args.spin else "PASSIVE"  # for the export, if it runs
     env = environment(args)
     amount = f"{args.requests} requests" if args.requests else f"{args.duration:g} s"
-    print(f"CPU: {env['cpu']['model']} ({env['cpu']['cores']} cores; ISA: {' '.join(env['cpu']['isa']) or '-'})",
-          flush=True)
+    print(describe_cpu(), flush=True)
     print(f"threads={args.threads} spin={args.spin} per case: {amount} in {args.rounds} round(s); "
           f"load average={env['load_average']} nice={env['niceness']}", flush=True)
     random_weights = args.repository is None

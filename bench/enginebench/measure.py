@@ -51,12 +51,14 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
     throughput = {name: entry["throughput"] for name, entry in result["systems"].items()}
     result["ratios"] = {
         f"{mine}/{other}": (throughput[mine] / throughput[other]) if {mine, other} <= throughput.keys() else None
-        for mine in ("ours", "shipped") for other in ("transformers", "optimum", "genai")
+        for mine in ("ours", "shipped") for other in ("transformers", "optimum", "genai", "ctranslate2")
     }
     result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
                                                 if {"optimum", "transformers"} <= throughput.keys() else None)
     if {"transformers", "optimum"} <= outputs.keys():
         result["transformers_optimum_agreement"] = agreement(outputs["transformers"], outputs["optimum"])
+    if {"ours", "ctranslate2"} <= outputs.keys():  # the same weights (enginebench.ct2): the beams should agree
+        result["ours_ctranslate2_agreement"] = agreement(outputs["ours"], outputs["ctranslate2"])
     if {"ours", "genai"} <= outputs.keys():
         result["ours_genai_agreement"] = agreement(outputs["ours"], outputs["genai"])
         result["ours_genai_identical_tokens"] = int(sum(

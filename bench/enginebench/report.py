@@ -7,6 +7,8 @@ import os
 import platform
 import sys
 
+from cpuinfo import cpu
+
 from .systems import SYSTEMS
 from .workloads import Runtime
 
@@ -26,7 +28,13 @@ def print_result(result: dict) -> None:
             print(f"    {name:<13} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass, "
                   f"range {min(seconds):.3f}-{max(seconds):.3f})")
     ratios = result["ratios"]
-    print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items()))
+    print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items() if value is not None))
+    for mine in ("ours", "shipped"):  # the C++ peer's line, as the issue of record asks: `ours/<peer> <case> = x`
+        if ratios.get(f"{mine}/ctranslate2") is not None:
+            print(f"    {mine}/ctranslate2 {result['case']} = {ratios[f'{mine}/ctranslate2']:.2f}")
+    if "ours_ctranslate2_agreement" in result:
+        print(f"    identical best beams ours vs ctranslate2 (same weights): "
+              f"{result['ours_ctranslate2_agreement']:.0%}")
     if "transformers_optimum_agreement" in result:
         print(f"    identical outputs transformers vs optimum: {result['transformers_optimum_agreement']:.0%}")
     if "ours_genai_agreement" in result:
@@ -38,9 +46,9 @@ def print_result(result: dict) -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ours':>10} " \
-             f"{'shipped':>10} {'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} " \
-             f"{'shipped/optimum':>15} {'shipped/genai':>13}"
+    header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ctranslate2':>11} " \
+             f"{'ours':>10} {'shipped':>10} {'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} " \
+             f"{'ours/ct2':>9} {'shipped/optimum':>15} {'shipped/genai':>13} {'shipped/ct2':>11}"
     print("=" * len(header))
     print(header)
     print("-" * len(header))
@@ -48,9 +56,11 @@ def print_table(results: list[dict]) -> None:
         tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
         ratios = r["ratios"]
         print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['genai']:>10} "
-              f"{tp['ours']:>10} {tp['shipped']:>10} {_fmt(ratios['ours/transformers'], '.2f'):>12} "
-              f"{_fmt(ratios['ours/optimum'], '.2f'):>12} {_fmt(ratios['ours/genai'], '.2f'):>10} "
-              f"{_fmt(ratios['shipped/optimum'], '.2f'):>15} {_fmt(ratios['shipped/genai'], '.2f'):>13}")
+              f"{tp['ctranslate2']:>11} {tp['ours']:>10} {tp['shipped']:>10} "
+              f"{_fmt(ratios['ours/transformers'], '.2f'):>12} {_fmt(ratios['ours/optimum'], '.2f'):>12} "
+              f"{_fmt(ratios['ours/genai'], '.2f'):>10} {_fmt(ratios['ours/ctranslate2'], '.2f'):>9} "
+              f"{_fmt(ratios['shipped/optimum'], '.2f'):>15} {_fmt(ratios['shipped/genai'], '.2f'):>13} "
+              f"{_fmt(ratios['shipped/ctranslate2'], '.2f'):>11}")
     print("=" * len(header))
 
 
@@ -69,7 +79,12 @@ def environment(runtime: Runtime) -> dict:
             versions[distribution] = version(distribution)
         except Exception:  # noqa: BLE001 - not installed
             versions[distribution] = None
-    return {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-            "threads": runtime.threads, "spin": runtime.spin,
+    for distribution in ("ctranslate2",):
+        try:
+            versions[distribution] = version(distribution)
+        except Exception:  # noqa: BLE001 - not installed
+            versions[distribution] = None
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu(),
+            "cpu_count": os.cpu_count(), "threads": runtime.threads, "spin": runtime.spin,
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(),
             "executable": sys.executable, "versions": versions}

@@ -9,6 +9,8 @@ import sys
 import time
 from collections import Counter
 
+from cpuinfo import cpu
+
 from .load import Result, percentiles
 
 GOALS = (  # (key, description, numerator case, denominator case, threshold)
@@ -146,29 +148,6 @@ def print_comparisons(comparisons: list[dict]) -> None:
         print(f"  grpc/rest {c['rest']} throughput = {_fmt(c['throughput'], '.2f')}   p50 latency = "
               f"{_fmt(c['latency_p50'], '.2f')}   p50 TTFT = {_fmt(c['ttft_p50'], '.2f')}"
               + (f"  [errors in these cases: {c['errors_in_cases']}]" if c["errors_in_cases"] else ""))
-
-
-def cpu() -> dict:
-    """The CPU model, its cores and the vector ISA extensions that change ONNX Runtime's kernels (from lscpu, else
-    /proc/cpuinfo): every figure holds only beside the CPU it ran on."""
-    import subprocess
-
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        text = ""
-    if not text and os.path.exists("/proc/cpuinfo"):
-        text = open("/proc/cpuinfo").read().replace("model name", "Model name").replace("flags", "Flags")
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "Model name" and value.strip():
-            model = value.strip()
-        elif key.strip() == "Flags":
-            flags = set(value.split())
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
-                       "amx_int8") if f in flags]
-    return {"model": model, "cores": os.cpu_count(), "isa": isa}
 
 
 def environment(args) -> dict:

@@ -1,0 +1,139 @@
+"""CTranslate2 (`pip install ctranslate2`), the C++ engine a user would otherwise pick to serve a translator, on
+the SAME weights as ours: our `EncoderDecoderTransformer` converted into CTranslate2's `TransformerSpec`
+(`translation_spec`), and a `GenerateFn` over `ctranslate2.Translator` (`run_ctranslate2_translation`).
+
+The conversion, layer by layer (models/transformer.py, models/layers.py -> ctranslate2/specs/transformer_spec.py):
+the shared embedding (scaled by sqrt(d), as ours) is the encoder's and the decoder's embeddings and the decoder's
+output projection (tied; zero bias); our own sinusoidal table is given as the position encodings (CTranslate2's
+built-in one interleaves sin and cos otherwise); each attention's q, k and v projections are concatenated into
+CTranslate2's fused linear (self-attention: [q; k; v]; cross-attention: q, then [k; v]); Pre-LN norms map to the
+sub-layers' `layer_norm`s, the final norms to the encoder's and decoder's; LayerNorm epsilon 1e-5 (PyTorch's).
+The vocabulary is the ids themselves written as tokens ("0", "1", ...), so CTranslate2 takes and returns the same
+ids as our engine. `agreement` checks the result against ours on the same sources: the fraction of identical
+best beams, printed by every bench run that has both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .workloads import BOS_ID, EOS_ID, PAD_ID, GenerateFn, Runtime, TranslationSpec, seed_torch, spec_dir
+
+LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our model uses
+
+
+def _numpy(tensor) -> np.ndarray:
+    return tensor.detach().float().cpu().numpy()
+
+
+def _linear(spec, *layers) -> None:
+    """CTranslate2's linear (a fused one when several layers are given: their outputs concatenated)."""
+    spec.weight = np.concatenate([_numpy(layer.weight) for layer in layers], axis=0)
+    spec.bias = np.concatenate([_numpy(layer.bias) for layer in layers], axis=0)
+
+
+def _norm(spec, norm) -> None:
+    spec.gamma, spec.beta = _numpy(norm.weight), _numpy(norm.bias)
+
+
+def _ffn(spec, norm, ff) -> None:
+    _norm(spec.layer_norm, norm)
+    _linear(spec.linear_0, ff.up)
+    _linear(spec.linear_1, ff.down)
+
+
+def translation_spec(model):
+    """Our translator as a CTranslate2 `TransformerSpec` (see the module's docstring)."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    config = model.config
+    if config.activation != "relu":
+        raise NotImplementedError(f"activation {config.activation!r}: the converter maps relu")
+    spec = transformer_spec.TransformerSpec.from_config(
+        (config.n_encoder_layers, config.n_decoder_layers), config.n_heads, pre_norm=True,
+        activation=common_spec.Activation.RELU)
+    spec.config.layer_norm_epsilon = LAYER_NORM_EPSILON
+    embedding = _numpy(model.embedding.weight)
+    table = _numpy(model.positions.table)
+    encoder, decoder = spec.encoder, spec.decoder
+    encoder.embeddings[0].weight = embedding
+    decoder.embeddings.weight = embedding
+    encoder.scale_embeddings = decoder.scale_embeddings = True
+    encoder.position_encodings.encodings = table
+    decoder.position_encodings.encodings = table
+    for ours, theirs in zip(model.encoder_layers, encoder.layer):
+        attention = theirs.self_attention
+        _norm(attention.layer_norm, ours.norm1)
+        _linear(attention.linear[0], ours.attn.q_proj, ours.attn.k_proj, ours.attn.v_proj)
+        _linear(attention.linear[1], ours.attn.out_proj)
+        _ffn(theirs.ffn, ours.norm2, ours.ff)
+    _norm(encoder.layer_norm, model.encoder_norm)
+    for ours, theirs in zip(model.decoder_layers, decoder.layer):
+        self_attention, cross = theirs.self_attention, theirs.attention
+        _norm(self_attention.layer_norm, ours.norm1)
+        _linear(self_attention.linear[0], ours.self_attn.q_proj, ours.self_attn.k_proj, ours.self_attn.v_proj)
+        _linear(self_attention.linear[1], ours.self_attn.out_proj)
+        _norm(cross.layer_norm, ours.norm2)
+        _linear(cross.linear[0], ours.cross_attn.q_proj)
+        _linear(cross.linear[1], ours.cross_attn.k_proj, ours.cross_attn.v_proj)
+        _linear(cross.linear[2], ours.cross_attn.out_proj)
+        _ffn(theirs.ffn, ours.norm3, ours.ff)
+    _norm(decoder.layer_norm, model.decoder_norm)
+    decoder.projection.weight = embedding
+    decoder.projection.bias = np.zeros(len(embedding), np.float32)
+    tokens = [str(i) for i in range(config.vocab_size)]
+    spec.register_source_vocabulary(tokens)
+    spec.register_target_vocabulary(tokens)
+    spec.config.bos_token, spec.config.eos_token = str(config.bos_id), str(config.eos_id)
+    spec.config.unk_token = str(config.pad_id)  # every id is a token: nothing is ever unknown
+    spec.config.decoder_start_token = str(config.bos_id)
+    return spec
+
+
+def convert(model, folder: Path, quantization: str | None = None) -> Path:
+    """Write the CTranslate2 model of `model` into `folder` (once per folder) and return it."""
+    if not (folder / "model.bin").exists():
+        spec = translation_spec(model)
+        spec.validate()
+        spec.optimize(quantization=quantization)
+        folder.mkdir(parents=True, exist_ok=True)
+        spec.save(str(folder))
+    return folder
+
+
+def run_ctranslate2_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
+                                compute_type: str = "float32") -> GenerateFn:
+    """CTRANSLATE2, TRANSLATION: `ctranslate2.Translator.translate_batch` on our translator's weights (random,
+    seed 0, as ours), beam search like ours: `num_beams`, length penalty 1.0, no early stop (patience None),
+    exactly `spec.new_tokens` new tokens (min = max decoding length; EOS comes after them, not counted)."""
+    import ctranslate2
+
+    from models.config import TranslationConfig
+    from models.transformer import EncoderDecoderTransformer
+
+    config = TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
+                               n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers,
+                               d_ff=spec.d_ff, dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID,
+                               bos_id=BOS_ID, eos_id=EOS_ID)
+    seed_torch(0)
+    model = EncoderDecoderTransformer(config).eval()
+    folder = convert(model, spec_dir(workdir, f"ctranslate2-translation-{compute_type}", spec))
+    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type=compute_type,
+                                        intra_threads=runtime.threads, inter_threads=1)
+
+    def generate(source: np.ndarray) -> np.ndarray:
+        tokens = [[str(i) for i in row] for row in source.tolist()]  # the EOS included, as ours reads it
+        results = translator.translate_batch(tokens, beam_size=spec.num_beams, length_penalty=1.0,
+                                             max_decoding_length=spec.new_tokens,
+                                             min_decoding_length=spec.new_tokens, return_scores=False)
+        return np.array([[int(t) for t in r.hypotheses[0]] for r in results], dtype=np.int64)
+
+    return generate
+
+
+def agreement(ours: GenerateFn, theirs: GenerateFn, sources: list[np.ndarray]) -> dict:
+    """How many best beams CTranslate2 and ours give alike on `sources`, token for token."""
+    same = sum(np.array_equal(ours(s), theirs(s)) for s in sources)
+    return {"identical": same, "sources": len(sources)}
