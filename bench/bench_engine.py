@@ -6,8 +6,9 @@ config, and the Optimum models are exported locally into --workdir):
 
 - GPT (decoder-only), greedy, a 16-token prompt and exactly 128 new tokens, at batch 1 and batch 16 -> tokens/s.
   d_model 256, 4 layers, 4 heads, d_ff 1024, vocab 512, context 256 (`GPT2LMHeadModel` for the baselines).
-- Translation (encoder-decoder), beam search with 4 beams, batch 1, sources of ~15 tokens (Multi30k length) and
-  exactly 30 new tokens -> sentences/s. d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocab 8,000
+- Translation (encoder-decoder), beam search with 4 beams, at batch 1 (sentences one at a time) and batch 16 and
+  32 (one call of that many sentences, right-padded), sources of ~15 tokens (Multi30k length) and exactly 30 new
+  tokens -> sentences/s. d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocab 8,000
   (`MarianMTModel` for the baselines).
 
 Systems (one function each, `run_<system>_<task>`):
@@ -52,7 +53,7 @@ fraction then comes out near or above 1.
 Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
     .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, 1-2 minutes once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
-Options: --threads N, --spin, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16,
+Options: --threads N, --spin, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16, --translation-batches 1,16,32,
 --scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems
 transformers,optimum,genai,ctranslate2,ours,shipped, --out PATH, --workdir PATH. A system whose package is missing
 (e.g. Optimum in the main venv) or that does not apply to a task (genai: translation) is reported as skipped, with
@@ -92,7 +93,7 @@ from enginebench.measure import measure, summarise
 from enginebench.report import environment, print_result, print_table
 from enginebench.scaling import bench_scaling, print_scaling
 from enginebench.systems import SYSTEMS, build_systems
-from enginebench.workloads import GptSpec, Runtime, TranslationSpec, make_prompts, make_sources
+from enginebench.workloads import GptSpec, Runtime, TranslationSpec, make_prompts, make_source_batch, make_sources
 
 TASKS = ("gpt", "translation", "scaling")  # scaling: see `enginebench.scaling.bench_scaling`
 
@@ -115,13 +116,18 @@ def bench_translation(args, systems: list[str]) -> list[dict]:
     spec = TranslationSpec()
     print(f"Translation: {spec}", flush=True)
     built, skipped = build_systems("translation", spec, systems, args.runtime, args.workdir)
-    sources = make_sources(spec, args.sentences)
-    times, outputs = measure(built, sources, spec.new_tokens, args.warmup, args.repeats)
-    result = summarise(f"translation beam {spec.num_beams} batch 1", "sentences/s", len(sources), times, outputs,
-                       skipped)
-    result["source_lengths"] = [int(s.shape[1]) for s in sources]
-    print_result(result)
-    return [result]
+    results = []
+    for batch in args.translation_batches:
+        # batch 1: --sentences sentences one at a time; batch B: one call of B sentences, right-padded
+        inputs = make_sources(spec, args.sentences) if batch == 1 else [make_source_batch(spec, batch)]
+        times, outputs = measure(built, inputs, spec.new_tokens, args.warmup, args.repeats)
+        work = sum(x.shape[0] for x in inputs)
+        result = summarise(f"translation beam {spec.num_beams} batch {batch}", "sentences/s", work, times, outputs,
+                           skipped)
+        result["source_lengths"] = [int((row != 0).sum()) for x in inputs for row in x]
+        print_result(result)
+        results.append(result)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sentences", type=int, default=None,
                         help="translation: source sentences per pass, one at a time (default 10; quick 3)")
     parser.add_argument("--gpt-batches", default="1,16", help="GPT batch sizes (default 1,16)")
+    parser.add_argument("--translation-batches", default="1,16,32",
+                        help="translation batch sizes (default 1,16,32; 1: --sentences one at a time)")
     parser.add_argument("--scaling-batches", default="1,8,16,32,64,128",
                         help="scaling table batch sizes (default 1,8,16,32,64,128)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling")
@@ -150,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.sentences = args.sentences or (3 if args.quick else 10)
     args.gpt_batches = [int(b) for b in args.gpt_batches.split(",") if b]
+    args.translation_batches = [int(b) for b in args.translation_batches.split(",") if b]
     args.scaling_batches = [int(b) for b in args.scaling_batches.split(",") if b]
     tasks = [t for t in args.tasks.split(",") if t]
     systems = [s for s in args.systems.split(",") if s]
@@ -191,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "environment": env,
               "settings": {"repeats": args.repeats, "warmup": args.warmup, "sentences": args.sentences,
-                           "gpt_batches": args.gpt_batches, "scaling_batches": args.scaling_batches,
+                           "gpt_batches": args.gpt_batches,
+                           "translation_batches": args.translation_batches, "scaling_batches": args.scaling_batches,
                            "gpt": asdict(GptSpec()), "translation": asdict(TranslationSpec())},
               "results": results, "scaling": scaling}
     args.out.parent.mkdir(parents=True, exist_ok=True)

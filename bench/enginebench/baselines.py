@@ -88,7 +88,7 @@ def run_transformers_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> Gene
     def generate(prompts: np.ndarray) -> np.ndarray:
         ids = torch.from_numpy(prompts)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+            out = model.generate(input_ids=ids, attention_mask=(ids != PAD_ID).long(),
                                  generation_config=generation_config)
         return out[:, ids.shape[1]:].numpy()
 
@@ -106,7 +106,8 @@ def run_optimum_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateF
 
     def generate(prompts: np.ndarray) -> np.ndarray:
         ids = torch.from_numpy(prompts)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=generation_config)
+        out = model.generate(input_ids=ids, attention_mask=(ids != PAD_ID).long(),
+                             generation_config=generation_config)
         return out[:, ids.shape[1]:].numpy()
 
     return generate
@@ -133,7 +134,7 @@ def run_transformers_translation(spec: TranslationSpec, runtime: Runtime, workdi
     def generate(source: np.ndarray) -> np.ndarray:
         ids = torch.from_numpy(source)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+            out = model.generate(input_ids=ids, attention_mask=(ids != PAD_ID).long(),
                                  generation_config=generation_config)
         return out[:, 1:].numpy()  # drop the decoder start token
 
@@ -153,7 +154,8 @@ def run_optimum_translation(spec: TranslationSpec, runtime: Runtime, workdir: Pa
 
     def generate(source: np.ndarray) -> np.ndarray:
         ids = torch.from_numpy(source)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=generation_config)
+        out = model.generate(input_ids=ids, attention_mask=(ids != PAD_ID).long(),
+                             generation_config=generation_config)
         return out[:, 1:].numpy()
 
     return generate

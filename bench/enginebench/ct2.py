@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .workloads import BOS_ID, EOS_ID, PAD_ID, GenerateFn, Runtime, TranslationSpec, seed_torch, spec_dir
+from .workloads import BOS_ID, EOS_ID, PAD_ID, GenerateFn, Runtime, TranslationSpec, seed_torch, source_rows, spec_dir
 
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our model uses
 
@@ -161,7 +161,7 @@ def run_ctranslate2_translation(spec: TranslationSpec, runtime: Runtime, workdir
         raise RuntimeError("the CTranslate2 worker did not start")
 
     def generate(source: np.ndarray) -> np.ndarray:
-        tokens = [[str(i) for i in row] for row in source.tolist()]  # the EOS included, as ours reads it
+        tokens = [[str(i) for i in row] for row in source_rows(source)]  # the EOS included, as ours reads it
         parent.send((tokens, spec.num_beams, spec.new_tokens))
         return np.array(parent.recv(), dtype=np.int64)
 

@@ -13,7 +13,18 @@ from pathlib import Path
 import numpy as np
 
 from . import PROJECT_ROOT
-from .workloads import BOS_ID, EOS_ID, PAD_ID, GenerateFn, GptSpec, Runtime, TranslationSpec, seed_torch, spec_dir
+from .workloads import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    GenerateFn,
+    GptSpec,
+    Runtime,
+    TranslationSpec,
+    seed_torch,
+    source_rows,
+    spec_dir,
+)
 
 
 def run_shipped_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
@@ -90,7 +101,7 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
     engine = TranslationEngine(version, _ours_runtime_options(runtime))
 
     def generate(source: np.ndarray) -> np.ndarray:
-        searches = engine.translate_ids(source.tolist(), lambda _: BeamSearch(
+        searches = engine.translate_ids(source_rows(source), lambda _: BeamSearch(
             spec.num_beams, spec.new_tokens, EOS_ID, length_penalty=1.0, early_stopping=False,
             min_new_tokens=spec.new_tokens))
         return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)

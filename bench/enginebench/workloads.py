@@ -14,7 +14,8 @@ import numpy as np
 
 
 # A generate function: input ids (B, S) int64 -> the generated tokens only (B, new_tokens) int64.
-# GPT: the prompts; translation: the source sentences (the best beam is returned).
+# GPT: the prompts; translation: the source sentences, right-padded with PAD_ID after their EOS (`source_rows`
+# gives each one back; the best beam is returned).
 GenerateFn = Callable[[np.ndarray], np.ndarray]
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the same special ids in every model here; sources/prompts never contain them
@@ -63,6 +64,20 @@ def make_sources(spec: TranslationSpec, count: int, seed: int = 1) -> list[np.nd
         ids = rng.integers(FIRST_REGULAR_ID, spec.vocab_size, size=length - 1, dtype=np.int64)
         sources.append(np.concatenate([ids, [EOS_ID]]).astype(np.int64)[None, :])
     return sources
+
+
+def make_source_batch(spec: TranslationSpec, batch: int, seed: int = 2) -> np.ndarray:
+    """`batch` source sentences as one (batch, longest) int64 array, right-padded with PAD_ID after each EOS."""
+    rows = [s[0] for s in make_sources(spec, batch, seed)]
+    padded = np.full((batch, max(len(r) for r in rows)), PAD_ID, np.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return padded
+
+
+def source_rows(source: np.ndarray) -> list[list[int]]:
+    """The sentences of a (B, S) source batch: each row up to and with its EOS (the padding dropped)."""
+    return [row[: row.index(EOS_ID) + 1] for row in source.tolist()]
 
 
 def seed_torch(seed: int) -> None:
