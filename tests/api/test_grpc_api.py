@@ -494,6 +494,31 @@ def test_api_keys_are_bearer_metadata_and_health_stays_open(server_factory):
         client.close()
 
 
+def test_model_repository_index_load_and_unload(server_factory, client):
+    """Triton's model repository extension over gRPC, as tritonclient calls it: the index (with model control off
+    too), unload and load (model control on), and PERMISSION_DENIED for a load with it off."""
+    index = client.get_model_repository_index(as_json=True)["models"]
+    assert {(m["name"], m["state"]) for m in index} >= {("gpt", "READY"), ("vit", "READY"), ("translation", "READY")}
+    with pytest.raises(InferenceServerException) as off:
+        client.load_model("vit")
+    assert off.value.status() == "StatusCode.PERMISSION_DENIED", off.value
+    with server_factory("grpc control", grpc_port=free_port(), model_control="true") as process:
+        control = tgrpc.InferenceServerClient(grpc_url(process))
+        control.unload_model("vit")
+        poll(lambda: not control.is_model_ready("vit"), timeout=PATIENCE_S, message="vit unloaded")
+        states = {m["name"]: m["state"] for m in control.get_model_repository_index(as_json=True)["models"]}
+        assert states["vit"] == "UNAVAILABLE" and states["gpt"] == "READY"
+        control.load_model("vit")
+        assert control.is_model_ready("vit")
+        with pytest.raises(InferenceServerException) as unknown:
+            control.load_model("nope")
+        assert unknown.value.status() == "StatusCode.NOT_FOUND", unknown.value
+        with pytest.raises(InferenceServerException) as configured:
+            control.load_model("vit", config='{"max_batch_size": 8}')
+        assert configured.value.status() == "StatusCode.INVALID_ARGUMENT" and "config" in configured.value.message()
+        control.close()
+
+
 def test_overload_is_resource_exhausted_with_a_retry_hint(server_factory):
     knobs = {"max_queue_size": 1, "translation_max_batch_rows": 8, "max_prefill_requests": 1}
     with server_factory("grpc overload", grpc_port=free_port(), **knobs) as process:
