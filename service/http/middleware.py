@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
 
 from service.http.apis import ApiTable
 from service.http.errors import ClientBodyError, send_error
 from service.observability import tracing
-from service.observability.logs import log_access
+from service.observability import logs
 from service.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -38,10 +36,6 @@ REQUEST_ID_HEADER = b"x-request-id"
 INTERNAL_STATUS, INTERNAL_TYPE = 500, "internal_error"
 # A body over TSERVE_MAX_BODY_BYTES, and one that did not arrive within TSERVE_BODY_TIMEOUT_S.
 TOO_LARGE_STATUS, BODY_TIMEOUT_STATUS = 413, 408
-# The access log's latency: milliseconds, to 10 microseconds.
-MS_PER_S, LATENCY_DECIMALS = 1000, 2
-# A request id a client sends is kept when it is this tame (it goes into logs and headers), else one is made up.
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class RequestMiddleware:
@@ -58,7 +52,7 @@ class RequestMiddleware:
         started = time.perf_counter()
         headers = dict(scope.get("headers") or [])
         given = headers.get(REQUEST_ID_HEADER, b"").decode("latin-1")
-        request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        request_id = logs.request_id(given)
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         span = tracing.start_request(scope, headers) if tracing.tracer is not None else None  # off: one check
@@ -129,7 +123,6 @@ class RequestMiddleware:
             self.metrics.count_request(endpoint=endpoint, api=route.api.name, model=model, version=version, mode=mode,
                                        status=status, seconds=seconds, failure_reason=state.get("failure_reason"))
         if route is None or route.api.access_log:
-            log_access(request_id=request_id, method=scope.get("method"), path=path, model=model or None,
-                       version=int(version) if version else None, mode=mode or None, status=status,
-                       latency_ms=round(seconds * MS_PER_S, LATENCY_DECIMALS),
-                       **({"trace_id": trace_id} if trace_id else {}))
+            logs.log_access(request_id=request_id, method=scope.get("method"), path=path, model=model or None,
+                            version=int(version) if version else None, mode=mode or None, status=status,
+                            latency_ms=logs.latency_ms(seconds), **({"trace_id": trace_id} if trace_id else {}))

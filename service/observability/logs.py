@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
+import uuid
 
 ACCESS_LOGGER = "tserve.access"
+# The access log's latency: milliseconds, to 10 microseconds.
+MS_PER_S, LATENCY_DECIMALS = 1000, 2
+# A request id a client sends is kept when it is this tame (it goes into logs and headers), else one is made up.
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class JSONFormatter(logging.Formatter):
@@ -47,6 +53,16 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     logging.getLogger("uvicorn.access").disabled = True
+
+
+def request_id(given: str) -> str:
+    """The id a request goes by: the client's (`X-Request-ID`, gRPC's `x-request-id`) when it is tame, else new."""
+    return given if _SAFE_ID.match(given) else uuid.uuid4().hex
+
+
+def latency_ms(seconds: float) -> float:
+    """A request's latency as the access line writes it."""
+    return round(seconds * MS_PER_S, LATENCY_DECIMALS)
 
 
 def log_access(**fields) -> None:

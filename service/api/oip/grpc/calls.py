@@ -11,11 +11,12 @@ each one gets around its work, as the HTTP middleware (`service.http.middleware`
   its jobs are cancelled on the way out (`service.serving.awaiting`), counted as 499.
 - **Deadline**: the call's gRPC deadline (what `client_timeout` sets) is the request's deadline unless the request's
   `timeout` parameter says otherwise (`service.api.oip.inference.deadline`).
-- **Observed**: the request id (`x-request-id` metadata when it is tame, else a new one; sent back as trailing
-  metadata of a unary call), the leases of the model versions it resolved released at its end, one access-log line (method
-  "GRPC", path `/inference.GRPCInferenceService/<rpc>`), and for inference (ModelInfer, each request of a
-  ModelStreamInfer) the request metrics with `api="oip-grpc"`, `endpoint` the RPC's name and `status` the HTTP
-  status its outcome maps to (200 or its error's), so one dashboard and Triton's statistics read every API alike.
+- **Observed**: the request id (`x-request-id` metadata when it is tame, else a new one, as HTTP's; sent back as
+  trailing metadata of a unary call), the leases of the model versions it resolved released at its end, one
+  access-log line (method "GRPC", path `/inference.GRPCInferenceService/<rpc>`), and for inference (ModelInfer,
+  each request of a ModelStreamInfer) the request metrics with `api="oip-grpc"`, `endpoint` the RPC's name and
+  `status` the HTTP status its outcome maps to (200 or its error's), so one dashboard and Triton's statistics read
+  every API alike.
   A SERVER trace span per request while tracing is on (`service.observability.request_span.start_rpc`).
 """
 
@@ -23,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import TypeVar
@@ -35,7 +34,7 @@ import grpc
 from service.errors import Cancelled, QueueFull, ServiceError, Unauthorized
 from service.http.auth import ApiKeys
 from service.observability import tracing
-from service.observability.logs import log_access
+from service.observability import logs
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,7 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 INTERNAL_MESSAGE = "internal error; see the server log"
 REQUEST_ID_KEY, AUTHORIZATION_KEY = "x-request-id", "authorization"
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # a client's request id is kept when it is this tame
-MS_PER_S, LATENCY_DECIMALS = 1000, 2
+MS_PER_S = 1000  # a gRPC deadline (seconds remaining) as the serving layer's ms
 T = TypeVar("T")
 
 
@@ -106,8 +104,7 @@ class Calls:
     def begin(self, context: grpc.aio.ServicerContext, method: str) -> tuple[GrpcCall, object, float]:
         """A request's GrpcCall, its trace span (None: tracing off) and its start time."""
         metadata = {k.lower(): v for k, v in self._metadata(context) if isinstance(v, str)}
-        given = metadata.get(REQUEST_ID_KEY, "")
-        call = GrpcCall(self.app, context, given if _SAFE_ID.match(given) else uuid.uuid4().hex)
+        call = GrpcCall(self.app, context, logs.request_id(metadata.get(REQUEST_ID_KEY, "")))
         span = None if tracing.tracer is None else tracing.start_rpc(f"/{SERVICE}/{method}", metadata,
                                                                       context.peer(), call.request_id)
         return call, span, time.perf_counter()
@@ -127,10 +124,9 @@ class Calls:
             self.app.state.metrics.count_request(endpoint=method, api=API, model=model, version=version, mode=mode,
                                                  status=status, seconds=seconds,
                                                  failure_reason=labels.get("failure_reason"))
-        log_access(request_id=call.request_id, method="GRPC", path=f"/{SERVICE}/{method}", model=model or None,
-                   version=int(version) if version else None, mode=mode or None, status=status,
-                   latency_ms=round(seconds * MS_PER_S, LATENCY_DECIMALS),
-                   **({"trace_id": trace_id} if trace_id else {}))
+        logs.log_access(request_id=call.request_id, method="GRPC", path=f"/{SERVICE}/{method}", model=model or None,
+                        version=int(version) if version else None, mode=mode or None, status=status,
+                        latency_ms=logs.latency_ms(seconds), **({"trace_id": trace_id} if trace_id else {}))
 
     async def unary(self, context: grpc.aio.ServicerContext, method: str, work: Callable[[GrpcCall], Awaitable[T]],
                     counted: bool = False) -> T:
