@@ -42,30 +42,25 @@ def gpt_workload(prompts: list[str], max_new_tokens: int) -> Workload:
     return Workload("/v1/generate", bodies, JSON_HEADERS, stream=True, unit="tokens/s")
 
 
-def _raw_bytes(items: list[bytes]) -> bytes:
-    """A BYTES tensor's raw contents: each element's 4-byte little-endian length, then its bytes."""
-    import struct
-
-    return b"".join(struct.pack("<I", len(item)) + item for item in items)
-
-
 def gpt_grpc_workload(model: str, prompts: list[str], max_new_tokens: int) -> Workload:
     """The gpt case's requests over gRPC's ModelStreamInfer (tritonclient's raw contents); work = max_new_tokens
     of a stream that ends with "length" (the screened prompts all do; anything else is an error)."""
+    from service.api.oip.binary import pack_bytes, unpack_bytes
     from service.api.oip.grpc.generated import grpc_service_pb2 as pb
+    from service.api.oip.grpc.wire import to_parameter
 
     bodies = []
     for prompt in prompts:
         message = pb.ModelInferRequest(model_name=model)
         message.inputs.add(name="PROMPT", datatype="BYTES", shape=[1])
-        message.raw_input_contents.append(_raw_bytes([prompt.encode()]))
-        message.parameters["max_new_tokens"].int64_param = max_new_tokens
-        message.parameters["temperature"].double_param = 0.0
+        message.raw_input_contents.append(pack_bytes([prompt.encode()]))
+        for key, value in {"max_new_tokens": max_new_tokens, "temperature": 0.0}.items():
+            message.parameters[key].CopyFrom(to_parameter(value))
         bodies.append(message.SerializeToString())
 
     def work(responses) -> float:
         final = {o.name: raw for o, raw in zip(responses[-1].outputs, responses[-1].raw_output_contents)}
-        reason = final["FINISH_REASON"][4:].decode()
+        (reason,) = (r.decode() for r in unpack_bytes(final["FINISH_REASON"]))
         if reason != "length":
             raise ValueError(f"finish reason {reason!r}, not length")
         return float(max_new_tokens)
@@ -78,6 +73,7 @@ def vit_grpc_workload(model: str, data_dir: Path, count: int) -> Workload:
     from PIL import Image
 
     from models.data import load_fashion_mnist
+    from service.api.oip.binary import pack_bytes
     from service.api.oip.grpc.generated import grpc_service_pb2 as pb
 
     images, _ = load_fashion_mnist(data_dir, "test")
@@ -87,7 +83,7 @@ def vit_grpc_workload(model: str, data_dir: Path, count: int) -> Workload:
         Image.fromarray(pixels, mode="L").save(png, format="PNG")
         message = pb.ModelInferRequest(model_name=model)
         message.inputs.add(name="IMAGE", datatype="BYTES", shape=[1])
-        message.raw_input_contents.append(_raw_bytes([png.getvalue()]))
+        message.raw_input_contents.append(pack_bytes([png.getvalue()]))
         bodies.append(message.SerializeToString())
 
     def work(response) -> float:

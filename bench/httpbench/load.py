@@ -104,15 +104,13 @@ async def send_json(client, workload: Workload, body: bytes) -> Result:
     return result
 
 
-FINAL_RESPONSE = "triton_final_response"  # the parameter of a gRPC stream's last response
-
-
 async def send_grpc(channel, workload: Workload, body: bytes) -> Result:
     """One gRPC call: ModelInfer (work from its response), or ModelStreamInfer (work from its responses, to the one
     flagged final; time to first token at the first)."""
     import grpc
 
     from service.api.oip.grpc.generated import grpc_service_pb2 as pb
+    from service.api.oip.grpc.wire import FINAL_RESPONSE
 
     start = time.perf_counter()
     result = Result(start, start)

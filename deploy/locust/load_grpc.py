@@ -15,7 +15,6 @@ gRPC port); the API key, when set, travels as `authorization: Bearer` metadata.
 
 from __future__ import annotations
 
-import struct
 import time
 from urllib.parse import urlsplit
 
@@ -26,41 +25,18 @@ grpc_gevent.init_gevent()  # before any channel: gRPC's I/O yields to gevent, as
 
 from load_checks import CLASSES, Unexpected, expect  # noqa: E402 - after init_gevent
 
+from service.api.oip.binary import pack_bytes, unpack_bytes  # noqa: E402
 from service.api.oip.grpc.generated import grpc_service_pb2 as pb  # noqa: E402
 from service.api.oip.grpc.generated import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
+from service.api.oip.grpc.wire import FINAL_RESPONSE, to_parameter  # noqa: E402
 
 GRPC_PORT = 8001  # TSERVE_GRPC_PORT's default, and nginx's gRPC port
-BYTES_LENGTH = "<I"  # a raw BYTES element: its 4-byte little-endian length, then its bytes
-FINAL_RESPONSE = "triton_final_response"
 STREAM_TIMEOUT_S = 130.0  # as nginx's grpc_read_timeout: past the service's longest deadline
 
 
 def default_target(http_host: str) -> str:
     """host:8001 of locust's --host (http://host:port)."""
     return f"{urlsplit(http_host).hostname or '127.0.0.1'}:{GRPC_PORT}"
-
-
-def raw_bytes(items: list[bytes]) -> bytes:
-    return b"".join(struct.pack(BYTES_LENGTH, len(item)) + item for item in items)
-
-
-def read_bytes(raw: bytes) -> list[bytes]:
-    items, offset = [], 0
-    while offset < len(raw):
-        (length,) = struct.unpack_from(BYTES_LENGTH, raw, offset)
-        items.append(raw[offset + 4 : offset + 4 + length])
-        offset += 4 + length
-    return items
-
-
-def parameter(value) -> pb.InferParameter:
-    if isinstance(value, bool):
-        return pb.InferParameter(bool_param=value)
-    if isinstance(value, int):
-        return pb.InferParameter(int64_param=value)
-    if isinstance(value, float):
-        return pb.InferParameter(double_param=value)
-    return pb.InferParameter(string_param=str(value))
 
 
 def outputs_of(response: pb.ModelInferResponse) -> dict[str, tuple[list[int], bytes]]:
@@ -84,13 +60,13 @@ class GrpcInference:
         """The images classified, or None (the failure is reported)."""
         request = pb.ModelInferRequest(model_name="vit")
         request.inputs.add(name="IMAGE", datatype="BYTES", shape=[len(pngs)])
-        request.raw_input_contents.append(raw_bytes(pngs))
+        request.raw_input_contents.append(pack_bytes(pngs))
         started = time.perf_counter()
         try:
             response = self.stub.ModelInfer(request, metadata=self.metadata, timeout=STREAM_TIMEOUT_S)
             outputs = outputs_of(response)
             expect(outputs["PROBABILITIES"][0] == [len(pngs), CLASSES], "PROBABILITIES shape")
-            expect(len(read_bytes(outputs["LABEL"][1])) == len(pngs), "LABEL")
+            expect(len(unpack_bytes(outputs["LABEL"][1])) == len(pngs), "LABEL")
         except (grpc.RpcError, Unexpected, KeyError) as error:
             self.fire("grpc classify", started, 0, error)
             return None
@@ -101,9 +77,9 @@ class GrpcInference:
         """(tokens generated, ms to the first response) of a streamed generation, or None (reported)."""
         request = pb.ModelInferRequest(model_name="gpt", id="load")
         request.inputs.add(name="PROMPT", datatype="BYTES", shape=[1])
-        request.raw_input_contents.append(raw_bytes([prompt.encode()]))
+        request.raw_input_contents.append(pack_bytes([prompt.encode()]))
         for key, value in {**options, "max_new_tokens": max_new_tokens}.items():
-            request.parameters[key].CopyFrom(parameter(value))
+            request.parameters[key].CopyFrom(to_parameter(value))
         started, first_ms, text, length, final = time.perf_counter(), None, b"", 0, False
         try:
             for answer in self.stub.ModelStreamInfer(iter([request]), metadata=self.metadata,
@@ -116,7 +92,7 @@ class GrpcInference:
                 outputs = outputs_of(answer.infer_response)
                 final = answer.infer_response.parameters[FINAL_RESPONSE].bool_param
                 expect(("FINISH_REASON" in outputs) == final, "FINISH_REASON on the last response only")
-                text += b"".join(read_bytes(outputs["TEXT"][1]))
+                text += b"".join(unpack_bytes(outputs["TEXT"][1]))
                 if final:
                     break
             expect(final, "a response flagged triton_final_response")

@@ -35,6 +35,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.api.fields import ValidUnicode, ascii_digits
+from service.api.oip.binary import BYTES_LENGTH, BYTES_LENGTH_SIZE, pack_bytes
 from service.decoding import top_k_indices
 from service.errors import BadInput, ModelOutputError, describe_validation, json_error_reason
 
@@ -60,8 +61,6 @@ RESERVED_PARAMETERS = ("timeout", "binary_data_output", EMPTY_FINAL_RESPONSE, *U
 # Triton's shared-memory extension, as input or output parameters: not implemented (tensors travel in the body).
 SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 MAX_DIMENSIONS = 8  # dimensions an input shape may have: room above the most any model here takes (4)
-BYTES_LENGTH = "<I"  # a BYTES element's length prefix: 4 bytes, little-endian unsigned
-BYTES_LENGTH_SIZE = struct.calcsize(BYTES_LENGTH)
 
 
 class _Message(BaseModel):
@@ -303,7 +302,7 @@ def check_finite(outputs: list[tuple[str, str, np.ndarray]]) -> None:
 def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
     """A tensor's raw data: little-endian; a BYTES element is its 4-byte length and its bytes."""
     if datatype == "BYTES":
-        return b"".join(struct.pack(BYTES_LENGTH, len(x)) + x for x in array.reshape(-1))
+        return pack_bytes(array.reshape(-1))
     return np.ascontiguousarray(array, dtype=np.dtype(DTYPES[datatype]).newbyteorder("<")).tobytes()
 
 

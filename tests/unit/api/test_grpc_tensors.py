@@ -2,7 +2,8 @@
 and raw contents give the arrays REST's binary extension gives for the same data; values that do not fit their
 datatype, counts that do not fit the shape, contents in the wrong field, raw and typed contents mixed, a raw entry
 missing, and the protocol's parameters of the wrong type are 400s naming the input or parameter; a response
-carries every output raw, in order, with Triton's final-response flag when asked, and no NaN.
+carries every output raw, in order, with Triton's final-response flag when asked, and no NaN. The parameters a
+client sends (`service.api.oip.grpc.wire.to_parameter`) read back as the values they were.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-from service.api.oip.grpc import tensors
+from service.api.oip.grpc import tensors, wire
 from service.api.oip.grpc.generated import grpc_service_pb2 as pb
 from service.api.oip.protocol import tensor_bytes
 from service.errors import BadInput, ModelOutputError
@@ -25,7 +26,7 @@ def request(*inputs, raw: list[bytes] | None = None, **parameters) -> pb.ModelIn
         if contents:
             getattr(tensor.contents, tensors.CONTENTS_FIELD[datatype]).extend(contents)
     for key, value in parameters.items():
-        message.parameters[key].CopyFrom(tensors.to_parameter(value))
+        message.parameters[key].CopyFrom(wire.to_parameter(value))
     return message
 
 
@@ -114,7 +115,7 @@ def test_contents_in_another_datatypes_field_are_a_400():
     (0.25, pb.InferParameter(double_param=0.25)), ("s", pb.InferParameter(string_param="s")),
 ])
 def test_parameters_round_trip_with_their_json_types(value, parameter):
-    assert tensors.to_parameter(value) == parameter
+    assert wire.to_parameter(value) == parameter
     read = tensors.parameter_value(parameter)
     assert read == value and type(read) is type(value)
     assert tensors.parameter_value(pb.InferParameter(uint64_param=2**64 - 1)) == 2**64 - 1

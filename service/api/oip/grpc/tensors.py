@@ -18,6 +18,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from service.api.oip.grpc.generated import grpc_service_pb2 as pb
+from service.api.oip.grpc.wire import FINAL_RESPONSE
 from service.api.oip.protocol import (
     DTYPES,
     EMPTY_FINAL_RESPONSE,
@@ -40,9 +41,6 @@ CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int
 FIELD_DTYPES = {"bool_contents": np.bool_, "int_contents": np.int64, "int64_contents": np.int64,
                 "uint_contents": np.uint64, "uint64_contents": np.uint64, "fp32_contents": np.float64,
                 "fp64_contents": np.float64}
-# Triton's decoupled responses (ModelStreamInfer): the last response of a request says it is the last; a request
-# with the parameter EMPTY_FINAL_RESPONSE true gets an empty last response after its data instead
-FINAL_RESPONSE = "triton_final_response"
 
 
 def parameter_value(parameter: pb.InferParameter) -> Any:
@@ -55,16 +53,6 @@ def parameter_value(parameter: pb.InferParameter) -> Any:
 
 def parameters_of(parameters) -> dict[str, Any]:
     return {key: parameter_value(value) for key, value in parameters.items()}
-
-
-def to_parameter(value: Any) -> pb.InferParameter:
-    if isinstance(value, bool):
-        return pb.InferParameter(bool_param=value)
-    if isinstance(value, int):
-        return pb.InferParameter(int64_param=value)
-    if isinstance(value, float):
-        return pb.InferParameter(double_param=value)
-    return pb.InferParameter(string_param=str(value))
 
 
 def parse_request(message: pb.ModelInferRequest) -> tuple[InferenceRequest, dict[str, np.ndarray]]:
