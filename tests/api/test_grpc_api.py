@@ -9,7 +9,6 @@ auth and message-size cases; a SIGTERM turns the gRPC health NOT_SERVING and let
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import queue
 import signal
@@ -23,13 +22,13 @@ import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.grpc.aio as tgrpc_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from service.api.oip.grpc.generated import grpc_service_pb2 as pb
 from service.api.oip.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from service.client.processes import free_port
 from service.client.sse import parse_sse
+from tests.support.images import png_bytes
 from tests.support.metrics import metric, scrape
 from tests.support.waiting import PATIENCE_S, poll
 
@@ -78,12 +77,6 @@ def images(data_dir) -> np.ndarray:
     from models.data import load_fashion_mnist
 
     return load_fashion_mnist(data_dir, "test")[0][:4]  # (4, 28, 28) uint8
-
-
-def png(pixels: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def text_input(name: str, texts: list[str]) -> tgrpc.InferInput:
@@ -149,7 +142,7 @@ def test_statistics_count_each_grpc_request_once(client, rest):
 
 
 def test_vit_images_and_pixels_give_rests_probabilities(client, rest, images):
-    files = [png(image) for image in images]
+    files = [png_bytes(image) for image in images]
     encoded = tgrpc.InferInput("IMAGE", [len(files)], "BYTES")
     encoded.set_data_from_numpy(np.array(files, dtype=object))
     pixels = tgrpc.InferInput("PIXELS", list(images.shape), "FP32")
@@ -169,7 +162,7 @@ def test_vit_images_and_pixels_give_rests_probabilities(client, rest, images):
 
 def test_classification_and_requested_outputs(client, images):
     encoded = tgrpc.InferInput("IMAGE", [2], "BYTES")
-    encoded.set_data_from_numpy(np.array([png(image) for image in images[:2]], dtype=object))
+    encoded.set_data_from_numpy(np.array([png_bytes(image) for image in images[:2]], dtype=object))
     result = client.infer("vit", [encoded], outputs=[tgrpc.InferRequestedOutput("PROBABILITIES", class_count=3)])
     top = result.as_numpy("PROBABILITIES")
     assert top.shape == (2, 3) and result.as_numpy("LABEL") is None
@@ -324,7 +317,7 @@ def test_streamed_translation_and_what_cannot_stream(client, rest, images):
         native = rest.post("/v1/translate", json={"text": texts, **parameters}).json()["translations"]
         assert strings(results[0].as_numpy("TRANSLATION")) == [t[0]["text"] for t in native]
     encoded = tgrpc.InferInput("IMAGE", [1], "BYTES")
-    encoded.set_data_from_numpy(np.array([png(images[0])], dtype=object))
+    encoded.set_data_from_numpy(np.array([png_bytes(images[0])], dtype=object))
     (vit,) = collect_stream(client, "vit", [encoded], {}).values()
     assert len(vit) == 1 and vit[0].as_numpy("PROBABILITIES").shape == (1, 10)
 

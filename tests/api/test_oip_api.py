@@ -10,7 +10,6 @@ tests/api/kserve_sdk_client.py) for all three models, with the body fields it se
 from __future__ import annotations
 
 import base64
-import io
 import json
 import subprocess
 
@@ -18,10 +17,10 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from tests.support import ROOT
+from tests.support.images import png_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +52,6 @@ def images(data_dir) -> np.ndarray:
     return load_fashion_mnist(data_dir, "test")[0][:6]  # (6, 28, 28) uint8
 
 
-def png(pixels: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 def text_input(name: str, texts: list[str], binary: bool = True) -> triton.InferInput:
     tensor = triton.InferInput(name, [len(texts)], "BYTES")
     tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object), binary_data=binary)
@@ -80,7 +73,7 @@ def test_health_and_metadata(client):
 
 @pytest.mark.parametrize("binary", [True, False])
 def test_vit_images_give_the_native_routes_probabilities(client, server, images, binary):
-    files = [png(image) for image in images]
+    files = [png_bytes(image) for image in images]
     data = np.array(files if binary else [base64.b64encode(f) for f in files], dtype=object)
     tensor = triton.InferInput("IMAGE", [len(files)], "BYTES")
     tensor.set_data_from_numpy(data, binary_data=binary)
@@ -101,7 +94,7 @@ def test_vit_pixels_equal_the_same_images_encoded(client, images):
     pixels = triton.InferInput("PIXELS", list(images.shape), "FP32")
     pixels.set_data_from_numpy(images.astype(np.float32) / 255.0)
     encoded = triton.InferInput("IMAGE", [len(images)], "BYTES")
-    encoded.set_data_from_numpy(np.array([png(image) for image in images], dtype=object))
+    encoded.set_data_from_numpy(np.array([png_bytes(image) for image in images], dtype=object))
     from_pixels = client.infer("vit", [pixels]).as_numpy("PROBABILITIES")
     from_files = client.infer("vit", [encoded]).as_numpy("PROBABILITIES")
     np.testing.assert_allclose(from_pixels, from_files, atol=1e-6)
@@ -109,7 +102,7 @@ def test_vit_pixels_equal_the_same_images_encoded(client, images):
 
 def test_classification_extension_and_requested_outputs(client, images):
     tensor = triton.InferInput("IMAGE", [2], "BYTES")
-    tensor.set_data_from_numpy(np.array([png(image) for image in images[:2]], dtype=object))
+    tensor.set_data_from_numpy(np.array([png_bytes(image) for image in images[:2]], dtype=object))
     result = client.infer("vit", [tensor], outputs=[triton.InferRequestedOutput("PROBABILITIES", class_count=3)])
     top = result.as_numpy("PROBABILITIES")
     assert top.shape == (2, 3) and result.as_numpy("LABEL") is None  # only what was asked for
@@ -232,7 +225,7 @@ def test_statistics_count_exactly_the_requests_made(client, images):
     before = _stats(client, "vit")
     for image in images[:3]:
         tensor = triton.InferInput("IMAGE", [1], "BYTES")
-        tensor.set_data_from_numpy(np.array([png(image)], dtype=object))
+        tensor.set_data_from_numpy(np.array([png_bytes(image)], dtype=object))
         client.infer("vit", [tensor])
     after = _stats(client, "vit")
     assert (after["name"], after["version"]) == ("vit", "1")
@@ -288,7 +281,7 @@ def kserve_infer(server, cases: list[dict], tmp_path) -> list[dict]:
 def test_the_kserve_sdk_infers_with_every_model(server, images, tmp_path):
     prompts, greedy = ["ROMEO:\n", "KING:\n"], {"max_new_tokens": 12, "temperature": 0}
     pixels = (images[:2].astype(np.float32) / 255.0)
-    files = [base64.b64encode(png(image)).decode() for image in images[:2]]
+    files = [base64.b64encode(png_bytes(image)).decode() for image in images[:2]]
     cases = [
         {"model": "gpt", "id": "kserve-1", "parameters": greedy,
          "inputs": [{"name": "PROMPT", "shape": [2], "datatype": "BYTES", "data": prompts}]},
