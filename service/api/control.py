@@ -50,14 +50,15 @@ async def _parameters(request: Request) -> dict[str, Any]:
     parameters = payload.get("parameters", {}) if isinstance(payload, dict) else None
     if not isinstance(parameters, dict):
         raise BadInput('expected a JSON object {"parameters": {...}}')
-    return repository_parameters(parameters)
+    return parameters
 
 
-def repository_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
-    """A load or unload request's parameters (REST's body, gRPC's message): 400 for one this server lacks."""
+def requested_version(parameters: dict[str, Any]) -> int | None:
+    """The version a load or unload request's parameters (REST's body, gRPC's message) name, None for the default;
+    400 for a parameter this server lacks or a version that is no version number."""
     if unsupported := sorted(set(parameters) - SUPPORTED_PARAMETERS):
         raise BadInput(f"unsupported parameter(s) {unsupported}: a version is loaded from the repository as it is")
-    return parameters
+    return parse_version(parameters.get("version"))
 
 
 async def index(request: Request) -> list[dict]:
@@ -67,13 +68,13 @@ async def index(request: Request) -> list[dict]:
 
 async def load(request: Request, name: str) -> dict:
     request.app.state.model_control.check_enabled()  # 403 before anything of the request is read
-    version = parse_version((await _parameters(request)).get("version"))
+    version = requested_version(await _parameters(request))
     loaded = await request.app.state.model_control.load(name, version)
     return {"name": loaded.name, "version": str(loaded.version), "state": "READY"}
 
 
 async def unload(request: Request, name: str) -> dict:
     request.app.state.model_control.check_enabled()  # 403 before anything of the request is read
-    version = parse_version((await _parameters(request)).get("version"))
+    version = requested_version(await _parameters(request))
     versions = await request.app.state.model_control.unload(name, version)
     return {"name": name, "versions": [str(v) for v in versions], "state": "UNAVAILABLE"}

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf import json_format
 
-from service.api.control import repository_parameters
+from service.api.control import requested_version
 from service.api.oip import inference as oip_inference
 from service.api.oip import metadata
 from service.api.oip.grpc import tensors as grpc_tensors
@@ -34,7 +34,6 @@ from service.api.oip.grpc.generated import grpc_service_pb2 as pb
 from service.api.oip.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from service.api.oip.protocol import InferenceRequest
 from service.errors import NotFound, ServiceError, Unavailable
-from service.models.control import parse_version as control_version
 from service.serving.context import resolve
 
 log = logging.getLogger(__name__)
@@ -118,22 +117,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self.calls.unary(context, "RepositoryIndex", work)
 
     async def RepositoryModelLoad(self, request, context):
-        async def work(call):
-            control = self.app.state.model_control
-            control.check_enabled()  # PERMISSION_DENIED before anything of the request is read
-            parameters = repository_parameters(grpc_tensors.parameters_of(request.parameters))
-            await control.load(request.model_name, control_version(parameters.get("version")))
-            return pb.RepositoryModelLoadResponse()
-        return await self.calls.unary(context, "RepositoryModelLoad", work)
+        return await self._control(context, "RepositoryModelLoad", request, self.app.state.model_control.load,
+                                   pb.RepositoryModelLoadResponse())
 
     async def RepositoryModelUnload(self, request, context):
+        return await self._control(context, "RepositoryModelUnload", request, self.app.state.model_control.unload,
+                                   pb.RepositoryModelUnloadResponse())
+
+    async def _control(self, context, method: str, request, act, response):
+        """`act(name, version)` (load or unload) for the version the request's parameters name, as REST does."""
         async def work(call):
-            control = self.app.state.model_control
-            control.check_enabled()
-            parameters = repository_parameters(grpc_tensors.parameters_of(request.parameters))
-            await control.unload(request.model_name, control_version(parameters.get("version")))
-            return pb.RepositoryModelUnloadResponse()
-        return await self.calls.unary(context, "RepositoryModelUnload", work)
+            self.app.state.model_control.check_enabled()  # PERMISSION_DENIED before anything of the request is read
+            await act(request.model_name, requested_version(grpc_tensors.parameters_of(request.parameters)))
+            return response
+        return await self.calls.unary(context, method, work)
 
     # --- inference -----------------------------------------------------------------------------------------------
 
