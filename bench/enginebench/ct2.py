@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .workloads import BOS_ID, EOS_ID, PAD_ID, GenerateFn, Runtime, TranslationSpec, seed_torch, source_rows, spec_dir
+from .ours import translation_config
+from .workloads import GenerateFn, Runtime, TranslationSpec, seed_torch, source_rows, spec_dir
 
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our model uses
 
@@ -137,13 +138,9 @@ def run_ctranslate2_translation(spec: TranslationSpec, runtime: Runtime, workdir
     import multiprocessing
     import os
 
-    from models.config import TranslationConfig
     from models.transformer import EncoderDecoderTransformer
 
-    config = TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
-                               n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers,
-                               d_ff=spec.d_ff, dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID,
-                               bos_id=BOS_ID, eos_id=EOS_ID)
+    config = translation_config(spec)
     seed_torch(0)
     model = EncoderDecoderTransformer(config).eval()
     folder = convert(model, spec_dir(workdir, f"ctranslate2-translation-{compute_type}", spec))

@@ -87,15 +87,11 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
     beam search like the baselines: `num_beams`, length_penalty 1.0, early_stopping False,
     `min_new_tokens == max_new_tokens == spec.new_tokens`.
     """
-    from models.config import TranslationConfig
     from models.transformer import EncoderDecoderTransformer
     from service.decoding import BeamSearch
     from service.engines.translation import TranslationEngine
 
-    config = TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
-                               n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers,
-                               d_ff=spec.d_ff, dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID,
-                               bos_id=BOS_ID, eos_id=EOS_ID)
+    config = translation_config(spec)
     version = _ours_export("translation", lambda: EncoderDecoderTransformer(config), config,
                            spec_dir(workdir, _variant_name("ours-translation", variant), spec), variant)
     engine = TranslationEngine(version, _ours_runtime_options(runtime))
@@ -107,6 +103,16 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
         return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)
 
     return generate
+
+
+def translation_config(spec: TranslationSpec):
+    """Our translator's config at `spec`'s sizes (no dropout; the special ids every model here shares)."""
+    from models.config import TranslationConfig
+
+    return TranslationConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_heads=spec.n_heads,
+                             n_encoder_layers=spec.n_encoder_layers, n_decoder_layers=spec.n_decoder_layers,
+                             d_ff=spec.d_ff, dropout=0.0, max_positions=spec.max_positions, pad_id=PAD_ID,
+                             bos_id=BOS_ID, eos_id=EOS_ID)
 
 
 def _variant_name(name: str, variant: dict[str, str] | None) -> str:
