@@ -2,9 +2,9 @@
 
 A step's logits arrive as one (rows, V) array with each search's rows together, in order. Single-row searches
 (greedy, sampling) go through the batched sampler as one group (`service.decoding.sampling.step_single_rows`),
-whatever their parameters; beam searches share one log-softmax over all their rows, then each selects its own
-continuations (its finished set and stopping rule are its own). The batching scheduler and `run_search` both step through
-here, so offline decoding and serving make the same choices.
+whatever their parameters; beam searches share one log-softmax normaliser over all their rows (`log_normaliser`),
+then each masks its own rows and selects its continuations (its finished set and stopping rule are its own). The
+batching scheduler and `run_search` both step through here, so offline decoding and serving make the same choices.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .distributions import log_softmax
+from .distributions import log_normaliser
 from .sampling import step_single_rows
 from .types import Search, StepResult
 
@@ -40,11 +40,13 @@ def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool 
     if len(single) < len(searches):
         beams = [i for i, s in enumerate(searches) if not s.single_row]
         rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in beams])
-        lp = log_softmax(logits[rows])
+        x = logits[rows]  # a copy, which the searches mask in place
+        peak, log_z = log_normaliser(x)
         offset = 0
         for i in beams:
             try:
-                results[i] = searches[i].step_logprobs(lp[offset : offset + sizes[i]])
+                end = offset + sizes[i]
+                results[i] = searches[i].step_rows(x[offset:end], peak[offset:end], log_z[offset:end])
             except Exception as error:
                 if not isolate:
                     raise

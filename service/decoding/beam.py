@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .distributions import log_softmax, top_k_indices
+from .distributions import block_maxima, log_normaliser, top_k_indices
 from .ngrams import NGramBlocker
 from .types import Hypothesis, Search, StepResult, eos_ids, finished_step
 
@@ -44,6 +44,9 @@ MAX_LENGTH_PENALTY = 5.0
 _EMPTY_SLOT_SCORE = -1.0e9
 # HF keeps max(2, 1 + n_eos) candidates per beam: enough that num_beams of them go on even when the rest stop.
 _MIN_CANDIDATES_PER_BEAM = 2
+# Vocabulary entries per block when the top-K candidates are sought among the best blocks of each row: with
+# V = 8,000 a beam row has 125 blocks, and a step looks at K blocks of 64 entries instead of R * V entries.
+_CANDIDATE_BLOCK = 64
 
 
 class BeamSearch(Search):
@@ -110,12 +113,12 @@ class BeamSearch(Search):
     def done(self) -> bool:
         return self._done
 
-    def _block_ngrams(self, lp: np.ndarray) -> None:
-        """NoRepeatNGram: in place, -inf for every token that would repeat an n-gram of its row. lp: (R, V)."""
-        vocab = lp.shape[1]
-        for r, blocker in enumerate(self._ngrams[: lp.shape[0]]):
+    def _block_ngrams(self, x: np.ndarray) -> None:
+        """NoRepeatNGram: in place, -inf for every token that would repeat an n-gram of its row. x: (R, V)."""
+        vocab = x.shape[1]
+        for r, blocker in enumerate(self._ngrams[: x.shape[0]]):
             if blocker.banned():
-                lp[r, blocker.banned_ids(vocab)] = -np.inf
+                x[r, blocker.banned_ids(vocab)] = -np.inf
 
     def _advance_ngrams(self, parents: np.ndarray, tokens: np.ndarray) -> None:
         """New beam i = row parents[i] + tokens[i]: the first child of a row takes over its blocker, later children
@@ -135,24 +138,47 @@ class BeamSearch(Search):
         logits = np.asarray(logits)
         if logits.ndim != 2 or logits.shape[0] != self._rows:
             raise ValueError(f"expected logits of shape ({self._rows}, V), got {logits.shape}")
-        return self.step_logprobs(log_softmax(logits))
+        x = np.array(logits, dtype=logits.dtype if logits.dtype.kind == "f" else np.float64)  # a copy to mask
+        return self.step_rows(x, *log_normaliser(x))
 
-    def step_logprobs(self, lp: np.ndarray) -> StepResult:
-        """`step` on log-probs already computed: ``log_softmax(logits)`` (num_rows, V) float64, which this method
-        may modify (batched drivers compute the log-softmax of every beam row of a step in one call)."""
+    def _top_candidates(self, x: np.ndarray, peak: np.ndarray, log_z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The best K continuations over all rows as flat indices ``row * V + token`` and their accumulated
+        scores ``score[row] + log_softmax(x)[row, token]``, best first, ties by lower flat index: exactly
+        `top_k_indices` over the whole (R * V,) candidate array, computed on a few blocks of the vocabulary
+        (`block_maxima`: the K best candidates lie in the K best blocks) instead of all R * V entries."""
+        rows, vocab = x.shape
+        block = _CANDIDATE_BLOCK
+        scores, peak, log_z = self._scores[:, None], peak[:, None], log_z[:, None]
+        maxima = block_maxima(x, block)  # (R, blocks)
+        n_blocks = maxima.shape[1]
+        block_scores = scores + ((maxima.astype(np.float64) - peak) - log_z)  # each block's best candidate
+        chosen = np.sort(top_k_indices(block_scores.ravel(), self._k))  # flat block ids, ascending
+        block_rows, first = np.divmod(chosen, n_blocks)
+        cols = (first * block)[:, None] + np.arange(block)  # (blocks, block)
+        inside = cols < vocab  # the last block of a row may be shorter
+        block_rows = np.broadcast_to(block_rows[:, None], cols.shape)[inside]
+        cols = cols[inside]  # ascending flat index, so ties resolve as over the whole array
+        cand = scores[block_rows, 0] + ((x[block_rows, cols].astype(np.float64) - peak[block_rows, 0])
+                                        - log_z[block_rows, 0])
+        top = top_k_indices(cand, self._k)
+        return block_rows[top] * vocab + cols[top], cand[top]
+
+    def step_rows(self, x: np.ndarray, peak: np.ndarray, log_z: np.ndarray) -> StepResult:
+        """`step` on raw logits ``x`` (num_rows, V), float32 or float64, that this method may modify, with their
+        `log_normaliser` terms ``peak`` and ``log_z`` (num_rows,) (batched drivers compute them for every beam
+        row of a step in one call). The log-probs are ``(x - peak) - log_z`` in float64, as `log_softmax`."""
         nb, t, p = self.num_beams, self._t, self._p
-        vocab = lp.shape[1]
+        vocab = x.shape[1]
 
-        # b. log-probs + processors, accumulated onto the running beam scores
-        if self._ngrams is not None:  # HF order: NoRepeatNGram, then MinNewTokensLength (both only mask)
-            self._block_ngrams(lp)
+        # b. processors mask the raw logits (HF order: NoRepeatNGram, then MinNewTokensLength): a token at -inf
+        # has log-prob -inf, the others keep theirs, as masking the log-probs would (no renormalisation)
+        if self._ngrams is not None:
+            self._block_ngrams(x)
         if t < self.min_new_tokens and self.eos.size:
-            lp[:, self.eos] = -np.inf
-        cand = (self._scores[:, None] + lp).ravel()  # (R * V,)
+            x[:, self.eos] = -np.inf
 
-        # c. top-K continuations, best first
-        top = top_k_indices(cand, self._k)  # (K,) ties by lower index: by beam, then by token
-        top_scores = cand[top]
+        # c. top-K continuations of the running beams' accumulated scores, best first
+        top, top_scores = self._top_candidates(x, peak, log_z)  # (K,) ties by lower index: by beam, then token
         beams, toks = np.divmod(top, vocab)  # (K,) row each candidate extends, its token
         is_eos = np.isin(toks, self.eos)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["log_normaliser", "log_softmax", "softmax", "top_k_indices", "top_logprobs"]
+__all__ = ["block_maxima", "log_normaliser", "log_softmax", "softmax", "top_k_indices", "top_logprobs"]
 
 
 def _finite_max(x: np.ndarray) -> np.ndarray:
@@ -30,10 +30,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def log_normaliser(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The two terms of `log_softmax` for logits ``x`` (rows, V) float64, left as is: each row's max ``m`` and
-    ``log_z``, the log-sum-exp of ``x - m``, both (rows,); ``log_softmax(x)[r, j] == (x[r, j] - m[r]) - log_z[r]``."""
-    m = _finite_max(x)
-    e = np.subtract(x, m)
+    """The two terms of `log_softmax` for logits ``x`` (rows, V), float32 or float64, left as is: each row's max
+    ``m`` and ``log_z``, the log-sum-exp of ``x - m``, both (rows,) float64;
+    ``log_softmax(x)[r, j] == (float64(x[r, j]) - m[r]) - log_z[r]``, bit for bit (a float32 max is exact in
+    float64, and the subtraction is done in float64)."""
+    m = _finite_max(x).astype(np.float64, copy=False)
+    e = np.subtract(x, m, dtype=np.float64)
     np.exp(e, out=e)  # in place: a fresh temporary of this size costs more than the exp (page faults)
     with np.errstate(divide="ignore"):
         log_z = np.log(np.sum(e, axis=-1))
@@ -75,3 +77,16 @@ def top_logprobs(row: np.ndarray, n: int, m: float, log_z: float) -> list[tuple[
     bit-identical to `log_softmax`."""
     idx = top_k_indices(row, n)
     return list(zip(idx.tolist(), ((row[idx] - m) - log_z).tolist()))
+
+
+def block_maxima(x: np.ndarray, block: int) -> np.ndarray:
+    """The max of each run of ``block`` consecutive entries of the rows of ``x`` (rows, V), the last run shorter
+    when ``block`` does not divide V: (rows, ceil(V / block)). The k best entries of a row lie in its k best
+    blocks (ranked by their max, ties by lower block), so a top-k over a large vocabulary can look at a few blocks
+    instead of every entry."""
+    rows, v = x.shape
+    full = v // block
+    head = x[:, : full * block].reshape(rows, full, block).max(axis=-1)
+    if full * block == v:
+        return head
+    return np.concatenate([head, x[:, full * block :].max(axis=-1, keepdims=True)], axis=1)

@@ -109,9 +109,9 @@ class ScoreOnly(Search):
         self._done = True
         return finished_step()
 
-    def step_logprobs(self, lp: np.ndarray) -> StepResult:
+    def step_rows(self, x: np.ndarray, peak: np.ndarray, log_z: np.ndarray) -> StepResult:
         """How the batch steps a search of several rows (`service.decoding.step_searches`): the same."""
-        return self.step(lp)
+        return self.step(x)
 
     def results(self) -> list[Hypothesis]:
         if not self._done:

@@ -86,7 +86,7 @@ def test_a_mixed_batch_makes_the_choices_each_search_makes_alone(seed):
 def test_a_search_that_raises_in_a_batched_step_fails_alone():
     searches = [GreedySearch(5, EOS), SamplingSearch(5, EOS, seed=1), GreedySearch(5, EOS), BeamSearch(2, 5, EOS)]
     searches[2].accept = lambda *args: (_ for _ in ()).throw(ValueError("accept exploded"))
-    searches[3].step_logprobs = lambda lp: (_ for _ in ()).throw(ValueError("beam exploded"))
+    searches[3].step_rows = lambda x, peak, log_z: (_ for _ in ()).throw(ValueError("beam exploded"))
     logits = np.stack([logits_of(i) for i in range(4)])
     outcomes = step_searches(searches, logits, isolate=True)
     assert [type(o) for o in outcomes] == [StepResult, StepResult, ValueError, ValueError]
