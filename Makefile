@@ -129,6 +129,16 @@ BENCH_CHECK = $(BENCH_VENV)/bin/python -m pip check | grep -v -e '^transformer-s
 bench-engine: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python bench/bench_engine.py $(BENCH_ARGS)
 
+# llama.cpp, the GPT's C++ peer in `make bench-engine` (bench/enginebench/llama_cpp.py; skipped there until it is
+# built): llama-batched-bench and llama-server built by bench/build_llama_cpp.sh from the llama.cpp source vendored in
+# the llama-cpp-python sdist (pinned; fetched with pip download --no-binary), into .cache/llama.cpp/build. Once: a
+# rerun with the binaries there does nothing. Not part of `make test` or CI (about 16 minutes on 2 cores).
+# LLAMA_CPP_JOBS: the build's parallelism (default 2); pip is .venv's when there is one.
+LLAMA_CPP_JOBS ?= 2
+.PHONY: llama-cpp
+llama-cpp:
+	JOBS=$(LLAMA_CPP_JOBS) PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) bench/build_llama_cpp.sh
+
 # HTTP benchmark: throughput and latency percentiles per endpoint vs a plain FastAPI + transformers generate()
 # baseline, in one run. Writes reports/bench_http.json.
 .PHONY: bench-http

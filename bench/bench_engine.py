@@ -22,6 +22,15 @@ Systems (one function each, `run_<system>_<task>`):
   `enginebench.ct2` into its `TransformerSpec` (the same random weights as ours, seed 0), beam search with the same
   beams and exactly as many tokens; its best beams are compared with ours every run ("identical best beams"), and
   each ratio is printed as `ours/ctranslate2 <case> = <x>`;
+- llama.cpp (GPT only; built by `make llama-cpp`, skipped until then): `llama-server` (C++) on OUR GPT's weights,
+  written by `enginebench.llama_cpp` as a GGUF file of its `gpt2` architecture (the same random weights as ours,
+  seed 0, f32, KV cache f32), greedy with EOS masked, all rows in one /completion request of token ids to a server
+  with as many slots; each ratio is printed as `ours/llama.cpp b<batch> = <x>`. Its GELU is the tanh approximation
+  (ours: erf), so the greedy tokens agree up to a near-tie: every run prints the identical sequences and tokens and
+  where they first diverge ("agreement ours vs llama.cpp"). After each GPT case, llama.cpp's own benchmark,
+  `llama-batched-bench`, on the same file and batch (`repeats` runs, the median; not interleaved; random tokens,
+  nothing sampled, no HTTP) is a row of its own: its tokens/s with the prompt pass, its S_TG, and
+  `ours/llama-batched-bench b<batch> = <x>`;
 - ours: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the searches of
   `service.decoding`, on our own from-scratch models (`models.gpt.GPT`, `models.transformer`; same sizes,
   random weights) exported by `export.onnx_export`.
@@ -53,16 +62,17 @@ fraction then comes out near or above 1.
 Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
     .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, 1-2 minutes once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
-Options: --threads N, --spin, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16, --translation-batches 1,16,32,
---scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems
-transformers,optimum,genai,ctranslate2,ours,shipped, --out PATH, --workdir PATH. A system whose package is missing
-(e.g. Optimum in the main venv) or that does not apply to a task (genai: translation) is reported as skipped, with
-the reason. The CPU model and its ISA are printed first (bench/cpuinfo.py) and recorded in the report.
+Options: --threads N, --spin, --single-thread-rows N, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16,
+--translation-batches 1,16,32, --scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems
+transformers,optimum,genai,ctranslate2,llama.cpp,ours,shipped, --out PATH, --workdir PATH. A system whose package
+or build is missing (e.g. Optimum in the main venv, llama.cpp before `make llama-cpp`) or that does not apply to a
+task (genai: translation) is reported as skipped, with the reason. The CPU model and its ISA are printed first
+(bench/cpuinfo.py) and recorded in the report.
 
 Code: this file (options, the run); bench/enginebench/: workloads.py (sizes, inputs, thread settings), baselines.py
-(transformers, Optimum, GenAI), ct2.py (CTranslate2 on our weights), ours.py (our engine, plain and shipped),
-systems.py (the systems by task), measure.py (interleaved timing, checks, summaries), scaling.py (the scaling
-table), report.py (printing, environment).
+(transformers, Optimum, GenAI), ct2.py (CTranslate2 on our weights), llama_cpp.py (llama.cpp on our GPT's weights),
+ours.py (our engine, plain and shipped), systems.py (the systems by task), measure.py (interleaved timing, checks,
+summaries), scaling.py (the scaling table), report.py (printing, environment).
 """
 
 from __future__ import annotations
@@ -89,6 +99,7 @@ for folder in (PROJECT_ROOT, PROJECT_ROOT / "bench"):  # the project's packages,
         sys.path.insert(0, str(folder))
 
 from cpuinfo import describe as describe_cpu  # after the sys.path set-up
+from enginebench.llama_cpp import add_batched_bench
 from enginebench.measure import measure, summarise
 from enginebench.report import environment, print_result, print_table
 from enginebench.scaling import bench_scaling, print_scaling
@@ -108,6 +119,9 @@ def bench_gpt(args, systems: list[str]) -> list[dict]:
         times, outputs = measure(built, [prompts], spec.new_tokens, args.warmup, args.repeats)
         results.append(summarise(f"gpt greedy batch {batch}", "tokens/s", batch * spec.new_tokens, times, outputs,
                                  skipped))
+        results[-1]["batch"] = batch
+        if "llama.cpp" in built:  # llama.cpp's own benchmark on the same GGUF: a row of its own, after the case
+            add_batched_bench(results[-1], spec, args.runtime, args.workdir, batch, args.repeats)
         print_result(results[-1])
     return results
 
@@ -137,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch and ONNX Runtime intra-op threads (default 2)")
     parser.add_argument("--spin", action="store_true",
                         help="let idle threads busy-wait (library defaults); only on an otherwise idle machine")
+    parser.add_argument("--single-thread-rows", type=int, default=0,
+                        help="ours/shipped: steps of at most this many rows on a one-thread session (default 0: never)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 7; quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed passes per system (default 2; quick 1)")
     parser.add_argument("--sentences", type=int, default=None,
@@ -148,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="scaling table batch sizes (default 1,8,16,32,64,128)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated: transformers,optimum,genai,ctranslate2,ours,shipped (the scaling "
-                             "task always runs ours and shipped)")
+                        help="comma-separated: transformers,optimum,genai,ctranslate2,llama.cpp,ours,shipped (the "
+                             "scaling task always runs ours and shipped)")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_engine.json"), help="JSON results")
     parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_engine"),
                         help="where exported models are kept between runs (default .cache/bench_engine)")
@@ -171,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
-    args.runtime = Runtime(threads=args.threads, spin=args.spin)
+    args.runtime = Runtime(threads=args.threads, spin=args.spin, single_thread_rows=args.single_thread_rows)
     if "torch" in sys.modules:
         print("warning: torch was imported before main(); OMP_WAIT_POLICY may not apply", file=sys.stderr)
     if not args.spin:

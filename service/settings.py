@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     device: Literal["auto", "cuda", "cpu"] = "auto"
     intra_op_threads: int = 0  # 0 = ONNX Runtime's default (all cores)
     ort_spin: bool = False  # busy-wait between ops: only on dedicated cores
+    # decoding steps of at most this many rows run on a one-thread session of the decoder graph (0 = never):
+    # waking a second thread for each small op costs more than it saves (service.engines.runtime.OneThreadSession)
+    single_thread_rows: int = Field(0, ge=0)
 
     # iteration-level batching for the text models: rows (beams count as rows) decoded together per step
     translation_max_batch_rows: int = Field(64, ge=1)

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from .llama_cpp import agreement as llama_cpp_agreement
 from .workloads import GenerateFn
 
 def measure(systems: dict[str, GenerateFn], inputs: list[np.ndarray], expected_new: int, warmup: int,
@@ -51,7 +52,7 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
     throughput = {name: entry["throughput"] for name, entry in result["systems"].items()}
     result["ratios"] = {
         f"{mine}/{other}": (throughput[mine] / throughput[other]) if {mine, other} <= throughput.keys() else None
-        for mine in ("ours", "shipped") for other in ("transformers", "optimum", "genai", "ctranslate2")
+        for mine in ("ours", "shipped") for other in ("transformers", "optimum", "genai", "ctranslate2", "llama.cpp")
     }
     result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
                                                 if {"optimum", "transformers"} <= throughput.keys() else None)
@@ -59,6 +60,8 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
         result["transformers_optimum_agreement"] = agreement(outputs["transformers"], outputs["optimum"])
     if {"ours", "ctranslate2"} <= outputs.keys():  # the same weights (enginebench.ct2): the beams should agree
         result["ours_ctranslate2_agreement"] = agreement(outputs["ours"], outputs["ctranslate2"])
+    if {"ours", "llama.cpp"} <= outputs.keys():  # the same weights (enginebench.llama_cpp), its GELU approximated
+        result["ours_llama_cpp_agreement"] = llama_cpp_agreement(outputs["ours"], outputs["llama.cpp"])
     if {"ours", "genai"} <= outputs.keys():
         result["ours_genai_agreement"] = agreement(outputs["ours"], outputs["genai"])
         result["ours_genai_identical_tokens"] = int(sum(

@@ -68,13 +68,19 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[s
 def ours_gpt_version(spec: GptSpec, workdir: Path, variant: dict[str, str] | None = None):
     """Our GPT with random weights (seed 0) at `spec`'s sizes, exported once into workdir (see `_ours_export`),
     its graph rewritten into `variant` if given."""
-    from models.config import GPTConfig
     from models.gpt import GPT
 
-    config = GPTConfig(vocab_size=spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model,
-                       n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)
+    config = gpt_config(spec)
     folder = spec_dir(workdir, _variant_name("ours-gpt", variant), spec)
     return _ours_export("gpt", lambda: GPT(config), config, folder, variant)
+
+
+def gpt_config(spec: GptSpec):
+    """Our GPT's config at `spec`'s sizes (no dropout; the EOS id every model here shares)."""
+    from models.config import GPTConfig
+
+    return GPTConfig(vocab_size=spec.vocab_size, context_length=spec.context_length, d_model=spec.d_model,
+                     n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, dropout=0.0, eos_id=EOS_ID)
 
 
 def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
@@ -151,4 +157,5 @@ def _ours_runtime_options(runtime: Runtime):
     """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`."""
     from service.engines.runtime import RuntimeOptions
 
-    return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin)
+    return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin,
+                          single_thread_rows=runtime.single_thread_rows)

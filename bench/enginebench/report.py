@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 
 from cpuinfo import cpu
 
+from .llama_cpp import version as llama_cpp_version
 from .systems import SYSTEMS
 from .workloads import Runtime
 
@@ -32,6 +34,25 @@ def print_result(result: dict) -> None:
     for mine in ("ours", "shipped"):  # the C++ peer's line, as the issue of record asks: `ours/<peer> <case> = x`
         if ratios.get(f"{mine}/ctranslate2") is not None:
             print(f"    {mine}/ctranslate2 {result['case']} = {ratios[f'{mine}/ctranslate2']:.2f}")
+    batch = result.get("batch", "?")
+    for mine in ("ours", "shipped"):  # the GPT's C++ peer, the same way: `ours/llama.cpp b<batch> = x`
+        if ratios.get(f"{mine}/llama.cpp") is not None:
+            print(f"    {mine}/llama.cpp b{batch} = {ratios[f'{mine}/llama.cpp']:.2f}")
+    if "llama_cpp_batched_bench" in result:
+        row = result["llama_cpp_batched_bench"]
+        print(f"    llama-batched-bench b{batch} (llama.cpp's own timer on the same GGUF, median of {len(row['runs'])} "
+              f"runs, not interleaved; random tokens in, nothing sampled, no HTTP): {row['tokens_per_s']:.1f} "
+              f"tokens/s with its prompt pass, S_TG {row['speed_tg']:.1f} tokens/s decoding alone")
+        for mine in ("ours", "shipped"):
+            if ratios.get(f"{mine}/llama-batched-bench") is not None:
+                print(f"    {mine}/llama-batched-bench b{batch} = {ratios[f'{mine}/llama-batched-bench']:.2f}")
+    if "ours_llama_cpp_agreement" in result:
+        agreed = result["ours_llama_cpp_agreement"]
+        first, length = agreed["first_divergence"], agreed["tokens"] // agreed["sequences"]
+        print(f"    agreement ours vs llama.cpp (same weights; its GELU is the tanh approximation over fp16 inputs): "
+              f"{agreed['identical_sequences']}/{agreed['sequences']} identical sequences, "
+              f"{agreed['identical_tokens']}/{agreed['tokens']} identical tokens; first divergence: median token "
+              f"{statistics.median(first):.0f}, earliest {min(first)} (of {length}; {length} = never)")
     if "ours_ctranslate2_agreement" in result:
         print(f"    identical best beams ours vs ctranslate2 (same weights): "
               f"{result['ours_ctranslate2_agreement']:.0%}")
@@ -47,8 +68,9 @@ def print_result(result: dict) -> None:
 
 def print_table(results: list[dict]) -> None:
     header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ctranslate2':>11} " \
-             f"{'ours':>10} {'shipped':>10} {'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} " \
-             f"{'ours/ct2':>9} {'shipped/optimum':>15} {'shipped/genai':>13} {'shipped/ct2':>11}"
+             f"{'llama.cpp':>10} {'ours':>10} {'shipped':>10} {'ours/transf.':>12} {'ours/optimum':>12} " \
+             f"{'ours/genai':>10} {'ours/ct2':>9} {'ours/llama':>10} {'shipped/optimum':>15} {'shipped/genai':>13} " \
+             f"{'shipped/ct2':>11}"
     print("=" * len(header))
     print(header)
     print("-" * len(header))
@@ -56,9 +78,10 @@ def print_table(results: list[dict]) -> None:
         tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
         ratios = r["ratios"]
         print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['genai']:>10} "
-              f"{tp['ctranslate2']:>11} {tp['ours']:>10} {tp['shipped']:>10} "
+              f"{tp['ctranslate2']:>11} {tp['llama.cpp']:>10} {tp['ours']:>10} {tp['shipped']:>10} "
               f"{_fmt(ratios['ours/transformers'], '.2f'):>12} {_fmt(ratios['ours/optimum'], '.2f'):>12} "
               f"{_fmt(ratios['ours/genai'], '.2f'):>10} {_fmt(ratios['ours/ctranslate2'], '.2f'):>9} "
+              f"{_fmt(ratios['ours/llama.cpp'], '.2f'):>10} "
               f"{_fmt(ratios['shipped/optimum'], '.2f'):>15} {_fmt(ratios['shipped/genai'], '.2f'):>13} "
               f"{_fmt(ratios['shipped/ctranslate2'], '.2f'):>11}")
     print("=" * len(header))
@@ -79,11 +102,12 @@ def environment(runtime: Runtime) -> dict:
             versions[distribution] = version(distribution)
         except Exception:  # noqa: BLE001 - not installed
             versions[distribution] = None
-    for distribution in ("ctranslate2",):
+    for distribution in ("ctranslate2", "gguf"):
         try:
             versions[distribution] = version(distribution)
         except Exception:  # noqa: BLE001 - not installed
             versions[distribution] = None
+    versions["llama.cpp"] = llama_cpp_version()  # make llama-cpp's build, None while there is none
     return {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu(),
             "cpu_count": os.cpu_count(), "threads": runtime.threads, "spin": runtime.spin,
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg(),

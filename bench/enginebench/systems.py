@@ -15,13 +15,14 @@ from .baselines import (
     run_transformers_translation,
 )
 from .ct2 import run_ctranslate2_translation
+from .llama_cpp import run_llama_cpp_gpt
 from .ours import run_ours_gpt, run_ours_translation, run_shipped_gpt, run_shipped_translation
 from .workloads import GenerateFn, Runtime
 
-SYSTEMS = ("transformers", "optimum", "genai", "ctranslate2", "ours", "shipped")
+SYSTEMS = ("transformers", "optimum", "genai", "ctranslate2", "llama.cpp", "ours", "shipped")
 BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
     "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "genai": run_genai_gpt,
-            "ours": run_ours_gpt, "shipped": run_shipped_gpt},
+            "llama.cpp": run_llama_cpp_gpt, "ours": run_ours_gpt, "shipped": run_shipped_gpt},
     "translation": {"transformers": run_transformers_translation, "optimum": run_optimum_translation,
                     "ctranslate2": run_ctranslate2_translation, "ours": run_ours_translation,
                     "shipped": run_shipped_translation},

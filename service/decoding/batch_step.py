@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .distributions import log_normaliser
+from .beam import BeamSearch
+from .beam_candidates import CANDIDATE_BLOCK, top_candidates
+from .distributions import block_maxima, log_normaliser
 from .sampling import step_single_rows
-from .types import Search, StepResult
+from .types import Search, StepResult, isolated
 
 __all__ = ["run_search", "step_searches"]
 
@@ -38,21 +40,46 @@ def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool 
         for i, result in zip(single, step_single_rows([searches[i] for i in single], rows, isolate)):
             results[i] = result
     if len(single) < len(searches):
-        beams = [i for i, s in enumerate(searches) if not s.single_row]
-        rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in beams])
+        several = [i for i, s in enumerate(searches) if not s.single_row]
+        rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in several])
         x = logits[rows]  # a copy, which the searches mask in place
         peak, log_z = log_normaliser(x)
-        offset = 0
-        for i in beams:
-            try:
-                end = offset + sizes[i]
-                results[i] = searches[i].step_rows(x[offset:end], peak[offset:end], log_z[offset:end])
-            except Exception as error:
-                if not isolate:
-                    raise
-                results[i] = error
-            offset += sizes[i]
+        first = dict(zip(several, np.cumsum([0] + [sizes[i] for i in several[:-1]]).tolist()))
+        beams = {i for i in several if isinstance(searches[i], BeamSearch)}
+        for i in several:
+            view = slice(first[i], first[i] + sizes[i])
+            if i in beams:  # part b now, parts c-g below with the candidates of every beam search of the step
+                _into(results, i, isolate, searches[i].mask, x[view])
+            else:
+                _into(results, i, isolate, searches[i].step_rows, x[view], peak[view], log_z[view])
+        masked = [i for i in several if i in beams and results[i] is None]
+        _step_beams(masked, searches, x, peak, log_z, first, results, isolate)
     return results
+
+
+def _into(results: list, i: int, isolate: bool, function: Callable, *arguments) -> None:
+    """``results[i] = function(*arguments)``; what it raises goes in ``results[i]`` with ``isolate``, else up."""
+    results[i] = isolated(function, *arguments)
+    if isinstance(results[i], Exception) and not isolate:
+        raise results[i]
+
+
+def _step_beams(beams: list[int], searches: Sequence[Search], x: np.ndarray, peak: np.ndarray, log_z: np.ndarray,
+                first: dict[int, int], results: list, isolate: bool) -> None:
+    """Parts c-g of the beam searches ``beams`` (masked already): the top-K candidates of all the searches with
+    as many rows and candidates at once (`top_candidates`), then each search's own bookkeeping (`advance`)."""
+    if not beams:
+        return
+    maxima = block_maxima(x, CANDIDATE_BLOCK)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in beams:
+        groups.setdefault((searches[i].num_rows, searches[i].candidates), []).append(i)
+    for (_, k), members in groups.items():
+        scores = np.stack([searches[i].beam_scores for i in members])
+        starts = np.array([first[i] for i in members], dtype=np.int64)
+        tops, top_scores = top_candidates(x, peak, log_z, maxima, scores, starts, k)
+        for i, top, top_score in zip(members, tops, top_scores):
+            _into(results, i, isolate, searches[i].advance, top, top_score, x.shape[1])
 
 
 StepFn = Callable[[np.ndarray, np.ndarray], np.ndarray]

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .distributions import block_maxima, log_normaliser, top_k_indices
+from .beam_candidates import search_candidates
+from .distributions import log_normaliser
 from .ngrams import NGramBlocker
 from .types import Hypothesis, Search, StepResult, eos_ids, finished_step
 
@@ -44,9 +45,6 @@ MAX_LENGTH_PENALTY = 5.0
 _EMPTY_SLOT_SCORE = -1.0e9
 # HF keeps max(2, 1 + n_eos) candidates per beam: enough that num_beams of them go on even when the rest stop.
 _MIN_CANDIDATES_PER_BEAM = 2
-# Vocabulary entries per block when the top-K candidates are sought among the best blocks of each row: with
-# V = 8,000 a beam row has 125 blocks, and a step looks at K blocks of 64 entries instead of R * V entries.
-_CANDIDATE_BLOCK = 64
 
 
 class BeamSearch(Search):
@@ -141,44 +139,37 @@ class BeamSearch(Search):
         x = np.array(logits, dtype=logits.dtype if logits.dtype.kind == "f" else np.float64)  # a copy to mask
         return self.step_rows(x, *log_normaliser(x))
 
-    def _top_candidates(self, x: np.ndarray, peak: np.ndarray, log_z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The best K continuations over all rows as flat indices ``row * V + token`` and their accumulated
-        scores ``score[row] + log_softmax(x)[row, token]``, best first, ties by lower flat index: exactly
-        `top_k_indices` over the whole (R * V,) candidate array, computed on a few blocks of the vocabulary
-        (`block_maxima`: the K best candidates lie in the K best blocks) instead of all R * V entries."""
-        rows, vocab = x.shape
-        block = _CANDIDATE_BLOCK
-        scores, peak, log_z = self._scores[:, None], peak[:, None], log_z[:, None]
-        maxima = block_maxima(x, block)  # (R, blocks)
-        n_blocks = maxima.shape[1]
-        block_scores = scores + ((maxima.astype(np.float64) - peak) - log_z)  # each block's best candidate
-        chosen = np.sort(top_k_indices(block_scores.ravel(), self._k))  # flat block ids, ascending
-        block_rows, first = np.divmod(chosen, n_blocks)
-        cols = (first * block)[:, None] + np.arange(block)  # (blocks, block)
-        inside = cols < vocab  # the last block of a row may be shorter
-        block_rows = np.broadcast_to(block_rows[:, None], cols.shape)[inside]
-        cols = cols[inside]  # ascending flat index, so ties resolve as over the whole array
-        cand = scores[block_rows, 0] + ((x[block_rows, cols].astype(np.float64) - peak[block_rows, 0])
-                                        - log_z[block_rows, 0])
-        top = top_k_indices(cand, self._k)
-        return block_rows[top] * vocab + cols[top], cand[top]
+    @property
+    def candidates(self) -> int:
+        """K: the continuations a step keeps (`service.decoding.beam_candidates`)."""
+        return self._k
+
+    @property
+    def beam_scores(self) -> np.ndarray:
+        """(num_rows,) the accumulated log-probs of the running beams, row order."""
+        return self._scores
 
     def step_rows(self, x: np.ndarray, peak: np.ndarray, log_z: np.ndarray) -> StepResult:
         """`step` on raw logits ``x`` (num_rows, V), float32 or float64, that this method may modify, with their
-        `log_normaliser` terms ``peak`` and ``log_z`` (num_rows,) (batched drivers compute them for every beam
-        row of a step in one call). The log-probs are ``(x - peak) - log_z`` in float64, as `log_softmax`."""
-        nb, t, p = self.num_beams, self._t, self._p
-        vocab = x.shape[1]
+        `log_normaliser` terms ``peak`` and ``log_z`` (num_rows,). The log-probs are ``(x - peak) - log_z`` in
+        float64, as `log_softmax`. (`service.decoding.step_searches` does `mask` and `advance` itself, with the
+        candidates of every search of a step found together.)"""
+        self.mask(x)
+        return self.advance(*search_candidates(x, peak, log_z, self._scores, self._k), x.shape[1])
 
-        # b. processors mask the raw logits (HF order: NoRepeatNGram, then MinNewTokensLength): a token at -inf
-        # has log-prob -inf, the others keep theirs, as masking the log-probs would (no renormalisation)
+    def mask(self, x: np.ndarray) -> None:
+        """Step part b, the processors (HF order: NoRepeatNGram, then MinNewTokensLength), in place on this
+        search's raw logits ``x`` (num_rows, V): a token at -inf has log-prob -inf, the others keep theirs, as
+        masking the log-probs would (no renormalisation)."""
         if self._ngrams is not None:
             self._block_ngrams(x)
-        if t < self.min_new_tokens and self.eos.size:
+        if self._t < self.min_new_tokens and self.eos.size:
             x[:, self.eos] = -np.inf
 
-        # c. top-K continuations of the running beams' accumulated scores, best first
-        top, top_scores = self._top_candidates(x, peak, log_z)  # (K,) ties by lower index: by beam, then token
+    def advance(self, top: np.ndarray, top_scores: np.ndarray, vocab: int) -> StepResult:
+        """Step parts d-g from part c's result: the top-K continuations ``top`` as flat indices ``row * V +
+        token``, best first, ties by lower index, and their accumulated scores ``top_scores`` (K,)."""
+        nb, t, p = self.num_beams, self._t, self._p
         beams, toks = np.divmod(top, vocab)  # (K,) row each candidate extends, its token
         is_eos = np.isin(toks, self.eos)
 

@@ -31,7 +31,7 @@ from . import sampler
 from .distributions import log_normaliser, top_logprobs
 from .ngrams import NGramBlocker
 from .processors import GREEDY_TEMPERATURE
-from .types import Hypothesis, Search, StepResult, TokenLogprob, eos_ids, finished_step
+from .types import Hypothesis, Search, StepResult, TokenLogprob, eos_ids, finished_step, isolated
 
 __all__ = ["SamplingSearch", "step_single_rows"]
 
@@ -258,16 +258,8 @@ def step_single_rows(searches: Sequence[SamplingSearch], logits: np.ndarray, iso
     except Exception:
         if len(searches) == 1:
             raise
-        return [_isolated(_step_one, search, x[row]) for row, search in enumerate(searches)]
-    return [_isolated(search.accept, *c) for search, c in zip(searches, chosen)]
-
-
-def _isolated(function, *arguments) -> StepResult | Exception:
-    """``function(*arguments)``, or the exception it raised."""
-    try:
-        return function(*arguments)
-    except Exception as error:  # noqa: BLE001 - handed back to the caller, who fails that request only
-        return error
+        return [isolated(_step_one, search, x[row]) for row, search in enumerate(searches)]
+    return [isolated(search.accept, *c) for search, c in zip(searches, chosen)]
 
 
 def _step_one(search: SamplingSearch, row: np.ndarray) -> StepResult:

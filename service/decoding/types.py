@@ -23,7 +23,7 @@ vectorised beam search of transformers 5.x). Everything is numpy: no torch, no O
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,3 +124,11 @@ class Search(ABC):
     @abstractmethod
     def results(self) -> list[Hypothesis]:
         """Finished hypotheses, best first (valid once `done`)."""
+
+
+def isolated(function: Callable[..., StepResult | None], *arguments) -> StepResult | Exception | None:
+    """``function(*arguments)``, or the exception it raised: a search's step fails its request only."""
+    try:
+        return function(*arguments)
+    except Exception as error:  # noqa: BLE001 - handed back to the caller, who fails that request only
+        return error

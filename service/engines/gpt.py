@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from service.decoding import Search, run_search
 from service.engines import onnx_schema as schema
-from service.engines.iobinding import InPlaceStep
+from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.runtime import RuntimeOptions, active_provider, create_session
 from service.models.repository import TOKENIZER_FILE, ModelVersion
@@ -41,9 +41,10 @@ class GPTEngine:
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
-        # the in-place step graph (`export.kv_inplace`), when the version has one
-        self._in_place = InPlaceStep(create_session(model.path / step_file, options), self.vocab_size) \
-            if step_file else None
+        # the in-place step graph (`export.kv_inplace`) when the version has one, else the small steps' session of
+        # decoder.onnx (`OneThreadSession`)
+        self._in_place, self._one_thread = step_runners(model.path, step_file, config["files"]["decoder"],
+                                                        self.session, self.vocab_size, options)
         self.context_length = config["context_length"]
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
@@ -53,7 +54,10 @@ class GPTEngine:
         """Feed ids (R, T) at positions (R, T) after the cache; returns logits of the last column (R, V)."""
         feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions,
                  schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1), **cache.feeds()}
-        logits, *presents = self.session.run(None, feeds)
+        session = self.session
+        if self._one_thread is not None and ids.shape[1] == 1:  # a step (prompts keep every thread)
+            session = self._one_thread.pick(ids.shape[0], session)
+        logits, *presents = session.run(None, feeds)
         cache.append(presents, new_mask, positions[:, -1] + 1)
         return logits[:, -1]
 

@@ -11,12 +11,14 @@ The buffers themselves, their layout and their growth are `service.engines.kv_ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from service.engines import onnx_schema as schema
 from service.engines.kv_cache import KVCache
 from service.engines.onnx_schema import past_names, present_names
+from service.engines.runtime import OneThreadSession, RuntimeOptions, create_session
 
 DEVICE, DEVICE_ID = "cpu", 0  # where the bound arrays live: numpy memory, ONNX Runtime's CPU device 0
 
@@ -61,7 +63,7 @@ class InPlaceStep:
     were replaced (growth, compaction, a join) or the other inputs changed. The binding lives on the cache, so
     one engine may step several caches (from several threads)."""
 
-    def __init__(self, session, vocab_size: int):
+    def __init__(self, session, vocab_size: int, one_thread: OneThreadSession | None = None):
         slot = next((i for i in session.get_inputs() if i.name == schema.CACHE_SLOT), None)
         if slot is None or len(slot.shape) != 1:
             raise ValueError(f"the step graph's {schema.CACHE_SLOT} input must be one slot per row (rows,), got "
@@ -69,25 +71,28 @@ class InPlaceStep:
                              f"slot; derive it again with `python -m export.convert ... --kv-cache inplace`")
         self.session = session
         self.vocab_size = vocab_size
+        self.one_thread = one_thread  # small steps' session, if any (`service.engines.runtime.OneThreadSession`)
 
     def run(self, cache: KVCache, tokens: np.ndarray, inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Feed one token per row (R,) and return the next-token logits (R, V); `inputs`: the graph's other
         inputs (e.g. the encoder's), bound by address as they are."""
         inputs = inputs or {}
         slots = cache.open_slot()
+        session = self.session if self.one_thread is None else self.one_thread.pick(cache.rows, self.session)
         arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
-        key = (cache.rows, cache.capacity, *(a.ctypes.data for a in arrays), *(a.shape for a in inputs.values()))
+        key = (id(session), cache.rows, cache.capacity, *(a.ctypes.data for a in arrays),
+               *(a.shape for a in inputs.values()))
         bound = cache.step_binding
         if bound is None or bound.key != key:
-            bound = cache.step_binding = self._bind(key, cache, inputs)
+            bound = cache.step_binding = self._bind(session, key, cache, inputs)
         bound.ids[:, 0] = tokens
         bound.slot[:] = slots
-        self.session.run_with_iobinding(bound.binding)
+        session.run_with_iobinding(bound.binding)
         cache.advance()
         return bound.logits[:, -1].copy()
 
-    def _bind(self, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray]) -> StepBinding:
-        binding = self.session.io_binding()
+    def _bind(self, session, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray]) -> StepBinding:
+        binding = session.io_binding()
         ids, slot = np.zeros((cache.rows, 1), np.int64), np.zeros(cache.rows, np.int64)
         logits = np.empty((cache.rows, 1, self.vocab_size), np.float32)  # (R, 1, V): one new token per row
         held = [bind_array(binding, schema.INPUT_IDS, ids),
@@ -97,3 +102,14 @@ class InPlaceStep:
                 bind_array(binding, schema.LOGITS, logits, output=True), *bind_cache(binding, cache)]
         held += [bind_array(binding, name, array) for name, array in inputs.items()]
         return StepBinding(key, binding, ids, slot, logits, held)
+
+
+def step_runners(folder: Path, step_file: str | None, decoder_file: str | None, decoder,
+                 vocab_size: int, options: RuntimeOptions) -> tuple[InPlaceStep | None, OneThreadSession | None]:
+    """How an engine runs its one-token steps: on the in-place step graph `step_file` when the version has one
+    (an `InPlaceStep`, with its own one-thread session), else on the decoder graph's session ``decoder`` (and a
+    `OneThreadSession` of `decoder_file` for small steps) -> (in-place step or None, one-thread session or None)."""
+    if step_file:
+        step = create_session(folder / step_file, options)
+        return InPlaceStep(step, vocab_size, OneThreadSession(folder / step_file, options, step)), None
+    return None, OneThreadSession(folder / decoder_file, options, decoder)

@@ -7,7 +7,7 @@ cannot start) and logged, so `/v1/models` and the metrics report what really run
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnxruntime as ort
@@ -34,6 +34,9 @@ class RuntimeOptions:
     inter_op_threads: int = 1
     graph_optimization: str = "all"  # disable | basic | extended | all
     spin: bool = False
+    # decoder calls of at most this many rows run on a second session with one intra-op thread (`DecoderSessions`);
+    # 0 = never
+    single_thread_rows: int = 0
 
 
 _LEVELS = {
@@ -76,3 +79,21 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions())
 
 def active_provider(session: ort.InferenceSession) -> str:
     return session.get_providers()[0]
+
+
+class OneThreadSession:
+    """With ``single_thread_rows`` on, a second session of a decoder graph with one intra-op thread, for the calls
+    of at most that many rows (`pick`); none on CUDA or when the sessions have one thread anyway. ONNX Runtime
+    sets threads per session, not per run; a one-row step is ~100 small ops, and with non-spinning threads
+    (`RuntimeOptions.spin`) waking a second thread for each costs more than it saves (the release GPT at batch 1
+    on an AMD EPYC, 2 cores: 1,111 tokens/s on one thread, 890 on two; from batch 16 two threads win by
+    1.3-1.4x; `bench/bench_engine.py --threads`)."""
+
+    def __init__(self, path: str | Path, options: RuntimeOptions, wide: ort.InferenceSession):
+        self.max_rows = options.single_thread_rows
+        needed = self.max_rows > 0 and options.intra_op_threads != 1 and active_provider(wide) == CPU
+        self.session = create_session(path, replace(options, intra_op_threads=1)) if needed else None
+
+    def pick(self, rows: int, wide: ort.InferenceSession) -> ort.InferenceSession:
+        """The session a call of ``rows`` rows runs on: this one for small calls, else ``wide``."""
+        return self.session if self.session is not None and rows <= self.max_rows else wide

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from service.decoding import Search, run_search
 from service.decoding.distributions import log_normaliser
 from service.engines import onnx_schema as schema
-from service.engines.iobinding import InPlaceStep
+from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.runtime import RuntimeOptions, active_provider, create_session
 from service.models.repository import TOKENIZER_FILE, ModelVersion
@@ -106,9 +106,10 @@ class TranslationEngine:
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_decoder_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
-        # the in-place step graph (`export.kv_inplace`), when the version has one: every decoder call runs on it
-        self._in_place = InPlaceStep(create_session(model.path / step_file, options), self.vocab_size) \
-            if step_file else None
+        # the in-place step graph (`export.kv_inplace`) when the version has one: every decoder call runs on it;
+        # else the small steps' session of decoder.onnx (`OneThreadSession`)
+        self._in_place, self._one_thread = step_runners(model.path, step_file, decoder_file, self.decoder,
+                                                        self.vocab_size, options)
         special = config["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
         self.max_source_length = config["max_source_length"]
@@ -147,7 +148,7 @@ class TranslationEngine:
             **cache.feeds(),
             **self._cross_feeds(encoded),
         }
-        logits, *presents = self.decoder.run(None, feeds)
+        logits, *presents = self._one_thread.pick(R, self.decoder).run(None, feeds)
         cache.append(presents, new_mask, cache.positions + 1)
         return logits[:, -1]
 

@@ -84,12 +84,16 @@ def test_a_mixed_batch_makes_the_choices_each_search_makes_alone(seed):
 
 
 def test_a_search_that_raises_in_a_batched_step_fails_alone():
-    searches = [GreedySearch(5, EOS), SamplingSearch(5, EOS, seed=1), GreedySearch(5, EOS), BeamSearch(2, 5, EOS)]
+    searches = [GreedySearch(5, EOS), SamplingSearch(5, EOS, seed=1), GreedySearch(5, EOS), BeamSearch(2, 5, EOS),
+                BeamSearch(2, 5, EOS), BeamSearch(2, 5, EOS)]
     searches[2].accept = lambda *args: (_ for _ in ()).throw(ValueError("accept exploded"))
-    searches[3].step_rows = lambda x, peak, log_z: (_ for _ in ()).throw(ValueError("beam exploded"))
-    logits = np.stack([logits_of(i) for i in range(4)])
+    searches[3].advance = lambda *args: (_ for _ in ()).throw(ValueError("beam exploded"))
+    searches[5].mask = lambda x: (_ for _ in ()).throw(ValueError("processor exploded"))
+    logits = np.stack([logits_of(i) for i in range(6)])
     outcomes = step_searches(searches, logits, isolate=True)
-    assert [type(o) for o in outcomes] == [StepResult, StepResult, ValueError, ValueError]
+    assert [type(o) for o in outcomes] == [StepResult, StepResult, ValueError, ValueError, StepResult, ValueError]
+    alone = BeamSearch(2, 5, EOS).step(logits[4:5])  # the healthy beam search steps as it would alone
+    assert outcomes[4].tokens.tolist() == alone.tokens.tolist() and outcomes[4].parents.tolist() == [0, 0]
     with pytest.raises(ValueError):
         step_searches([GreedySearch(5, EOS), searches[2]], logits[:2])
 
