@@ -38,7 +38,7 @@ def print_result(result: dict) -> None:
     for mine in ("ours", "shipped"):  # the GPT's C++ peer, the same way: `ours/llama.cpp b<batch> = x`
         if ratios.get(f"{mine}/llama.cpp") is not None:
             print(f"    {mine}/llama.cpp b{batch} = {ratios[f'{mine}/llama.cpp']:.2f}")
-    if "llama_cpp_batched_bench" in result:
+    if "runs" in result.get("llama_cpp_batched_bench", {}):  # (a failed row says why where it failed)
         row = result["llama_cpp_batched_bench"]
         print(f"    llama-batched-bench b{batch} (llama.cpp's own timer on the same GGUF, median of {len(row['runs'])} "
               f"runs, not interleaved; random tokens in, nothing sampled, no HTTP): {row['tokens_per_s']:.1f} "

@@ -1,0 +1,74 @@
+"""Where a batch of beam-search translations spends its time: the release translator (or any translation version)
+on the first test_2016_flickr sentences, under cProfile, with ONNX Runtime's share of the wall time and a digest of
+the outputs (equal digests: the same translations, e.g. before and after a change to the search loop).
+
+    .venv/bin/python bench/profile_translation.py [--repository model_repository] [--version N] [--batch 32]
+        [--sentences 96] [--beams 4] [--data-dir ../shared/data]
+
+cProfile over-counts Python a little; the figure is the share outside ONNX Runtime's `run` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gzip
+import hashlib
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from service.decoding import BeamSearch  # noqa: E402
+from service.engines.translation import TranslationEngine  # noqa: E402
+from service.models.repository import ModelRepository  # noqa: E402
+
+ORT_RUN = "onnxruntime_pybind11_state.run"  # ONNX Runtime's session run, as cProfile names the built-in
+TOP_FUNCTIONS = 15
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--version", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sentences", type=int, default=96)
+    parser.add_argument("--beams", type=int, default=4)
+    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    args = parser.parse_args(argv)
+    engine = TranslationEngine(ModelRepository(args.repository).get("translation", args.version))
+    path = args.data_dir / "multi30k" / "test_2016_flickr.de.gz"
+    lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[: args.sentences]
+    sources = [engine.source_ids(line) for line in lines]
+
+    def translate() -> list[list[int]]:
+        out = []
+        for start in range(0, len(sources), args.batch):
+            part = sources[start : start + args.batch]
+            searches = engine.translate_ids(part, lambda i: BeamSearch(
+                args.beams, engine.default_max_new_tokens(len(part[i])), engine.eos_id,
+                length_penalty=engine.length_penalty))
+            out += [search.results()[0].tokens for search in searches]
+        return out
+
+    translate()  # warm-up
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    profile.enable()
+    outputs = translate()
+    profile.disable()
+    wall = time.perf_counter() - started
+    stats = pstats.Stats(profile)
+    ort = sum(row[2] for key, row in stats.stats.items() if ORT_RUN in key[2])
+    print(f"{len(sources)} sentences, batch {args.batch}, beam {args.beams}: wall {wall:.3f} s, ONNX Runtime "
+          f"{ort:.3f} s, outside it {100 * (1 - ort / wall):.0f}%")
+    print("outputs", hashlib.sha1(repr(outputs).encode()).hexdigest())
+    stats.sort_stats("tottime").print_stats(TOP_FUNCTIONS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
