@@ -61,9 +61,9 @@ def top_candidates(x: np.ndarray, peak: np.ndarray, log_z: np.ndarray, maxima: n
     vocab, n_blocks = x.shape[1], maxima.shape[1]
     k = min(int(k), R * vocab)
     rows = starts[:, None] + np.arange(R)  # (S, R) rows of x
-    offset = peak[rows], log_z[rows]
-    block_scores = scores[..., None] + ((maxima[rows].astype(np.float64) - offset[0][..., None])
-                                        - offset[1][..., None])  # (S, R, blocks): each block's best candidate
+    row_peak, row_log_z = peak[rows][..., None], log_z[rows][..., None]  # (S, R, 1)
+    block_scores = scores[..., None] + ((maxima[rows].astype(np.float64) - row_peak)
+                                        - row_log_z)  # (S, R, blocks): each block's best candidate
     chosen = np.sort(top_k_rows(block_scores.reshape(S, R * n_blocks), k), axis=-1)  # (S, kb) ascending
     block_row, first = np.divmod(chosen, n_blocks)
     cols = (first * block)[..., None] + np.arange(block)  # (S, kb, block) ascending flat order

@@ -34,7 +34,7 @@ class RuntimeOptions:
     inter_op_threads: int = 1
     graph_optimization: str = "all"  # disable | basic | extended | all
     spin: bool = False
-    # decoder calls of at most this many rows run on a second session with one intra-op thread (`DecoderSessions`);
+    # decoder calls of at most this many rows run on a second session with one intra-op thread (`OneThreadSession`);
     # 0 = never
     single_thread_rows: int = 0
 

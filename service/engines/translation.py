@@ -302,6 +302,5 @@ class TranslationEngine:
 
 def _logprobs_of(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """log_softmax(logits)[i, tokens[i]] for logits (N, V), in float64 as the searches compute it -> (N,)."""
-    x = logits.astype(np.float64)
-    peak, log_z = log_normaliser(x)  # reads x, writes a copy
-    return (x[np.arange(len(tokens)), tokens] - peak) - log_z
+    peak, log_z = log_normaliser(logits)  # float64 terms, bit-identical for float32 logits
+    return (logits[np.arange(len(tokens)), tokens].astype(np.float64) - peak) - log_z
