@@ -251,6 +251,14 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
     if "kept_step" in metrics:
         lines.append(f"- kept weights: step {metrics['kept_step']:,}, the evaluation with the lowest validation "
                      "loss (`keep_best`); the metrics below are those weights'")
+    teacher = metrics.get("teacher")
+    if teacher:  # a distilled ViT (DeiT): models.runs.train_teacher
+        lines.append(f"- distilled from a CNN teacher (DeiT's hard distillation: a distillation token whose head "
+                     f"learns the teacher's labels; the served logits are the mean of its head and [CLS]'s): "
+                     f"`models/convnet.py`, preset `{teacher['preset']}`, widths {teacher['widths']}, "
+                     f"{teacher['parameters']:,} parameters, {teacher['epochs_completed']} epochs on the same "
+                     f"training split; validation accuracy {teacher['val_accuracy']}%, test accuracy "
+                     f"{teacher['test_accuracy']}%")
     if "weights_storage" in config:
         lines.append(f"- weights stored as {config['weights_storage']}")
     if config.get("attention") == "mha":

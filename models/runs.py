@@ -6,6 +6,7 @@ A run folder holds everything export and evaluation need, so nothing is re-deriv
   checkpoint.pt    weights + optimiser + position, for resuming
   tokenizer.json   text models only, loadable with `tokenizers` alone
   metrics.json     the final evaluation; curves.png and history.json: the training curves
+  teacher/         a distilled ViT's teacher (`TrainConfig.teacher`): a run folder of its own, trained first
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from models import data, tokenization
-from models.config import TrainConfig, TranslationConfig, config_from_dict
+from models.config import TEACHER_PRESETS, TrainConfig, TranslationConfig, config_from_dict
+from models.convnet import ConvNet
 from models.gpt import GPT
 from models.tasks.gpt import GPTTask
 from models.tasks.translation import TranslationTask
 from models.tasks.vit import ViTTask
+from models.trainer import train
 from models.transformer import EncoderDecoderTransformer
 from models.vit import ViT
 
-MODEL_CLASSES = {"translation": EncoderDecoderTransformer, "gpt": GPT, "vit": ViT}
+MODEL_CLASSES = {"translation": EncoderDecoderTransformer, "gpt": GPT, "vit": ViT, "teacher": ConvNet}
 
 
 @dataclass
@@ -58,8 +61,9 @@ def _translation_tokenizer(train_pairs, config: TranslationConfig, train_cfg: Tr
 
 
 def prepare_run(task_name: str, config: Any, train_cfg: TrainConfig, data_dir: str | Path | None,
-                out_dir: Path) -> Run:
-    """Load the data, build (or reload) the tokenizer, build the model and the training task."""
+                out_dir: Path, teacher: nn.Module | None = None) -> Run:
+    """Load the data, build (or reload) the tokenizer, build the model and the training task (a ViT's with the
+    `teacher` it distils from, see `train_teacher`)."""
     root = data.resolve_data_dir(data_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if task_name == "translation":
@@ -75,10 +79,44 @@ def prepare_run(task_name: str, config: Any, train_cfg: TrainConfig, data_dir: s
         task = GPTTask(config, train_cfg, _encode_stream(tokenizer, train_text), _encode_stream(tokenizer, val_text))
     elif task_name == "vit":
         tokenizer = None
-        task = ViTTask(config, train_cfg, data.load_fashion_mnist(root, "train"), data.load_fashion_mnist(root, "test"))
+        task = ViTTask(config, train_cfg, data.load_fashion_mnist(root, "train"), data.load_fashion_mnist(root, "test"),
+                       teacher=teacher)
     else:
         raise ValueError(f"unknown task {task_name!r}")
     return Run(task_name, build_model(task_name, config, train_cfg.seed), task, tokenizer, root)
+
+
+TEACHER_DIR = "teacher"
+TEACHER_MODEL = "model.pt"
+TEACHER_METRICS = "metrics.json"
+
+
+def train_teacher(student_cfg: TrainConfig, data_dir: str | Path | None, out_dir: Path,
+                  progress: bool = True) -> tuple[ConvNet, dict[str, Any]]:
+    """Train (or resume, or reload when finished) the CNN a ViT distils from, in `out_dir`/teacher, on the
+    student's training split: the same `train_limit` and `validation_size`, so the validation images stay unseen.
+    Returns the teacher in eval mode and its metrics (validation and test accuracy)."""
+    config, cfg = TEACHER_PRESETS[student_cfg.teacher]
+    if (cfg.train_limit, cfg.validation_size) != (student_cfg.train_limit, student_cfg.validation_size):
+        raise ValueError(f"teacher preset {student_cfg.teacher!r} trains on another split than its student "
+                         f"(train_limit, validation_size) {cfg.train_limit, cfg.validation_size} vs "
+                         f"{student_cfg.train_limit, student_cfg.validation_size}")
+    folder = out_dir / TEACHER_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    model = build_model("teacher", config, cfg.seed)
+    root = data.resolve_data_dir(data_dir)
+    task = ViTTask(config, cfg, data.load_fashion_mnist(root, "train"), data.load_fashion_mnist(root, "test"))
+    if (folder / TEACHER_MODEL).exists() and (folder / TEACHER_METRICS).exists():
+        model.load_state_dict(torch.load(folder / TEACHER_MODEL, map_location="cpu", weights_only=True))
+        return model.eval(), json.loads((folder / TEACHER_METRICS).read_text())
+    write_config(folder, "teacher", student_cfg.teacher, config, cfg)
+    state = train(model, task, cfg, folder, progress=progress)
+    metrics = {**task.evaluate(model), "preset": student_cfg.teacher, "parameters": sum(
+        p.numel() for p in model.parameters()), "widths": list(config.widths), "epochs_completed": state.epoch,
+        "train_seconds": round(state.seconds, 1)}
+    torch.save(model.state_dict(), folder / TEACHER_MODEL)
+    (folder / TEACHER_METRICS).write_text(json.dumps(metrics, indent=2))
+    return model.eval(), metrics
 
 
 def _encode_stream(tokenizer: Tokenizer, text: str) -> np.ndarray:

@@ -2,7 +2,8 @@
 
     python -m models.train {translation,gpt,vit} --preset {tiny,release} [--data-dir DIR] [--out DIR]
 
-Re-running the same command resumes from the run folder's checkpoint (use --fresh to start over).
+Re-running the same command resumes from the run folder's checkpoint (use --fresh to start over). A ViT preset
+with a `teacher` trains that CNN first, in the run folder's teacher/, and distils from it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from models.config import TASKS, get_preset, with_overrides
 from models.curves import plot_history
 from models.datasets import DataError
 from models.evaluate import evaluate_run
-from models.runs import prepare_run, write_config
+from models.runs import TEACHER_DIR, TEACHER_MODEL, prepare_run, train_teacher, write_config
 from models.trainer import CHECKPOINT_NAME, train
 
 
@@ -50,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     train_cfg = with_overrides(train_cfg, epochs=args.epochs, max_steps=args.max_steps, seed=args.seed)
     out_dir = args.out or Path("runs") / f"{args.task}-{args.preset}"
     if args.fresh:
-        for name in (CHECKPOINT_NAME, "tokenizer.json"):
+        for name in (CHECKPOINT_NAME, "tokenizer.json", f"{TEACHER_DIR}/{CHECKPOINT_NAME}", f"{TEACHER_DIR}/{TEACHER_MODEL}"):
             (out_dir / name).unlink(missing_ok=True)
     try:
-        run = prepare_run(args.task, model_cfg, train_cfg, args.data_dir, out_dir)
+        teacher, teacher_metrics = None, None
+        if args.task == "vit" and train_cfg.teacher:
+            teacher, teacher_metrics = train_teacher(train_cfg, args.data_dir, out_dir, progress=not args.quiet)
+            print(f"teacher {train_cfg.teacher}: {json.dumps(teacher_metrics)}")
+        run = prepare_run(args.task, model_cfg, train_cfg, args.data_dir, out_dir, teacher=teacher)
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval_seconds": round(time.perf_counter() - started, 1),
         "final_train_loss": round(state.history["train_loss"][-1][1], 4) if state.history["train_loss"] else None,
     })
+    if teacher_metrics is not None:
+        metrics["teacher"] = teacher_metrics
     if kept_step is not None:
         metrics["kept_step"] = kept_step  # keep_best: the weights evaluated here are from this step
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))

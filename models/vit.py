@@ -2,7 +2,10 @@
 
 Patch embedding as `Conv2d(kernel=stride=patch)` (equal to "cut into patches, flatten, one linear layer"),
 a learned [CLS] token, learned position embeddings, a Pre-LN encoder with a final LayerNorm;
-`forward_features` (all tokens) -> pool the [CLS] token -> `forward_head` (class logits).
+`forward_features` (all tokens) -> the [CLS] token -> `head` (class logits).
+With `config.distillation`, DeiT's distillation token (Touvron et al., 2021; timm's
+`VisionTransformerDistilled`): a second learned token after [CLS] with its own head, trained to predict a
+teacher's labels (`forward_heads`); the model's logits are the mean of the two heads' logits in every mode.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ class ViT(nn.Module):
         d = config.d_model
         self.patch_embed = nn.Conv2d(config.channels, d, kernel_size=config.patch_size, stride=config.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
-        self.pos_embed = nn.Parameter(torch.zeros(1, config.num_patches + 1, d))
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, d)) if config.distillation else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, config.num_prefix_tokens + config.num_patches, d))
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(d, config.n_heads, config.d_ff, config.dropout, config.activation)
@@ -31,8 +35,11 @@ class ViT(nn.Module):
         )
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
+        self.head_dist = nn.Linear(d, config.num_classes) if config.distillation else None
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -42,18 +49,25 @@ class ViT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels (B, C, H, W), already normalised -> tokens (B, 1 + N, d) after the final LayerNorm."""
+        """pixels (B, C, H, W), already normalised -> tokens (B, P + N, d) after the final LayerNorm, P prefix
+        tokens ([CLS], then the distillation token if any)."""
         x = self.patch_embed(pixels)  # (B, d, H/p, W/p)
         x = x.flatten(2).transpose(1, 2)  # (B, N, d)
-        cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, d)
-        x = self.dropout(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, 1 + N, d)
+        prefix = [self.cls_token] + ([self.dist_token] if self.dist_token is not None else [])
+        prefix = [token.expand(x.shape[0], -1, -1) for token in prefix]  # P x (B, 1, d)
+        x = self.dropout(torch.cat([*prefix, x], dim=1) + self.pos_embed)  # (B, P + N, d)
         for block in self.blocks:
             x, _ = block(x)
         return self.norm(x)
 
-    def forward_head(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Pool the [CLS] token and classify: (B, 1 + N, d) -> logits (B, num_classes)."""
-        return self.head(tokens[:, 0])
+    def forward_heads(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(class logits from [CLS], the distillation head's logits or None), each (B, num_classes)."""
+        tokens = self.forward_features(pixels)
+        dist = self.head_dist(tokens[:, 1]) if self.head_dist is not None else None
+        return self.head(tokens[:, 0]), dist
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(pixels))
+        """pixels (B, C, H, W) -> logits (B, num_classes): the [CLS] head's, averaged with the distillation
+        head's when there is one (DeiT's inference rule)."""
+        logits, dist = self.forward_heads(pixels)
+        return logits if dist is None else (logits + dist) / 2

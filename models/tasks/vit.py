@@ -1,7 +1,9 @@
 """ViT training task: Fashion-MNIST images standardised by the model config's mean/std, optional augmentation
 (pad 2 + random crop, and a horizontal flip unless `augment_flip` is off), label-smoothed cross-entropy;
 choices (the curve, `keep_best`) on a validation split held out of the training images, and top-1 test accuracy
-measured once, at the end."""
+measured once, at the end. With a teacher (DeiT's hard distillation, Touvron et al., 2021), a student with a
+distillation token learns the true labels on its [CLS] head and the teacher's argmax on the augmented image on its
+distillation head, the two losses weighted equally."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 from torch.nn import functional as F
 
-from models.config import TrainConfig, ViTConfig
-from models.vit import ViT
+from models.config import ConvNetConfig, TrainConfig, ViTConfig
 
 
 def normalise(images: np.ndarray, config: ViTConfig) -> torch.Tensor:
@@ -47,9 +49,11 @@ class ViTTask:
     is only measured by `evaluate`, once, at the end. Without it the validation loss is the test set's (none of the
     presets does that any more)."""
 
-    def __init__(self, config: ViTConfig, train_cfg: TrainConfig, train: tuple[np.ndarray, np.ndarray],
-                 test: tuple[np.ndarray, np.ndarray]):
+    def __init__(self, config: ViTConfig | ConvNetConfig, train_cfg: TrainConfig,
+                 train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
+                 teacher: nn.Module | None = None):
         self.config = config
+        self.teacher = teacher.eval().requires_grad_(False) if teacher is not None else None
         self.train_cfg = train_cfg
         images, labels = train
         if train_cfg.train_limit is not None:
@@ -82,19 +86,26 @@ class ViTTask:
                 x = augment(x, generator, flip=self.train_cfg.augment_flip)
             yield x, self.train_y[index]
 
-    def loss(self, model: ViT, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         x, y = batch
-        return F.cross_entropy(model(x), y, label_smoothing=self.train_cfg.label_smoothing), len(y)
+        smoothing = self.train_cfg.label_smoothing
+        if self.teacher is None:
+            return F.cross_entropy(model(x), y, label_smoothing=smoothing), len(y)
+        logits, dist = model.forward_heads(x)
+        with torch.no_grad():
+            taught = self.teacher(x).argmax(-1)
+        loss = F.cross_entropy(logits, y, label_smoothing=smoothing) + F.cross_entropy(dist, taught)
+        return loss / 2, len(y)
 
     @torch.no_grad()
-    def _logits(self, model: ViT, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
+    def _logits(self, model: nn.Module, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
         model.eval()
         return torch.cat([model(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
 
-    def validation_loss(self, model: ViT) -> float:
+    def validation_loss(self, model: nn.Module) -> float:
         return F.cross_entropy(self._logits(model, self.val_x), self.val_y).item()
 
-    def evaluate(self, model: ViT) -> dict[str, float]:
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Validation and test accuracy and loss of `model` (the test set's only use)."""
         metrics: dict[str, float] = {}
         splits = [("val", self.val_x, self.val_y)] if self.held_out else []
