@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch and ONNX Runtime intra-op threads (default 2)")
     parser.add_argument("--spin", action="store_true",
                         help="let idle threads busy-wait (library defaults); only on an otherwise idle machine")
-    parser.add_argument("--single-thread-rows", type=int, default=0,
-                        help="ours/shipped: steps of at most this many rows on a one-thread session (default 0: never)")
+    parser.add_argument("--single-thread-rows", type=int, default=None,
+                        help="ours/shipped: steps of at most this many rows on a one-thread session (default: as the "
+                             "service runs each model, service.models.kinds; 0: never)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 7; quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed passes per system (default 2; quick 1)")
     parser.add_argument("--sentences", type=int, default=None,

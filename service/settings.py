@@ -30,8 +30,9 @@ class Settings(BaseSettings):
     intra_op_threads: int = 0  # 0 = ONNX Runtime's default (all cores)
     ort_spin: bool = False  # busy-wait between ops: only on dedicated cores
     # decoding steps of at most this many rows run on a one-thread session of the decoder graph (0 = never):
-    # waking a second thread for each small op costs more than it saves (service.engines.runtime.OneThreadSession)
-    single_thread_rows: int = Field(0, ge=0)
+    # waking a second thread for each small op costs more than it saves (service.engines.runtime.OneThreadSession);
+    # unset: each kind's own (service.models.kinds: the GPT's one-row steps, no translation steps)
+    single_thread_rows: int | None = Field(None, ge=0)
 
     # iteration-level batching for the text models: rows (beams count as rows) decoded together per step
     translation_max_batch_rows: int = Field(64, ge=1)

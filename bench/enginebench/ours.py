@@ -55,7 +55,7 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[s
     from service.engines.gpt import GPTEngine
 
     version = ours_gpt_version(spec, workdir, variant)
-    engine = GPTEngine(version, _ours_runtime_options(runtime))
+    engine = GPTEngine(version, _ours_runtime_options(runtime, "gpt"))
 
     def generate(prompts: np.ndarray) -> np.ndarray:
         searches = engine.generate(prompts.tolist(), lambda _: GreedySearch(spec.new_tokens, EOS_ID,
@@ -100,7 +100,7 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
     config = translation_config(spec)
     version = _ours_export("translation", lambda: EncoderDecoderTransformer(config), config,
                            spec_dir(workdir, _variant_name("ours-translation", variant), spec), variant)
-    engine = TranslationEngine(version, _ours_runtime_options(runtime))
+    engine = TranslationEngine(version, _ours_runtime_options(runtime, "translation"))
 
     def generate(source: np.ndarray) -> np.ndarray:
         searches = engine.translate_ids(source_rows(source), lambda _: BeamSearch(
@@ -153,9 +153,12 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
     return ModelVersion(f"bench-{kind}", 1, folder, json.loads((folder / CONFIG_FILE).read_text()))
 
 
-def _ours_runtime_options(runtime: Runtime):
-    """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`."""
+def _ours_runtime_options(runtime: Runtime, kind: str):
+    """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`; one-thread
+    steps as the service runs the model `kind` unless `runtime.single_thread_rows` says otherwise."""
     from service.engines.runtime import RuntimeOptions
+    from service.models.kinds import KIND_TABLE
 
+    rows = runtime.single_thread_rows
     return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin,
-                          single_thread_rows=runtime.single_thread_rows)
+                          single_thread_rows=KIND_TABLE[kind].single_thread_rows if rows is None else rows)

@@ -103,8 +103,8 @@ class Runtime:
     threads: int = 2
     spin: bool = False
     # ours and shipped only: steps of at most this many rows on a one-thread session (the service's
-    # TSERVE_SINGLE_THREAD_ROWS, `service.engines.runtime.OneThreadSession`); 0 = never
-    single_thread_rows: int = 0
+    # TSERVE_SINGLE_THREAD_ROWS, `service.engines.runtime.OneThreadSession`); 0 = never, None = as the service
+    single_thread_rows: int | None = None
 
     def session_options(self):
         """The `onnxruntime.SessionOptions` every ONNX Runtime system must use (ours included)."""

@@ -47,6 +47,10 @@ class ModelKind:
     scheduler: SchedulerFactory
     warm_up: Callable[[Any], None]  # one checked inference through a loaded engine; `WarmUpFailed` if it cannot serve
     decoding_modes: tuple[str, ...]  # the `mode` labels of its generated tokens; none: it generates no tokens
+    # decoder calls of at most this many rows on a one-thread session unless TSERVE_SINGLE_THREAD_ROWS says
+    # otherwise (`OneThreadSession`): the GPT's one-row steps ran 1.24x faster on one thread, translation's
+    # four-row beam steps 0.62x (AMD EPYC, 2 cores; docs/benchmarks.md)
+    single_thread_rows: int = 0
 
 
 def continuous_batcher(max_rows: Callable[[Settings], int]) -> SchedulerFactory:
@@ -83,6 +87,6 @@ KIND_TABLE: dict[str, ModelKind] = {
     TRANSLATION: ModelKind(TRANSLATION, TranslationEngine, continuous_batcher(lambda s: s.translation_max_batch_rows),
                            _warm_up_translation, decoding_modes=(GREEDY, BEAM)),
     GPT: ModelKind(GPT, GPTEngine, continuous_batcher(lambda s: s.gpt_max_batch_rows), _warm_up_gpt,
-                   decoding_modes=(GREEDY, BEAM, SAMPLE)),
+                   decoding_modes=(GREEDY, BEAM, SAMPLE), single_thread_rows=1),
     VIT: ModelKind(VIT, ViTEngine, dynamic_batcher, _warm_up_vit, decoding_modes=()),
 }

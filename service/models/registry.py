@@ -114,8 +114,9 @@ class ModelRegistry:
         s = self.settings
         model = self.repository.get(name, version)
         kind = KIND_TABLE[model.kind]
+        single_thread_rows = kind.single_thread_rows if s.single_thread_rows is None else s.single_thread_rows
         options = RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin,
-                                 single_thread_rows=s.single_thread_rows)
+                                 single_thread_rows=single_thread_rows)
         started = time.perf_counter()
         engine = kind.engine(model, options)
         scheduler = kind.scheduler(engine, model, self.metrics, s)
