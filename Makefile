@@ -140,7 +140,8 @@ llama-cpp:
 	JOBS=$(LLAMA_CPP_JOBS) PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) bench/build_llama_cpp.sh
 
 # HTTP benchmark: throughput and latency percentiles per endpoint vs a plain FastAPI + transformers generate()
-# baseline, in one run. Writes reports/bench_http.json.
+# baseline and the C++ peers (llama-server once `make llama-cpp` has built it; CTranslate2 offline), in one run.
+# Writes reports/bench_http.json.
 .PHONY: bench-http
 bench-http: venv
 	$(BIN)/python bench/bench_http.py $(BENCH_ARGS)

@@ -13,7 +13,18 @@ What it measures (closed loop: N client tasks, each sends its next request when 
 - the same service over gRPC (the Open Inference Protocol, `grpc.aio` channels, tritonclient's raw tensor
   contents): the GPT streamed (ModelStreamInfer, greedy, the same screened prompts and tokens) at 1 and 32 streams,
   and the ViT, one PNG per ModelInfer as the binary BYTES input IMAGE, at 64 concurrent; printed as
-  `grpc/rest <case> = <ratio>` of throughput beside their REST cases (SSE; multipart), with latency and TTFT.
+  `grpc/rest <case> = <ratio>` of throughput beside their REST cases (SSE; multipart), with latency and TTFT;
+- the C++ peers on the same random weights (issue 23), in the same run: `llama-server` (llama.cpp, `make llama-cpp`
+  builds it) serving the GPT, written as GGUF by bench/enginebench/llama_cpp.py and started as bench-engine starts it
+  (slots = the most concurrent streams, continuous batching, the same threads, its default f16 KV cache), sent the
+  gpt case's screened prompts as the service's token ids on its OpenAI `/v1/completions`, streamed, greedy, exactly
+  as many tokens, by the same client at the same concurrencies; and CTranslate2 offline (no HTTP), float32, batches
+  of 16 of the translation case's sentences (the service's token ids), the same beams and pinned tokens, through
+  bench/enginebench/ct2.py's converter and worker (bench/httpbench/llama_server.py, ct2_offline.py). Printed as
+  `service/llama-server 1 streams = <ratio>`, `service/llama-server 32 streams = <ratio>` (tokens/s) and
+  `service-http 16 clients/ctranslate2 offline b16 = <ratio>` (sentences/s); a peer that cannot run (llama.cpp
+  not built: run `make llama-cpp`; ctranslate2 missing; --repository, whose weights the peers cannot rebuild)
+  gives `= n/a (<why>)`, never a failed run.
 Goals, printed as PASS/MISS: ViT images/s with batching >= 3x without; GPT tokens/s at 32 streams >= 5x the
 baseline's at 32 clients, and >= 4x this service's at 1 stream. A case with any error voids its goal's PASS.
 Per case it also reports the mean batch (rows per decoding step, images per ONNX Runtime call; from /metrics),
@@ -31,9 +42,10 @@ ones; only the output lengths differ, and those are pinned (below). Data: --data
 Fairness:
 - Every server is a subprocess on a free port, started from a clean environment (no inherited TSERVE_*, no .env:
   only what this script sets, plus --server-env), measured after /health/ready and a warm-up (--warmup requests
-  per case; default one per client). All servers stay up for the whole run (an idle one costs next to nothing)
-  and the cases run round-robin, --rounds times, each for duration/rounds (like bench_engine.py's interleaved
-  repeats): a background load that drifts over time hits every case alike. One case runs at a time.
+  per case; default one per client). All servers are started first and the cases run round-robin, --rounds times,
+  each for duration/rounds (like bench_engine.py's interleaved repeats): a background load that drifts over time
+  hits every case alike. One case runs at a time, and one server: every other one (the peers' processes
+  included) is stopped (SIGSTOP) while a case runs, and continued when its own cases come.
 - Same thread settings for all: --threads ONNX Runtime intra-op threads (TSERVE_INTRA_OP_THREADS, inter-op 1) and
   torch threads for the baseline (plus OMP_NUM_THREADS); idle threads sleep (TSERVE_ORT_SPIN=false;
   OMP_WAIT_POLICY=PASSIVE) unless --spin. Device CPU (TSERVE_DEVICE=cpu).
@@ -49,19 +61,26 @@ Fairness:
   Throughput = work of the successful timed requests / the rounds' wall time (first start to last end).
 - Every non-2xx response, transport error, SSE error event or stream without [DONE] is an error: reported per
   kind, never counted as work.
+- The peers keep their own thread behaviour, as in bench-engine: llama.cpp's threads spin at ggml's barriers and
+  CTranslate2's OpenMP threads spin a while after their work, so on cores that other jobs keep busy their
+  figures collapse (ours sleep): measure the peers' rows on an otherwise idle machine.
 - The machine is shared: compare ratios from one run, not absolute numbers across runs. Run it niced.
 
 Run (main venv), e.g. as `make bench-http`:
     nice -n 10 .venv/bin/python bench/bench_http.py --quick      # smoke run, ~1-2 minutes once models are built
     nice -n 10 .venv/bin/python bench/bench_http.py              # full run (24 s per case), reports/bench_http.json
-Options: --duration S | --requests N (per case, over all rounds), --rounds N, --warmup N, --threads N, --spin,
---repository DIR, --data-dir DIR, --cases gpt,translation,vit,baseline,grpc, --max-new-tokens N,
---gpt-concurrency 1,32, --baseline-concurrency 1,32, --translation-concurrency 16, --vit-concurrency 64,
---num-beams N, --translation-tokens N, --server-env KEY=VALUE, --out PATH, --workdir PATH.
+    nice -n 10 .venv/bin/python bench/bench_http.py --quick --cases gpt,llama-server,translation,ctranslate2
+                                                                 # the peers' rows alone, smoke run
+Options: --duration S | --requests N (per case, over all rounds; CTranslate2's: batches), --rounds N, --warmup N,
+--threads N, --spin, --repository DIR, --data-dir DIR, --max-new-tokens N,
+--cases gpt,translation,vit,baseline,grpc,llama-server,ctranslate2, --gpt-concurrency 1,32,
+--baseline-concurrency 1,32, --translation-concurrency 16, --vit-concurrency 64, --num-beams N,
+--translation-tokens N, --server-env KEY=VALUE, --out PATH, --workdir PATH.
 
 Code: this file (options, the run); bench/httpbench/: repository.py (the random-weight models), servers.py (the
-servers, by the shared launcher service.client.launcher), load.py (the load generator), cases.py (workloads and cases),
-report.py (lines, tables, goals).
+servers, by the shared launcher service.client.launcher, and one running at a time), load.py (the load generator),
+cases.py (workloads and cases), llama_server.py and ct2_offline.py (the C++ peers), report.py (lines, tables, goals,
+the peers' ratios).
 """
 
 from __future__ import annotations
@@ -93,27 +112,44 @@ from httpbench.cases import (
     gpt_prompts,
     gpt_workload,
     screen_prompts,
+    translation_sentences,
     translation_workload,
     vit_grpc_workload,
     vit_workload,
 )
+from httpbench.ct2_offline import ctranslate2_case, ctranslate2_worker
+from httpbench.llama_server import case_name as llama_server_case, llama_server, llama_server_workload
 from httpbench.report import (
     describe_round,
     environment,
     evaluate_comparisons,
     evaluate_goals,
+    evaluate_peers,
     gpt_roofline,
+    peer_ratios,
     print_comparisons,
     print_goals,
+    print_peers,
     print_tables,
 )
 from httpbench.repository import build_repository
-from httpbench.servers import baseline_server, service_server
+from httpbench.servers import (
+    baseline_server,
+    resume,
+    run_alone,
+    server_record,
+    service_server,
+    tokenize,
+)
 
 from service.client.launcher import ServiceProcess
 
 
-CASES = ("gpt", "translation", "vit", "baseline", "grpc")
+CASES = ("gpt", "translation", "vit", "baseline", "grpc", "llama-server", "ctranslate2")
+PEERS = ("llama-server", "ctranslate2")  # the C++ peers' cases: on the random-weight models only
+# the cases that need the service: the peers' too (their prompts are screened on it, their inputs tokenized by it)
+SERVICE_CASES = ("gpt", "translation", "vit", "grpc", "llama-server", "ctranslate2")
+TRANSLATION_SENTENCES = 1014  # Multi30k's validation split, all of it
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -135,8 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve this model repository instead of building random-weight models")
     parser.add_argument("--data-dir", type=Path, default=None, help="data folder (default $TSERVE_DATA_DIR, "
                         "else ../shared/data, else ./data)")
-    parser.add_argument("--cases", default="gpt,translation,vit,baseline,grpc",
-                        help="comma-separated subset of gpt,translation,vit,baseline,grpc")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="GPT tokens per request (default 64)")
     parser.add_argument("--prompt-chars", type=int, default=32, help="GPT prompt length in characters (default 32)")
     parser.add_argument("--prompts", type=int, default=64, help="GPT candidate prompts (default 64)")
@@ -197,9 +232,14 @@ def main(argv: list[str] | None = None) -> int:
 
     skipped: dict[str, str] = {}
     for case, kind in (("gpt", "gpt"), ("translation", "translation"), ("vit", "vit"), ("baseline", "gpt"),
-                       ("grpc", "gpt")):
+                       ("grpc", "gpt"), ("llama-server", "gpt"), ("ctranslate2", "translation")):
         if case in args.cases and kind not in kinds:
             skipped[case] = f"no {kind} model in {repository}"
+    for case in PEERS:
+        if case in args.cases and case not in skipped and not random_weights:
+            skipped[case] = "the peers run the benchmark's own random-weight models, not --repository's"
+    if "ctranslate2" in args.cases and "ctranslate2" not in skipped and not translation_tokens:
+        skipped["ctranslate2"] = "CTranslate2 is timed on pinned lengths: --translation-tokens must be > 0"
     wanted = [c for c in args.cases if c not in skipped]
     max_new_tokens, prompts, gpt_architecture = args.max_new_tokens, [], {}
     if "gpt" in kinds:
@@ -212,17 +252,28 @@ def main(argv: list[str] | None = None) -> int:
         prompts = gpt_prompts(data_dir, args.prompts, args.prompt_chars)
 
     cases: list[Case] = []
-    servers: dict[str, ServiceProcess] = {}
+    servers: dict[str, ServiceProcess] = {}  # and the peers' (llama_cpp.Server, ct2.Worker): a name, pid, signals
     screening: dict | None = None
     started = time.perf_counter()
     interrupted = False
     with contextlib.ExitStack() as stack:
+
+        def keep(name: str, server):
+            """Start `server` (a context manager) for the whole run, continued before it is stopped at the end."""
+            servers[name] = stack.enter_context(server)
+            stack.callback(resume, servers[name])  # LIFO: runs before the server's own exit
+            return servers[name]
+
+        def skip(case: str, reason: str) -> None:
+            skipped[case] = reason
+            wanted.remove(case)
+            print(f"{case}: skipped ({reason})", flush=True)
+
         try:
-            # Every server is started first and stays up (an idle server costs next to nothing); then the cases
-            # run round-robin, so a background load that drifts over time hits every case alike.
-            if any(c in wanted for c in ("gpt", "translation", "vit", "grpc")):
-                servers["service"] = stack.enter_context(
-                    service_server(args, "service", repository, vit_batching=True))
+            # Every server is started first; then the cases run round-robin, so a background load that drifts over
+            # time hits every case alike, each with the other servers stopped (`run_alone`).
+            if any(c in wanted for c in SERVICE_CASES):
+                keep("service", service_server(args, "service", repository, vit_batching=True))
                 print(f"server 'service' (TSERVE_VIT_BATCHING=true) ready in {servers['service'].ready_seconds:.1f} s",
                       flush=True)
             if "vit" in wanted:
@@ -230,25 +281,37 @@ def main(argv: list[str] | None = None) -> int:
 
                 openapi = httpx.get(f"{servers['service'].url}/openapi.json", timeout=30).json()
                 if "/v1/classify" not in openapi.get("paths", {}):
-                    skipped["vit"] = "the service has no /v1/classify route yet (service/api/native/images.py)"
-                    wanted.remove("vit")
-                    print(f"vit: skipped ({skipped['vit']})", flush=True)
+                    skip("vit", "the service has no /v1/classify route yet (service/api/native/images.py)")
                 else:
-                    servers["service-no-batching"] = stack.enter_context(service_server(
+                    keep("service-no-batching", service_server(
                         args, "service-no-batching", repository, vit_batching=False, models=[kinds["vit"].name]))
                     print(f"server 'service-no-batching' (TSERVE_VIT_BATCHING=false, vit only) ready in "
                           f"{servers['service-no-batching'].ready_seconds:.1f} s", flush=True)
             if "baseline" in wanted:
-                servers["baseline"] = stack.enter_context(baseline_server(args, gpt_architecture))
+                keep("baseline", baseline_server(args, gpt_architecture))
                 print(f"server 'baseline' (transformers generate() per request) ready in "
                       f"{servers['baseline'].ready_seconds:.1f} s", flush=True)
 
-            if "gpt" in wanted or "grpc" in wanted:
+            if any(c in wanted for c in ("gpt", "grpc", "llama-server")):
                 prompts, screening = screen_prompts(servers["service"], prompts, max_new_tokens, args)
+            if "llama-server" in wanted:
+                slots = max(args.gpt_concurrency, default=1)
+                try:
+                    keep("llama-server", llama_server(args, repository, gpt_config["context_length"], slots))
+                    print(f"server 'llama-server' ({slots} slots) ready in "
+                          f"{servers['llama-server'].ready_seconds:.1f} s", flush=True)
+                except (NotImplementedError, RuntimeError) as error:  # not built: `make llama-cpp`; did not start
+                    skip("llama-server", str(error))
             if "gpt" in wanted:
                 for c in args.gpt_concurrency:
                     cases.append(Case(f"gpt c={c}", "POST /v1/generate (stream, greedy)", servers["service"],
                                       gpt_workload(prompts, max_new_tokens), c, kinds["gpt"].name))
+            if "llama-server" in wanted:
+                workload = llama_server_workload(tokenize(servers["service"], kinds["gpt"].name, prompts),
+                                                 max_new_tokens)
+                for c in args.gpt_concurrency:
+                    cases.append(Case(llama_server_case(c), "llama-server POST /v1/completions (stream, greedy)",
+                                      servers["llama-server"], workload, c))
             if "grpc" in wanted:
                 workload = gpt_grpc_workload(kinds["gpt"].name, prompts, max_new_tokens)
                 for c in args.gpt_concurrency:
@@ -267,10 +330,21 @@ def main(argv: list[str] | None = None) -> int:
                     cases.append(Case(f"baseline c={c}", "baseline POST /generate (transformers)",
                                       servers["baseline"], baseline_workload(prompts, max_new_tokens), c))
             if "translation" in wanted:
-                workload = translation_workload(data_dir, 1014, args.num_beams, translation_tokens or None)
+                workload = translation_workload(data_dir, TRANSLATION_SENTENCES, args.num_beams,
+                                                translation_tokens or None)
                 for c in args.translation_concurrency:
                     cases.append(Case(f"translation c={c}", f"POST /v1/translate (beam {args.num_beams})",
                                       servers["service"], workload, c, kinds["translation"].name))
+            if "ctranslate2" in wanted:
+                try:
+                    worker = keep("ctranslate2", ctranslate2_worker(args, repository))
+                    print("worker 'ctranslate2' (offline, float32) ready", flush=True)
+                except (ImportError, RuntimeError) as error:  # not installed; did not start
+                    skip("ctranslate2", str(error))
+                else:
+                    sources = tokenize(servers["service"], kinds["translation"].name,
+                                       translation_sentences(data_dir, TRANSLATION_SENTENCES))
+                    cases.append(ctranslate2_case(worker, sources, args.num_beams, translation_tokens))
             if "vit" in wanted:
                 vit = vit_workload(data_dir, 1024)
                 for label, server in (("on", servers["service"]), ("off", servers["service-no-batching"])):
@@ -283,11 +357,13 @@ def main(argv: list[str] | None = None) -> int:
             for case in cases:
                 warmup = args.warmup if args.warmup is not None else \
                     (min(case.concurrency, 4) if args.quick else case.concurrency)
+                run_alone(case.server, servers.values())
                 case.run_warmup(warmup, args.timeout)
             for round_number in range(1, args.rounds + 1):
                 print(f"\nround {round_number}/{args.rounds}", flush=True)
                 for case in cases:
                     requests = None if args.requests is None else max(1, args.requests // args.rounds)
+                    run_alone(case.server, servers.values())
                     results = case.run_round(args.duration / args.rounds, requests, args.timeout)
                     print(f"  {case.name:<18} c={case.concurrency:<3} {describe_round(case.workload.unit, results)}",
                           flush=True)
@@ -310,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     print_goals(goals)
     comparisons = evaluate_comparisons(summaries)
     print_comparisons(comparisons)
+    ratios = [r for r in peer_ratios(args.gpt_concurrency, args.translation_concurrency) if r.peer_option in args.cases]
+    peers = evaluate_peers(summaries, ratios, skipped)
+    print_peers(peers)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
     report = {
@@ -324,10 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                          "gpt": args.gpt_concurrency, "baseline": args.baseline_concurrency,
                          "translation": args.translation_concurrency, "vit": args.vit_concurrency}},
         "prompt_screening": screening,
-        "servers": [{"name": s.name, "command": s.command, "ready_s": s.ready_seconds, "log": str(s.log_path),
-                     "env": {k: v for k, v in s.environment.items() if k.startswith(("TSERVE_", "OMP_"))}}
-                    for s in servers.values()],
-        "cases": summaries, "roofline": roofline, "goals": goals, "comparisons": comparisons, "skipped": skipped,
+        "servers": [server_record(s) for s in servers.values()],
+        "cases": summaries, "roofline": roofline, "goals": goals, "comparisons": comparisons, "peers": peers,
+        "skipped": skipped,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

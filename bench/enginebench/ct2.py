@@ -1,6 +1,7 @@
 """CTranslate2 (`pip install ctranslate2`), the C++ engine a user would otherwise pick to serve a translator, on
 the SAME weights as ours: our `EncoderDecoderTransformer` converted into CTranslate2's `TransformerSpec`
-(`translation_spec`), and a `GenerateFn` over `ctranslate2.Translator` (`run_ctranslate2_translation`).
+(`translation_spec`), and a `GenerateFn` over `ctranslate2.Translator` (`run_ctranslate2_translation`), which runs
+in a process of its own (`Worker`; bench/bench_http.py times the same worker on the served translator's weights).
 
 The conversion, layer by layer (models/transformer.py, models/layers.py -> ctranslate2/specs/transformer_spec.py):
 the shared embedding (scaled by sqrt(d), as ours) is the encoder's and the decoder's embeddings and the decoder's
@@ -15,6 +16,8 @@ best beams, printed by every bench run that has both.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,7 @@ from .ours import translation_config
 from .workloads import GenerateFn, Runtime, TranslationSpec, seed_torch, source_rows, spec_dir
 
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our model uses
+WORKER_STOP_TIMEOUT_S = 10.0  # how long the worker has to return once told to, before it is killed
 
 
 def _numpy(tensor) -> np.ndarray:
@@ -105,7 +109,8 @@ def convert(model, folder: Path, quantization: str | None = None) -> Path:
 
 
 def _serve(folder: str, compute_type: str, threads: int, connection) -> None:
-    """The child process: a Translator on `folder`; each message (token lists, beams, tokens) -> the best beams."""
+    """The child process: a Translator on `folder`; each message (token lists, beams, tokens) -> the best beams
+    (None, or the pipe closing, ends it)."""
     import ctranslate2
 
     translator = ctranslate2.Translator(folder, device="cpu", compute_type=compute_type, intra_threads=threads,
@@ -125,42 +130,78 @@ def _serve(folder: str, compute_type: str, threads: int, connection) -> None:
         connection.send([[int(t) for t in r.hypotheses[0]] for r in results])
 
 
+class Worker:
+    """A `ctranslate2.Translator` on the converted model in `folder`, in a process of its own (spawned: no torch in
+    it) with `threads` intra-op threads and its library's own wait policy, sent the sources over a pipe (a fraction
+    of a millisecond per sentence): in the benchmark's process, beside torch's OpenMP pool, and under its
+    OMP_WAIT_POLICY=PASSIVE, its OpenMP threads ran 5x slower (measured on the release shape, 2 threads, beam 4:
+    6.0 sentences/s under PASSIVE, 32.6 with its defaults, 7.1 in-process with --spin)."""
+
+    name = "ctranslate2"
+
+    def __init__(self, folder: Path, compute_type: str, threads: int):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child = context.Pipe()
+        policy = os.environ.pop("OMP_WAIT_POLICY", None)  # the child starts with CTranslate2's own default
+        try:
+            self.process = context.Process(target=_serve, args=(str(folder), compute_type, threads, child),
+                                           daemon=True)
+            self.process.start()
+        finally:
+            if policy is not None:
+                os.environ["OMP_WAIT_POLICY"] = policy
+        if self._pipe.recv() != "ready":
+            raise RuntimeError("the CTranslate2 worker did not start")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send_signal(self, signum: int) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signum)
+
+    def translate(self, sources: list[list[int]], num_beams: int, new_tokens: int) -> list[list[int]]:
+        """The best beams of `sources` (token ids, each with its EOS, as ours reads it): beam search like ours,
+        `num_beams`, length penalty 1.0, no early stop, exactly `new_tokens` new tokens (min = max decoding
+        length)."""
+        self._pipe.send(([[str(i) for i in row] for row in sources], num_beams, new_tokens))
+        return self._pipe.recv()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the worker (continued, it reads None and returns; killed if it does not); again does nothing."""
+        if self.process.is_alive():
+            self.send_signal(signal.SIGCONT)  # a stopped worker reads nothing
+            self._pipe.send(None)
+            self.process.join(WORKER_STOP_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+
+
 def run_ctranslate2_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
                                 compute_type: str = "float32") -> GenerateFn:
     """CTRANSLATE2, TRANSLATION: `ctranslate2.Translator.translate_batch` on our translator's weights (random,
-    seed 0, as ours), beam search like ours: `num_beams`, length penalty 1.0, no early stop, exactly
-    `spec.new_tokens` new tokens (min = max decoding length).
-
-    It runs in a process of its own (spawned: no torch in it), with its library's thread defaults, and is sent the
-    sources over a pipe (a fraction of a millisecond per sentence): in the benchmark's process, beside torch's
-    OpenMP pool, and under its OMP_WAIT_POLICY=PASSIVE, its OpenMP threads ran 5x slower (measured on the release
-    shape, 2 threads, beam 4: 6.0 sentences/s under PASSIVE, 32.6 with its defaults, 7.1 in-process with --spin)."""
-    import multiprocessing
-    import os
-
+    seed 0, as ours), in a `Worker` of its own: beam search like ours, `spec.num_beams`, exactly `spec.new_tokens`
+    new tokens (see `Worker.translate`)."""
     from models.transformer import EncoderDecoderTransformer
 
     config = translation_config(spec)
     seed_torch(0)
     model = EncoderDecoderTransformer(config).eval()
     folder = convert(model, spec_dir(workdir, f"ctranslate2-translation-{compute_type}", spec))
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe()
-    policy = os.environ.pop("OMP_WAIT_POLICY", None)  # the child starts with CTranslate2's own default
-    try:
-        worker = context.Process(target=_serve, args=(str(folder), compute_type, runtime.threads, child),
-                                 daemon=True)
-        worker.start()
-    finally:
-        if policy is not None:
-            os.environ["OMP_WAIT_POLICY"] = policy
-    if parent.recv() != "ready":
-        raise RuntimeError("the CTranslate2 worker did not start")
+    worker = Worker(folder, compute_type, runtime.threads)
 
     def generate(source: np.ndarray) -> np.ndarray:
-        tokens = [[str(i) for i in row] for row in source_rows(source)]  # the EOS included, as ours reads it
-        parent.send((tokens, spec.num_beams, spec.new_tokens))
-        return np.array(parent.recv(), dtype=np.int64)
+        return np.array(worker.translate(source_rows(source), spec.num_beams, spec.new_tokens), dtype=np.int64)
 
     return generate
 

@@ -2,7 +2,9 @@
 otherwise pick to serve a small GPT on a CPU, on the SAME weights as ours: our `models.gpt.GPT` written as a GGUF
 file of llama.cpp's `gpt2` architecture (`write_gguf`), a `GenerateFn` over `llama-server` (`run_llama_cpp_gpt`,
 the timed system), the tool's own benchmark `llama-batched-bench` as a row of its own (`batched_bench`), and how far
-its greedy tokens agree with ours (`agreement`). It follows ct2.py, the translator's C++ peer.
+its greedy tokens agree with ours (`agreement`). It follows ct2.py, the translator's C++ peer. bench/bench_http.py
+runs the same `Server` on the served GPT's weights (`write_gguf`) and streams the same request fields
+(`completion_fields`) from its HTTP clients (bench/httpbench/llama_server.py).
 
 The conversion, tensor by tensor (models/gpt.py, models/layers.py -> llama.cpp's src/models/gpt2.cpp): the token
 and learned position embeddings (`token_embd`, `position_embd`); per block the Pre-LN norms (`attn_norm`,
@@ -14,8 +16,9 @@ weights, the norms and biases stay f32). The vocabulary is the ids themselves wr
 for CTranslate2, so that llama.cpp takes and returns our ids: a `gpt2` (BPE) tokenizer, because llama.cpp's loader
 (src/llama-vocab.cpp) gives a vocabulary of type "none" no tokens, and the server turns every token it samples into
 text; the BPE loader requires merges, so they spell each id of two or more digits from its prefix and its last digit
-(text is never tokenized here: prompts go in as ids). PAD, BOS and EOS are control tokens, EOS ends generation, and
-no BOS is added to a prompt.
+(text is never tokenized here: prompts go in as ids). PAD, BOS and EOS are control tokens, EOS (the model's own,
+`config.eos_id`: the bench GPT's EOS_ID, the byte-level served GPT's 256) ends generation, and no BOS is added to
+a prompt.
 
 Where llama.cpp computes differently, by its own design: its `gpt2` graph applies GELU's tanh approximation
 (`ggml_gelu`), looked up in a table over fp16-rounded inputs (ggml-cpu's GGML_GELU_FP16), where ours computes the
@@ -102,13 +105,15 @@ def gpt_model(spec: GptSpec):
     return GPT(gpt_config(spec)).eval()
 
 
-def vocabulary(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
-    """The tokens (each id as a string), their types (PAD, BOS, EOS control, the rest normal) and the merges that
-    spell every token of two or more characters from its prefix and last character (see the module's docstring)."""
+def vocabulary(vocab_size: int, eos_id: int = EOS_ID) -> tuple[list[str], list[int], list[str]]:
+    """The tokens (each id as a string), their types (PAD, BOS and the model's EOS `eos_id` control, the rest
+    normal) and the merges that spell every token of two or more characters from its prefix and last character (see
+    the module's docstring)."""
     from gguf import TokenType
 
     tokens = [str(i) for i in range(vocab_size)]
-    types = [int(TokenType.CONTROL if i in (PAD_ID, BOS_ID, EOS_ID) else TokenType.NORMAL) for i in range(vocab_size)]
+    control = (PAD_ID, BOS_ID, eos_id)
+    types = [int(TokenType.CONTROL if i in control else TokenType.NORMAL) for i in range(vocab_size)]
     merges = [f"{token[:-1]} {token[-1]}" for token in tokens if len(token) > 1]
     return tokens, types, merges
 
@@ -166,14 +171,14 @@ def write_gguf(model, path: Path, file_type: str = "f32") -> Path:
     writer.add_feed_forward_length(config.d_ff)
     writer.add_head_count(config.n_heads)
     writer.add_layer_norm_eps(LAYER_NORM_EPSILON)
-    tokens, types, merges = vocabulary(config.vocab_size)
+    tokens, types, merges = vocabulary(config.vocab_size, config.eos_id)
     writer.add_tokenizer_model(TOKENIZER_MODEL)
     writer.add_tokenizer_pre(TOKENIZER_PRE)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
+    writer.add_eos_token_id(config.eos_id)
     writer.add_pad_token_id(PAD_ID)
     writer.add_add_bos_token(False)
     for name, array in gguf_tensors(model).items():
@@ -228,26 +233,64 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-class Server:
-    """One `llama-server` on `model` with `slots` parallel slots of `spec.context_length` tokens each, on a free
-    local port; its log goes to `log`."""
+def completion_fields(new_tokens: int) -> dict:
+    """What every request to llama-server asks besides its prompt: greedy, exactly `new_tokens` tokens (EOS
+    masked), no prompt caching across requests (each runs its prompt pass, as ours does)."""
+    return {"n_predict": new_tokens, "ignore_eos": True, "cache_prompt": False, **GREEDY}
 
-    def __init__(self, model: Path, spec: GptSpec, runtime: Runtime, slots: int, log: Path):
-        self.slots, self.port = slots, _free_port()
-        command = [str(binary(SERVER)), "-m", str(model), "--host", HOST, "--port", str(self.port),
-                   "-t", str(runtime.threads), "-tb", str(runtime.threads), "-np", str(slots),
-                   "-c", str(slots * spec.context_length), "-ctk", KV_CACHE_TYPE, "-ctv", KV_CACHE_TYPE,
-                   "--cache-ram", "0", "--no-webui"]
+
+class Server:
+    """One `llama-server` on `model` with `slots` parallel slots of `context_length` tokens each, all decoded
+    together (continuous batching), on a free local port; its log goes to `log`. Started stopped (SIGSTOP) once it
+    is healthy: `resume()` before using it, `pause()` after (`complete` does both)."""
+
+    name = SERVER
+
+    def __init__(self, model: Path, context_length: int, runtime: Runtime, slots: int, log: Path):
+        self.slots, self.port, self.log_path = slots, _free_port(), log
+        self.command = [str(binary(SERVER)), "-m", str(model), "--host", HOST, "--port", str(self.port),
+                        "-t", str(runtime.threads), "-tb", str(runtime.threads), "-np", str(slots), "--cont-batching",
+                        "-c", str(slots * context_length), "-ctk", KV_CACHE_TYPE, "-ctv", KV_CACHE_TYPE,
+                        "--cache-ram", "0", "--no-webui"]
+        self.environment = _environment()
         self.log = log.open("w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=_environment())
+        started = time.monotonic()
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=self.environment)
         atexit.register(self.close)
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        deadline = started + SERVER_START_TIMEOUT_S
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"llama-server did not start (exit {self.process.returncode}): see {log}")
             time.sleep(SERVER_POLL_S)
-        self.process.send_signal(signal.SIGSTOP)  # until its first pass (`complete`)
+        self.ready_seconds = time.monotonic() - started
+        self.pause()  # until it is used (`complete`, or a client's `resume`)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send_signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def pause(self) -> None:
+        """SIGSTOP: its threads take no core from the systems timed meanwhile."""
+        self.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.send_signal(signal.SIGCONT)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _request(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
         connection = http.client.HTTPConnection(HOST, self.port, timeout=REQUEST_TIMEOUT_S)
@@ -267,13 +310,12 @@ class Server:
 
     def complete(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         """Greedy continuations of `prompts` (token ids), exactly `new_tokens` each, in the prompts' order."""
-        body = {"prompt": prompts, "n_predict": new_tokens, "ignore_eos": True, "cache_prompt": False,
-                "return_tokens": True, "stream": False, **GREEDY}
-        self.process.send_signal(signal.SIGCONT)
+        body = {"prompt": prompts, "return_tokens": True, "stream": False, **completion_fields(new_tokens)}
+        self.resume()
         try:
             status, content = self._request("POST", "/completion", body)
         finally:  # stopped between its passes: its threads must not take the cores from the systems timed meanwhile
-            self.process.send_signal(signal.SIGSTOP)
+            self.pause()
         if status != http.client.OK:
             raise RuntimeError(f"llama-server /completion answered {status}: {content[:500]!r}")
         results = json.loads(content)
@@ -281,6 +323,7 @@ class Server:
         return [result["tokens"] for result in sorted(results, key=lambda r: r.get("index", 0))]
 
     def close(self) -> None:
+        """Stop the server (SIGTERM, SIGKILL after STOP_TIMEOUT_S); again does nothing."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
             self.process.terminate()
@@ -307,7 +350,7 @@ def run_llama_cpp_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, file_type:
         if not servers or servers[0].slots != batch:
             if servers:
                 servers.pop().close()
-            servers.append(Server(model, spec, runtime, batch, log))
+            servers.append(Server(model, spec.context_length, runtime, batch, log))
         return np.array(servers[0].complete(prompts.tolist(), spec.new_tokens), dtype=np.int64)
 
     return generate

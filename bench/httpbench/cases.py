@@ -1,12 +1,15 @@
 """What is measured: the workloads (request bodies of real data, encoded once) and the cases, one (endpoint,
-concurrency) on one server each, accumulated over the interleaved rounds."""
+concurrency) on one server each, accumulated over the interleaved rounds; an `OfflineCase` is a peer's work done
+without HTTP (CTranslate2's batches), measured and reported alike."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,10 +102,15 @@ def baseline_workload(prompts: list[str], max_new_tokens: int) -> Workload:
                     work=lambda payload: float(payload["completion_tokens"]))
 
 
-def translation_workload(data_dir: Path, count: int, num_beams: int, new_tokens: int | None) -> Workload:
+def translation_sentences(data_dir: Path, count: int) -> list[str]:
+    """The first `count` German sentences of Multi30k's validation split."""
     from models.data import load_multi30k
 
-    sentences = [de for de, _ in load_multi30k(data_dir, "val")][:count]
+    return [de for de, _ in load_multi30k(data_dir, "val")][:count]
+
+
+def translation_workload(data_dir: Path, count: int, num_beams: int, new_tokens: int | None) -> Workload:
+    sentences = translation_sentences(data_dir, count)
     extra = {} if new_tokens is None else {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
     bodies = [json.dumps({"text": s, "num_beams": num_beams, **extra}).encode() for s in sentences]
 
@@ -164,20 +172,23 @@ class Case:
         """Where the load goes: the server's URL, or its gRPC port (host:port) for a gRPC workload."""
         return grpc_target(self.server) if self.workload.grpc else self.server.url
 
+    def load(self, duration: float, requests: int | None, timeout: float) -> tuple[list[Result], float]:
+        """Send `requests` requests (or for `duration` seconds) from the next body on: the results and the client's
+        CPU seconds."""
+        return run_async(run_load(self.target, self.workload, self.concurrency, requests=requests, duration=duration,
+                                  offset=self.sent, timeout=timeout), uvloop_allowed=not self.workload.grpc)
+
     def run_warmup(self, requests: int, timeout: float) -> None:
         self.warmup = requests
         if requests:
-            run_async(run_load(self.target, self.workload, self.concurrency, requests=requests, duration=0.0,
-                               offset=self.sent, timeout=timeout), uvloop_allowed=not self.workload.grpc)
+            self.load(0.0, requests, timeout)
             self.sent += requests
 
     def run_round(self, duration: float, requests: int | None, timeout: float) -> list[Result]:
         self.load_averages.append(os.getloadavg())
         batches = batch_stats(self.server.url) if self.model else {}
         cpu_before = process_cpu_seconds(self.server.pid)
-        results, client_cpu = run_async(run_load(self.target, self.workload, self.concurrency,
-                                                 requests=requests, duration=duration, offset=self.sent,
-                                                 timeout=timeout), uvloop_allowed=not self.workload.grpc)
+        results, client_cpu = self.load(duration, requests, timeout)
         cpu_after = process_cpu_seconds(self.server.pid)
         self.sent += len(results)
         self.results += results
@@ -217,6 +228,40 @@ class Case:
             "mean_batch": self.batch_sum / self.batch_count if self.batch_count else None,
             "warmup_requests": self.warmup, "load_averages": self.load_averages,
         }
+
+
+@dataclass
+class OfflineCase(Case):
+    """A peer's work without HTTP, as a case: `call(i)` runs the i-th unit of work (a batch) in the peer's own
+    process (`server`: its pid, for the CPU seconds) and returns its work; one call at a time, so `concurrency` is
+    1 and a "request" is a call. Its mean batch is the work per call."""
+
+    call: Callable[[int], float] | None = None
+
+    def load(self, duration: float, requests: int | None, timeout: float) -> tuple[list[Result], float]:
+        """Calls back to back, from the next on, until `requests` calls (or `duration` seconds); the first that
+        fails (the peer's process gone: a closed pipe) ends the round."""
+        results: list[Result] = []
+        cpu, stop_at = time.process_time(), time.perf_counter() + duration
+        while (len(results) < requests) if requests is not None else (time.perf_counter() < stop_at):
+            start = time.perf_counter()
+            result = Result(start, start, index=self.sent + len(results))
+            try:
+                result.work = self.call(result.index)
+            except (OSError, EOFError, RuntimeError) as error:
+                result.error = type(error).__name__
+            result.end = time.perf_counter()
+            results.append(result)
+            if result.error is not None:
+                break
+        return results, time.process_time() - cpu
+
+    def run_round(self, duration: float, requests: int | None, timeout: float) -> list[Result]:
+        results = super().run_round(duration, requests, timeout)
+        ok = [r for r in results if r.error is None]
+        self.batch_sum += sum(r.work for r in ok)
+        self.batch_count += len(ok)
+        return results
 
 
 def screen_prompts(server: ServiceProcess, prompts: list[str], max_new_tokens: int, args) -> tuple[list[str], dict]:

@@ -1,6 +1,7 @@
 """The load generator: N client tasks on one event loop, each with its own keep-alive connection (an HTTP client,
 or a gRPC channel), sending requests back to back (a closed loop); every request becomes a Result (timings, work,
-error)."""
+error). A stream's server-sent events are read by its workload's `events` reader: the service's own (`/v1/generate`,
+`native_event`) or OpenAI's text completion chunks (llama-server's `/v1/completions`, `completion_chunk_event`)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,51 @@ import numpy as np
 from service.client.sse import SSEParser
 
 
+@dataclass(frozen=True)
+class StreamEvent:
+    """What one server-sent event of a stream says: `tokens` generated, or the stream's end (`finish_reason`, with
+    the `usage` if it gives one), or an `error`."""
+
+    tokens: int = 0
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+
+def _error_event(event: dict) -> StreamEvent:
+    return StreamEvent(error=f"SSE error: {event['error'].get('type')}")
+
+
+def native_event(event: dict) -> StreamEvent:
+    """The service's `/v1/generate` stream: `{"token"}` per token, a last event with `finish_reason` and `usage`
+    (its `token`, the text held back, is no new token), or `{"error"}`."""
+    if "error" in event:
+        return _error_event(event)
+    if "finish_reason" in event:
+        return StreamEvent(finish_reason=event["finish_reason"], usage=event.get("usage"))
+    return StreamEvent(tokens=1)
+
+
+def completion_chunk_event(event: dict) -> StreamEvent:
+    """An OpenAI text completion chunk (`/v1/completions`, stream, one choice): a token per chunk until the one
+    whose choice has a `finish_reason` (with the `usage`; llama-server sends its text empty); a chunk without
+    choices carries the usage alone; or `{"error"}`. A missing `choices` is a KeyError: not this stream's shape."""
+    if "error" in event:
+        return _error_event(event)
+    if not event["choices"]:
+        return StreamEvent(usage=event.get("usage"))
+    (choice,) = event["choices"]
+    if choice.get("finish_reason") is not None:
+        return StreamEvent(finish_reason=choice["finish_reason"], usage=event.get("usage"))
+    return StreamEvent(tokens=1)
+
+
 @dataclass
 class Workload:
     """The requests of a case: `bodies` (encoded once) sent in turn to `path`; `work` counts the units of a JSON
     response (a stream's are its token events). With `grpc`, `path` is the gRPC method, the bodies are serialized
-    `ModelInferRequest`s, and `work` reads the response message (a stream's: the list of its responses)."""
+    `ModelInferRequest`s, and `work` reads the response message (a stream's: the list of its responses). A stream's
+    events are read by `events` (see `StreamEvent`)."""
 
     path: str
     bodies: list[bytes]
@@ -28,6 +69,7 @@ class Workload:
     unit: str = "requests/s"
     work: Callable[[object], float] = lambda payload: 1.0  # work units in a successful response
     grpc: bool = False
+    events: Callable[[dict], StreamEvent] = native_event
 
 
 @dataclass
@@ -47,7 +89,8 @@ class Result:
 
 
 async def send_stream(client, workload: Workload, body: bytes) -> Result:
-    """One streamed generate request: SSE events until [DONE]; work = generated tokens."""
+    """One streamed generate request: SSE events until [DONE], read by the workload's `events`; work = generated
+    tokens (checked against the usage, when the stream gives one)."""
     import httpx
 
     start = time.perf_counter()
@@ -65,15 +108,16 @@ async def send_stream(client, workload: Workload, body: bytes) -> Result:
                         break
                     if event is None:
                         continue
-                    if "error" in event:
-                        result.error = f"SSE error: {event['error'].get('type')}"
-                    elif "finish_reason" in event:
-                        result.finish_reason, usage = event["finish_reason"], event.get("usage")
-                    else:
-                        if result.ttft is None:
-                            result.ttft = time.perf_counter() - start
-                        tokens += 1
-    except (httpx.HTTPError, OSError, ValueError) as error:
+                    said = workload.events(event)
+                    if said.error is not None:
+                        result.error = said.error
+                    elif said.finish_reason is not None:
+                        result.finish_reason = said.finish_reason
+                    elif said.tokens and result.ttft is None:
+                        result.ttft = time.perf_counter() - start
+                    usage = said.usage if said.usage is not None else usage
+                    tokens += said.tokens
+    except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as error:
         result.error = type(error).__name__
     result.end = time.perf_counter()
     if result.error is None and not sse.done:

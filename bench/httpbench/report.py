@@ -1,5 +1,6 @@
 """What the benchmark prints and records: a line per case and round, the tables, the goals (ratios of throughputs
-measured in the same run) and the environment."""
+measured in the same run), the ratios to the C++ peers (`service/llama-server 1 streams = 0.84`) and the
+environment."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import platform
 import sys
 import time
 from collections import Counter
+from typing import NamedTuple
 
 from cpuinfo import cpu
 
+from . import ct2_offline, llama_server
 from .load import Result, percentiles
 
 GOALS = (  # (key, description, numerator case, denominator case, threshold)
@@ -22,6 +25,20 @@ GOALS = (  # (key, description, numerator case, denominator case, threshold)
 )
 # gRPC against REST, the same work on the same server: (case over gRPC, its REST case); no goal, the figures
 COMPARISONS = (("gpt grpc c=1", "gpt c=1"), ("gpt grpc c=32", "gpt c=32"), ("vit grpc", "vit batching=on"))
+NOT_MEASURED = "not measured in this run: --cases without {option}, or interrupted"
+
+
+class PeerRatio(NamedTuple):
+    """One ratio to a C++ peer: its printed `label`, the service's case and the peer's, each with the --cases entry
+    that runs it."""
+
+    label: str
+    service_case: str
+    service_option: str
+    peer_case: str
+    peer_option: str
+
+
 ROOFLINE_STEPS = 64  # decoding steps per timed pass of the roofline
 ROOFLINE_REPEATS = 5
 
@@ -90,9 +107,10 @@ def print_tables(cases: list[dict]) -> None:
             if r["errors"]:
                 print(f"{'':<18} errors: {r['error_kinds']}")
     print("\nbatch: mean rows per decoding step (text) or images per ONNX Runtime call (ViT), from the service's "
-          "/metrics.\ncpu srv/loop/cli: cores used by the server process, by its main (event-loop) thread, and by "
-          "the client.\nwork/srv-cpu-s: work per CPU-second of the server process (throughput with the CPU share "
-          "factored out;\na diagnostic for a shared machine, not what the goals are judged on).")
+          "/metrics;\nsentences per call for CTranslate2 offline.\ncpu srv/loop/cli: cores used by the server "
+          "process, by its main (event-loop) thread, and by the client.\nwork/srv-cpu-s: work per CPU-second of the "
+          "server process (throughput with the CPU share factored out;\na diagnostic for a shared machine, not what "
+          "the goals are judged on).")
 
 
 def evaluate_goals(cases: list[dict]) -> list[dict]:
@@ -150,15 +168,66 @@ def print_comparisons(comparisons: list[dict]) -> None:
               + (f"  [errors in these cases: {c['errors_in_cases']}]" if c["errors_in_cases"] else ""))
 
 
+def peer_ratios(gpt_concurrency: list[int], translation_concurrency: list[int]) -> list[PeerRatio]:
+    """The service's throughput over the peers', per concurrency: the GPT's streams against llama-server's at as
+    many streams, translation's clients against CTranslate2 offline at its batch."""
+    ratios = [PeerRatio(f"service/llama-server {c} streams", f"gpt c={c}", "gpt", llama_server.case_name(c),
+                        "llama-server") for c in gpt_concurrency]
+    ratios += [PeerRatio(f"service-http {c} clients/ctranslate2 offline b{ct2_offline.BATCH}", f"translation c={c}",
+                         "translation", ct2_offline.CASE_NAME, "ctranslate2") for c in translation_concurrency]
+    return ratios
+
+
+def evaluate_peers(cases: list[dict], ratios: list[PeerRatio], skipped: dict[str, str]) -> list[dict]:
+    """Each ratio's row: the value (None when either case did not run, with the `reason`: its skip reason, e.g.
+    llama.cpp not built, or the --cases entry that would run it), both throughputs and the errors in the cases."""
+    by_case = {c["case"]: c for c in cases}
+    rows = []
+    for ratio in ratios:
+        service, peer = by_case.get(ratio.service_case), by_case.get(ratio.peer_case)
+        value = service["throughput"] / peer["throughput"] if service and peer and peer["throughput"] > 0 else None
+        reason = None
+        if value is None:
+            missing = ratio.peer_option if peer is None else ratio.service_option if service is None else None
+            reason = (skipped.get(missing) or NOT_MEASURED.format(option=missing)) if missing else \
+                f"no throughput in {ratio.peer_case}"
+        rows.append({"ratio": ratio.label, "value": value, "reason": reason,
+                     "unit": (service or peer or {}).get("unit"),
+                     "numerator": ratio.service_case, "denominator": ratio.peer_case,
+                     "service_throughput": service["throughput"] if service else None,
+                     "peer_throughput": peer["throughput"] if peer else None,
+                     "errors_in_cases": (service["errors"] if service else 0) + (peer["errors"] if peer else 0)})
+    return rows
+
+
+def peer_line(row: dict) -> str:
+    """`service/llama-server 1 streams = 0.84`; `= n/a (why)` when it was not measured; errors in brackets."""
+    value = f"{row['value']:.2f}" if row["value"] is not None else f"n/a ({row['reason']})"
+    errors = f"  [errors in these cases: {row['errors_in_cases']}]" if row["errors_in_cases"] else ""
+    return f"{row['ratio']} = {value}{errors}"
+
+
+def print_peers(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\nThe C++ peers (service throughput / the peer's, measured in this run; > 1: the service faster):")
+    for row in rows:
+        print(peer_line(row))
+
+
 def environment(args) -> dict:
     versions = {}
-    for package in ("numpy", "onnxruntime", "torch", "transformers", "fastapi", "uvicorn", "httpx", "grpcio"):
+    for package in ("numpy", "onnxruntime", "torch", "transformers", "fastapi", "uvicorn", "httpx", "grpcio",
+                    "ctranslate2"):
         try:
             from importlib.metadata import version
 
             versions[package] = version(package)
         except Exception:  # noqa: BLE001 - not installed
             versions[package] = None
+    from enginebench.llama_cpp import version as llama_cpp_version
+
+    versions["llama.cpp"] = llama_cpp_version()
     return {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu(),
             "cpu_count": os.cpu_count(),
             "threads": args.threads, "spin": args.spin, "load_average": os.getloadavg(),

@@ -1,6 +1,7 @@
 """The benchmark's model repository: gpt/1, translation/1 and vit/1 at the release presets' sizes with random
 weights (seed 0), exported with the project's exporter and rewritten into the graph variant the release models are
-served in (bench/shipped.py: int8 weights, fused attention, ...), built once per source digest."""
+served in (bench/shipped.py: int8 weights, fused attention, ...), built once per source digest; `random_model` is
+the model of one kind as exported, which the C++ peers convert (bench/httpbench/llama_server.py, ct2_offline.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 from . import PROJECT_ROOT
 
 TRANSLATION_TOKENIZER_PAIRS = 5000  # Multi30k training pairs the benchmark's BPE is trained on
+PRESET = "release"  # the models' sizes
+SEED = 0  # torch's seed before each model is built: its random weights
 
 
 def _source_digest(extra: dict) -> str:
@@ -24,6 +27,24 @@ def _source_digest(extra: dict) -> str:
     return digest.hexdigest()[:12]
 
 
+def random_model(kind: str):
+    """The repository's model of `kind` ("gpt", "translation", "vit") in PyTorch, as `build_repository` exports it:
+    the release preset's size, no dropout, random weights (seed 0); its config is `model.config`."""
+    import dataclasses
+
+    import torch
+
+    from models.config import get_preset
+    from models.gpt import GPT
+    from models.transformer import EncoderDecoderTransformer
+    from models.vit import ViT
+
+    builders = {"gpt": GPT, "translation": EncoderDecoderTransformer, "vit": ViT}
+    config = dataclasses.replace(get_preset(kind, PRESET)[0], dropout=0.0)
+    torch.manual_seed(SEED)
+    return builders[kind](config).eval()
+
+
 def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
     """A repository with gpt/1, translation/1 and vit/1 (release sizes, random weights, the shipped graph variant),
     built once per source digest into workdir/repository-<digest>; built in a staging folder and renamed into place
@@ -32,39 +53,33 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
 
     from models.config import get_preset
 
-    presets = {kind: get_preset(kind, "release")[0] for kind in ("gpt", "translation", "vit")}
+    presets = {kind: get_preset(kind, PRESET)[0] for kind in ("gpt", "translation", "vit")}
     variants = {kind: shipped_variant(kind) for kind in presets}
-    key = _source_digest({"presets": {k: repr(v) for k, v in presets.items()}, "seed": 0,
+    key = _source_digest({"presets": {k: repr(v) for k, v in presets.items()}, "seed": SEED,
                           "tokenizer_pairs": TRANSLATION_TOKENIZER_PAIRS, "variants": variants})
     final = workdir / f"repository-{key}"
     if final.is_dir():
         return final
     print(f"building the random-weight model repository in {final} (once) ...", flush=True)
     started = time.perf_counter()
-    import dataclasses
-
     import torch
 
     from export.onnx_export import EXPORTERS, OPSET
     from export.repository import rewrite_graphs
     from models import data
-    from models.gpt import GPT
     from models.tokenization import build_byte_tokenizer, train_translation_tokenizer
-    from models.transformer import EncoderDecoderTransformer
-    from models.vit import ViT
     from service.models.repository import CONFIG_FILE, TOKENIZER_FILE
 
     torch.set_num_threads(threads)
-    builders = {"gpt": GPT, "translation": EncoderDecoderTransformer, "vit": ViT}
     workdir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".repository-", dir=workdir))
     try:
-        for kind, preset in presets.items():
+        for kind in presets:
             folder = staging / kind / "1"
             folder.mkdir(parents=True)
-            config = dataclasses.replace(preset, dropout=0.0)
-            torch.manual_seed(0)
-            described = EXPORTERS[kind](builders[kind](config).eval(), config, folder)
+            model = random_model(kind)
+            config = model.config
+            described = EXPORTERS[kind](model, config, folder)
             described.update({"name": kind, "version": 1, "opset": OPSET,
                               "note": "random weights, built by bench/bench_http.py"})
             if kind == "gpt":

@@ -1,20 +1,25 @@
 """The benchmark's servers, each a subprocess started by the shared launcher (service.client.launcher: clean environment,
-free port, ready at /health/ready, always stopped): the service and the baseline, plus what is read from them."""
+free port, ready at /health/ready, always stopped): the service and the baseline, plus what is read from them (CPU
+seconds, batch sizes, token ids); and the rule that one server runs at a time (`run_alone`), the peers' included
+(llama-server, the CTranslate2 worker: anything with a `name`, a `pid` and `send_signal`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from service.client.launcher import ServiceProcess
-from service.client.processes import LOOPBACK, free_port
+from service.client.processes import LOOPBACK, free_port, signal_group
 
 from . import PROJECT_ROOT
 
 BASELINE_SCRIPT = PROJECT_ROOT / "bench" / "baseline_server.py"
 READY_TIMEOUT_S = 300.0
+TOKENIZE_TIMEOUT_S = 30.0
 
 
 def _stat_cpu_seconds(path: Path) -> float:
@@ -47,6 +52,43 @@ def batch_stats(url: str) -> dict[str, tuple[float, float]]:
                 model = line.split('model="', 1)[1].split('"', 1)[0]
                 stats.setdefault(model, [0.0, 0.0])[slot] += float(line.rsplit(" ", 1)[1])
     return {model: (a, b) for model, (a, b) in stats.items()}
+
+
+def tokenize(server: ServiceProcess, model: str, texts: list[str]) -> list[list[int]]:
+    """The token ids the service feeds `model` for each text (its `/tokenize`: the GPT's prompt as it is, a
+    translator's source with its end-of-source token), so that a peer given ids gets the service's very input."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=TOKENIZE_TIMEOUT_S) as client:
+        ids = []
+        for text in texts:
+            response = client.post("/tokenize", json={"model": model, "prompt": text})
+            response.raise_for_status()
+            ids.append(response.json()["tokens"])
+    return ids
+
+
+def run_alone(server, servers: Iterable) -> None:
+    """Let `server` run (SIGCONT) and stop every other one (SIGSTOP, to its process group when it leads one): while
+    a case is measured no other server's threads take a core (the peers' spin a while after their work)."""
+    for other in servers:
+        if other is not server:
+            signal_group(other, signal.SIGSTOP)
+    signal_group(server, signal.SIGCONT)
+
+
+def resume(server) -> None:
+    """SIGCONT: before a server is stopped for good (a stopped process acts on SIGTERM only once continued)."""
+    signal_group(server, signal.SIGCONT)
+
+
+def server_record(server) -> dict:
+    """What the JSON report records of a server: its name, command, readiness time, log and settings."""
+    environment = getattr(server, "environment", None) or {}
+    log = getattr(server, "log_path", None)
+    return {"name": server.name, "command": getattr(server, "command", None),
+            "ready_s": getattr(server, "ready_seconds", None), "log": None if log is None else str(log),
+            "env": {k: v for k, v in environment.items() if k.startswith(("TSERVE_", "OMP_"))}}
 
 
 def service_server(args, name: str, repository: Path, vit_batching: bool,

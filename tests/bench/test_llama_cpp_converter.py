@@ -28,6 +28,9 @@ from enginebench import llama_cpp  # noqa: E402 - after the sys.path set-up
 from enginebench.systems import build_systems  # noqa: E402
 from enginebench.workloads import BOS_ID, EOS_ID, PAD_ID, GptSpec, Runtime, make_prompts  # noqa: E402
 
+from models.config import GPTConfig  # noqa: E402
+from models.gpt import GPT  # noqa: E402
+
 SPEC = GptSpec(vocab_size=120, d_model=32, n_layers=2, n_heads=4, d_ff=64, context_length=24, prompt_tokens=6,
                new_tokens=8)
 EPSILON = 1e-5
@@ -127,6 +130,16 @@ def test_the_vocabulary_is_the_ids_with_our_special_ids(reader):
     vocabulary = set(tokens)
     assert all(len(pair) == 2 and set(pair) <= vocabulary and "".join(pair) in vocabulary for pair in merges)
     assert sorted("".join(pair) for pair in merges) == sorted(t for t in tokens if len(t) > 1)
+
+
+def test_the_eos_is_the_models_own(tmp_path):
+    # bench_http's llama-server serves the byte-level GPT, whose EOS is <|endoftext|> (256), not EOS_ID (a byte there)
+    config = GPTConfig(vocab_size=257, context_length=16, d_model=16, n_heads=2, n_layers=1, d_ff=32, dropout=0.0)
+    assert config.eos_id == 256
+    reader = GGUFReader(str(llama_cpp.write_gguf(GPT(config).eval(), tmp_path / "model.gguf")))
+    assert field(reader, "tokenizer.ggml.eos_token_id") == 256
+    types = field(reader, "tokenizer.ggml.token_type")
+    assert types[256] == TokenType.CONTROL and types[EOS_ID] == TokenType.NORMAL
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
