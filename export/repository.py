@@ -248,6 +248,10 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
     if ema_decay:
         lines.append(f"- weights: the exponential moving average of the training weights (decay {ema_decay}, "
                      "updated every step), which is also what the validation curve measured")
+    average_last = training.get("average_last")
+    if average_last:
+        lines.append(f"- weights: the mean of the weights at the last {average_last} evaluations (`average_last`, "
+                     "Vaswani et al.'s checkpoint averaging)")
     if "kept_step" in metrics:
         lines.append(f"- kept weights: step {metrics['kept_step']:,}, the evaluation with the lowest validation "
                      "loss (`keep_best`); the metrics below are those weights'")

@@ -121,6 +121,9 @@ class TrainConfig:
     augment_flip: bool = True
     keep_best: bool = False  # end with the weights of the evaluation that had the lowest validation loss
     ema_decay: float | None = None  # evaluate and keep an exponential moving average of the weights (per step)
+    # average the weights of the last N evaluations (every `eval_every` steps) into the final model (Vaswani et al.:
+    # the last 5 checkpoints); 0 = off; excludes ema_decay and keep_best
+    average_last: int = 0
     teacher: str | None = None  # ViT with distillation: the TEACHER_PRESETS entry trained first and distilled from
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -22,6 +22,10 @@ def plot_history(history: dict[str, list[list[float]]], path: Path, title: str, 
         ax.plot(train[window - 1 :, 0], smooth, color="tab:blue", label="train loss")
     val = np.asarray(history.get("val_loss") or [[0, np.nan]], dtype=float)
     ax.plot(val[:, 0], val[:, 1], "o-", color="tab:orange", label="validation loss")
+    averaged = history.get("averaged_val_loss")  # average_last: the averaged weights' one point, at the end
+    if averaged:
+        ax.plot(*np.asarray(averaged, dtype=float).T, "*", markersize=12, color="tab:red",
+                label="validation loss, averaged weights")
     if kept_step is not None:
         ax.axvline(kept_step, color="tab:green", linestyle="--", label=f"kept weights (step {kept_step:,})")
     ax.set_xlabel("step")

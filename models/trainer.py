@@ -7,7 +7,9 @@ RNG state, history) is in one checkpoint file, written atomically. With `keep_be
 evaluation with the lowest validation loss are kept in `best.pt` and restored at the end (nanoGPT keeps its
 best-validation checkpoint the same way). With `ema_decay` an exponential moving average of the weights
 (`torch.optim.swa_utils`, updated every step) is what is evaluated, kept and returned: the continuous form of
-averaging the last checkpoints (Vaswani et al.).
+averaging the last checkpoints (Vaswani et al.). With `average_last` N, the weights at each of the last N
+evaluations are kept in `snapshots/` and their mean is the model returned (its validation loss the last point of
+the curve, `averaged_val_loss`), as Vaswani et al. average their last 5 checkpoints.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from models.config import TrainConfig
 
 CHECKPOINT_NAME = "checkpoint.pt"
 BEST_NAME = "best.pt"
+SNAPSHOT_DIR = "snapshots"  # average_last: the weights at each evaluation, the last N kept
 
 
 class TrainingTask(Protocol):
@@ -99,6 +102,32 @@ def weight_average(model: nn.Module, cfg: TrainConfig) -> AveragedModel | None:
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay))
 
 
+def _snapshot(model: nn.Module, out_dir: Path, step: int, keep: int) -> None:
+    """Write the weights at `step` into snapshots/ and delete all but the newest `keep`."""
+    folder = out_dir / SNAPSHOT_DIR
+    folder.mkdir(exist_ok=True)
+    _save_atomically(model.state_dict(), folder / f"step-{step:08d}.pt")
+    for old in sorted(folder.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+
+
+def average_snapshots(out_dir: Path, last: int) -> dict[str, torch.Tensor]:
+    """The mean of the newest `last` snapshots' weights (floating tensors averaged in float64, others taken from
+    the newest); ValueError when there are none."""
+    paths = sorted((out_dir / SNAPSHOT_DIR).glob("step-*.pt"))[-last:]
+    if not paths:
+        raise ValueError(f"no weight snapshots in {out_dir / SNAPSHOT_DIR} to average")
+    states = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
+    averaged = {}
+    for name, newest in states[-1].items():
+        if newest.is_floating_point():
+            total = sum(state[name].double() for state in states)
+            averaged[name] = (total / len(states)).to(newest.dtype)
+        else:
+            averaged[name] = newest
+    return averaged
+
+
 def train(
     model: nn.Module,
     task: TrainingTask,
@@ -108,6 +137,8 @@ def train(
     progress: bool = True,
 ) -> TrainState:
     """Train `model` on `task` until the step budget of `cfg` is spent; resumes from `out_dir` if it can."""
+    if cfg.average_last and (cfg.ema_decay is not None or cfg.keep_best):
+        raise ValueError("average_last averages the last evaluations' weights; it excludes ema_decay and keep_best")
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out_dir / CHECKPOINT_NAME
     torch.manual_seed(cfg.seed)
@@ -163,6 +194,8 @@ def train(
                 model.train()
                 state.history["val_loss"].append([state.step, val])
                 bar.write(f"step {state.step}: train loss {smoothed:.4f}, validation loss {val:.4f}")
+                if cfg.average_last:
+                    _snapshot(evaluated, out_dir, state.step, cfg.average_last)
                 if cfg.keep_best and (state.best_val_loss is None or val < state.best_val_loss):
                     _save_atomically(evaluated.state_dict(), out_dir / BEST_NAME)
                     state.best_val_loss, state.best_step = val, state.step
@@ -185,6 +218,12 @@ def train(
         model.load_state_dict(torch.load(out_dir / BEST_NAME, map_location="cpu", weights_only=True))
         if progress:
             print(f"kept the weights of step {state.best_step} (validation loss {state.best_val_loss:.4f})")
+    if cfg.average_last:
+        model.load_state_dict(average_snapshots(out_dir, cfg.average_last))
+        averaged = task.validation_loss(model)
+        state.history["averaged_val_loss"] = [[state.step, averaged]]
+        if progress:
+            print(f"averaged the weights of the last {cfg.average_last} evaluations (validation loss {averaged:.4f})")
     model.eval()
     (out_dir / "history.json").write_text(json.dumps(state.history))
     return state

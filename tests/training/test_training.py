@@ -249,3 +249,37 @@ def test_toy_language_reaches_the_entropy_floor(tmp_path):
     train(model, GPTTask(config, cfg, train_ids, val_ids), cfg, tmp_path, progress=False)
     perplexity = math.exp(GPTTask(config, cfg, train_ids, val_ids).validation_loss(model))
     assert perplexity <= 1.152 * 1.05, perplexity
+
+
+def test_average_last_returns_the_mean_of_the_last_evaluations_weights(tmp_path):
+    """average_last 3: the returned weights are the mean of the weights at the last 3 evaluations (every 5 steps
+    of 20: steps 10, 15 and 20), recorded from a straight run; older snapshots are deleted; its validation loss is
+    the curve's `averaged_val_loss`."""
+    config = GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.0)
+    text = "".join(random.Random(0).choice("abcd ") for _ in range(3000))
+    cfg = TrainConfig(epochs=100, max_steps=20, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=5,
+                      checkpoint_every=100)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    recording = RecordingWeights(_toy_task(config, cfg, text))
+    train(plain, recording, cfg, tmp_path / "plain", progress=False)
+    after = recording.snapshots[1:] + [[p.detach().clone() for p in plain.parameters()]]  # weights after step i+1
+
+    torch.manual_seed(0)
+    averaged = GPT(config)
+    task = _toy_task(config, cfg, text)
+    state = train(averaged, task, TrainConfig(**{**cfg.__dict__, "average_last": 3}), tmp_path / "avg", progress=False)
+    assert sorted(p.name for p in (tmp_path / "avg" / "snapshots").iterdir()) == [
+        "step-00000010.pt", "step-00000015.pt", "step-00000020.pt"]
+    for index, parameter in enumerate(averaged.parameters()):
+        expected = sum(after[step - 1][index].double() for step in (10, 15, 20)) / 3
+        torch.testing.assert_close(parameter, expected.float())
+    assert state.history["averaged_val_loss"] == [[20, pytest.approx(task.validation_loss(averaged))]]
+
+
+@pytest.mark.parametrize("other", [{"ema_decay": 0.9}, {"keep_best": True}])
+def test_average_last_refuses_the_other_weight_choices(tmp_path, other):
+    config = GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64)
+    cfg = TrainConfig(max_steps=2, batch_size=8, average_last=3, **other)
+    with pytest.raises(ValueError, match="average_last"):
+        train(GPT(config), _toy_task(config, cfg, "abcd " * 200), cfg, tmp_path, progress=False)
