@@ -75,7 +75,7 @@ def test_a_teacher_on_another_split_than_its_student_is_refused(tmp_path, data_d
 
 
 def test_every_teacher_preset_trains_on_its_students_split():
-    for name in ("release", "tiny-distilled"):
+    for name in ("distilled", "tiny-distilled"):
         _, student_cfg = get_preset("vit", name)
         _, teacher_cfg = TEACHER_PRESETS[student_cfg.teacher]
         assert (teacher_cfg.train_limit, teacher_cfg.validation_size) == \
