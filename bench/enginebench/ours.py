@@ -156,9 +156,8 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
 def _ours_runtime_options(runtime: Runtime, kind: str):
     """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`; one-thread
     steps as the service runs the model `kind` unless `runtime.single_thread_rows` says otherwise."""
-    from service.engines.runtime import RuntimeOptions
-    from service.models.kinds import KIND_TABLE
+    from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS, RuntimeOptions
 
     rows = runtime.single_thread_rows
     return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin,
-                          single_thread_rows=KIND_TABLE[kind].single_thread_rows if rows is None else rows)
+                          single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[kind] if rows is None else rows)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.engines.gpt import GPTEngine
+from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS
 from service.engines.translation import TranslationEngine
 from service.engines.vit import ViTEngine
 from service.models.repository import GPT, TRANSLATION, VIT, ModelVersion
@@ -48,8 +49,7 @@ class ModelKind:
     warm_up: Callable[[Any], None]  # one checked inference through a loaded engine; `WarmUpFailed` if it cannot serve
     decoding_modes: tuple[str, ...]  # the `mode` labels of its generated tokens; none: it generates no tokens
     # decoder calls of at most this many rows on a one-thread session unless TSERVE_SINGLE_THREAD_ROWS says
-    # otherwise (`OneThreadSession`): the GPT's one-row steps ran 1.24x faster on one thread, translation's
-    # four-row beam steps 0.62x (AMD EPYC, 2 cores; docs/benchmarks.md)
+    # otherwise (`OneThreadSession`, `DEFAULT_SINGLE_THREAD_ROWS`)
     single_thread_rows: int = 0
 
 
@@ -85,8 +85,9 @@ def _warm_up_vit(engine: ViTEngine) -> None:
 
 KIND_TABLE: dict[str, ModelKind] = {
     TRANSLATION: ModelKind(TRANSLATION, TranslationEngine, continuous_batcher(lambda s: s.translation_max_batch_rows),
-                           _warm_up_translation, decoding_modes=(GREEDY, BEAM)),
+                           _warm_up_translation, decoding_modes=(GREEDY, BEAM),
+                           single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[TRANSLATION]),
     GPT: ModelKind(GPT, GPTEngine, continuous_batcher(lambda s: s.gpt_max_batch_rows), _warm_up_gpt,
-                   decoding_modes=(GREEDY, BEAM, SAMPLE), single_thread_rows=1),
+                   decoding_modes=(GREEDY, BEAM, SAMPLE), single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[GPT]),
     VIT: ModelKind(VIT, ViTEngine, dynamic_batcher, _warm_up_vit, decoding_modes=()),
 }

@@ -60,3 +60,20 @@ def test_a_system_that_generates_a_different_number_of_tokens_is_an_error():
     prompts = make_prompts(GptSpec(), 2)
     with pytest.raises(RuntimeError, match="exactly the same number of tokens"):
         measure({"ours": fake_system(3, 5)}, [prompts], 4, warmup=1, repeats=1)
+
+
+def test_ours_runs_each_model_as_the_service_does_without_the_web_stack():
+    """ours/shipped take each kind's one-thread default (`DEFAULT_SINGLE_THREAD_ROWS`) unless --single-thread-rows
+    sets one, and building their options imports nothing of the web stack: the bench venv has no prometheus_client
+    or fastapi (a run once skipped both systems for that)."""
+    import subprocess
+
+    code = ("import sys; sys.path[:0] = ['bench', '.']\n"
+            "from enginebench.ours import _ours_runtime_options\n"
+            "from enginebench.workloads import Runtime\n"
+            "rows = [_ours_runtime_options(Runtime(single_thread_rows=r), k).single_thread_rows\n"
+            "        for r in (None, 0, 3) for k in ('gpt', 'translation')]\n"
+            "heavy = sorted(m for m in ('prometheus_client', 'fastapi', 'starlette') if m in sys.modules)\n"
+            "print(rows, heavy)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[1, 0, 0, 0, 3, 3] []"
