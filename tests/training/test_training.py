@@ -190,16 +190,21 @@ class RecordingWeights:
         return self.task.loss(model, batch)
 
 
+def _weights_after_each_step(config, cfg, text, folder) -> list[list[torch.Tensor]]:
+    """A straight run of a seed-0 GPT on `text`: its parameters after each step, in order."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    recorder = RecordingWeights(_toy_task(config, cfg, text))
+    train(model, recorder, cfg, folder, progress=False)
+    return recorder.snapshots[1:] + [[p.detach().clone() for p in model.parameters()]]
+
+
 def test_the_moving_average_is_what_training_evaluates_and_returns(tmp_path):
     config = GPTConfig(vocab_size=257, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.0)
     text = "".join(random.Random(0).choice("abcd ") for _ in range(3000))
     cfg = TrainConfig(epochs=100, max_steps=12, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=100,
                       checkpoint_every=100)
-    torch.manual_seed(0)
-    raw = GPT(config)
-    recorder = RecordingWeights(_toy_task(config, cfg, text))
-    train(raw, recorder, cfg, tmp_path / "raw", progress=False)
-    trajectory = recorder.snapshots[1:] + [[p.detach() for p in raw.parameters()]]  # after steps 1..12
+    trajectory = _weights_after_each_step(config, cfg, text, tmp_path / "raw")  # after steps 1..12
 
     decay = 0.8
     expected = trajectory[0]
@@ -259,11 +264,7 @@ def test_average_last_returns_the_mean_of_the_last_evaluations_weights(tmp_path)
     text = "".join(random.Random(0).choice("abcd ") for _ in range(3000))
     cfg = TrainConfig(epochs=100, max_steps=20, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=5,
                       checkpoint_every=100)
-    torch.manual_seed(0)
-    plain = GPT(config)
-    recording = RecordingWeights(_toy_task(config, cfg, text))
-    train(plain, recording, cfg, tmp_path / "plain", progress=False)
-    after = recording.snapshots[1:] + [[p.detach().clone() for p in plain.parameters()]]  # weights after step i+1
+    after = _weights_after_each_step(config, cfg, text, tmp_path / "plain")  # after[i]: after step i + 1
 
     torch.manual_seed(0)
     averaged = GPT(config)
