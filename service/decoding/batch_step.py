@@ -10,6 +10,7 @@ batching scheduler and `run_search` both step through here, so offline decoding 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool 
     sizes = [s.num_rows for s in searches]
     if logits.shape[0] != sum(sizes):
         raise ValueError(f"expected logits for {sum(sizes)} rows, got {logits.shape[0]}")
-    starts = np.cumsum([0] + sizes[:-1]).tolist()
+    starts = list(accumulate(sizes[:-1], initial=0))
     results: list[StepResult | None] = [None] * len(searches)
     single = [i for i, s in enumerate(searches) if s.single_row]
     if single:
@@ -44,7 +45,7 @@ def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool 
         rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in several])
         x = logits[rows]  # a copy, which the searches mask in place
         peak, log_z = log_normaliser(x)
-        first = dict(zip(several, np.cumsum([0] + [sizes[i] for i in several[:-1]]).tolist()))
+        first = dict(zip(several, accumulate([sizes[i] for i in several[:-1]], initial=0)))
         beams = {i for i in several if isinstance(searches[i], BeamSearch)}
         for i in several:
             view = slice(first[i], first[i] + sizes[i])

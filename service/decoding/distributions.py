@@ -72,11 +72,11 @@ def top_k_indices(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 def top_logprobs(row: np.ndarray, n: int, m: float, log_z: float) -> list[tuple[int, float]]:
-    """The ``n`` most likely tokens of raw logits ``row`` (V,) float64 as (id, log-prob), best first, ties by lower
-    id first. ``m`` and ``log_z`` are the row's `log_normaliser` terms: log-prob = ``(row - m) - log_z``,
-    bit-identical to `log_softmax`."""
+    """The ``n`` most likely tokens of raw logits ``row`` (V,) float32 or float64 as (id, log-prob), best first, ties
+    by lower id first. ``m`` and ``log_z`` are the row's `log_normaliser` terms: log-prob = ``(row - m) - log_z``
+    in float64, bit-identical to `log_softmax`."""
     idx = top_k_indices(row, n)
-    return list(zip(idx.tolist(), ((row[idx] - m) - log_z).tolist()))
+    return list(zip(idx.tolist(), ((row[idx].astype(np.float64) - m) - log_z).tolist()))
 
 
 def block_maxima(x: np.ndarray, block: int) -> np.ndarray:

@@ -246,7 +246,7 @@ def step_single_rows(searches: Sequence[SamplingSearch], logits: np.ndarray, iso
     ``isolate``: a search that raises gets its exception in its place in the result and the others go on (a
     failure in the shared array work is retried one row at a time, so that it concerns only the rows that
     cause it); otherwise the first exception propagates."""
-    x = np.array(logits, dtype=np.float64)  # a copy: the processors work on their own
+    x = np.asarray(logits)  # read only: the rows to process are copied to float64 (`_choose`)
     if x.ndim != 2 or x.shape[0] != len(searches):
         raise ValueError(f"expected logits of shape ({len(searches)}, V), got {x.shape}")
     if any(s.done for s in searches):
@@ -267,13 +267,15 @@ def _step_one(search: SamplingSearch, row: np.ndarray) -> StepResult:
 
 
 def _choose(searches: Sequence[SamplingSearch], x: np.ndarray) -> list[tuple[int, float, list]]:
-    """`accept`'s arguments for each row of raw logits ``x`` (left as is): the token, its raw log-probability
-    (the same float64 operations as `log_softmax`, for all rows at once) and its top alternatives."""
+    """`accept`'s arguments for each row of raw logits ``x`` (float32 or float64, left as is): the token, its raw
+    log-probability (the same float64 operations as `log_softmax`, for all rows at once) and its top alternatives.
+    Only the rows that need processing are copied, to float64; the argmax of the others is the same in either
+    dtype (float32 -> float64 is exact)."""
     peak, log_z = log_normaliser(x)
     processed = [i for i, s in enumerate(searches) if s.needs_processing()]
     tokens = np.argmax(x, axis=1) if len(processed) < len(searches) else np.empty(len(searches), np.int64)
     if processed:
-        tokens[processed] = sampler.choose(x[processed], row_params([searches[i] for i in processed], x.shape[1]))
+        tokens[processed] = sampler.choose(x[processed].astype(np.float64, copy=False), row_params([searches[i] for i in processed], x.shape[1]))
     logprobs = ((x[np.arange(len(tokens)), tokens] - peak) - log_z).tolist()
     return [(tok, lp, top_logprobs(x[row], s.logprobs, peak[row], log_z[row]) if s.logprobs else [])
             for row, (s, tok, lp) in enumerate(zip(searches, tokens.tolist(), logprobs))]

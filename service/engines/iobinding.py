@@ -80,18 +80,21 @@ class InPlaceStep:
         slots = cache.open_slot()
         session = self.session if self.one_thread is None else self.one_thread.pick(cache.rows, self.session)
         arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
-        key = (id(session), cache.rows, cache.capacity, *(a.ctypes.data for a in arrays),
-               *(a.shape for a in inputs.values()))
+        # which arrays, by identity (cheaper than reading each one's address): the binding holds them (`_bind`)
+        key = (id(session), cache.rows, cache.capacity, *map(id, arrays), *(a.shape for a in inputs.values()))
         bound = cache.step_binding
         if bound is None or bound.key != key:
-            bound = cache.step_binding = self._bind(session, key, cache, inputs)
+            bound = cache.step_binding = self._bind(session, key, cache, inputs, arrays)
         bound.ids[:, 0] = tokens
         bound.slot[:] = slots
         session.run_with_iobinding(bound.binding)
         cache.advance()
         return bound.logits[:, -1].copy()
 
-    def _bind(self, session, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray]) -> StepBinding:
+    def _bind(self, session, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray],
+              keyed: tuple[np.ndarray, ...]) -> StepBinding:
+        """A new binding for `key`; it holds the `keyed` arrays themselves besides what it points into (a copy, for
+        an input that was not contiguous), so that no id in `key` can be reused while it lives."""
         binding = session.io_binding()
         ids, slot = np.zeros((cache.rows, 1), np.int64), np.zeros(cache.rows, np.int64)
         logits = np.empty((cache.rows, 1, self.vocab_size), np.float32)  # (R, 1, V): one new token per row
@@ -101,6 +104,7 @@ class InPlaceStep:
                 bind_array(binding, schema.CACHE_SLOT, slot),
                 bind_array(binding, schema.LOGITS, logits, output=True), *bind_cache(binding, cache)]
         held += [bind_array(binding, name, array) for name, array in inputs.items()]
+        held += keyed
         return StepBinding(key, binding, ids, slot, logits, held)
 
 

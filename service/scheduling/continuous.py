@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from service.errors import ServiceError
 from service.observability.metrics import Metrics
@@ -35,6 +36,16 @@ from service.scheduling.text_batch import DecodingBackend, TextBatch
 log = logging.getLogger(__name__)
 
 __all__ = ["ContinuousBatcher"]
+
+
+class _ModeMetrics(NamedTuple):
+    """The labelled children of the metrics observed per decoding mode, looked up once per mode (a `.labels()`
+    lookup per step and request costs about as much as the observation itself)."""
+
+    queue_wait: object
+    time_to_first_token: object
+    inter_token_latency: object
+    generated_tokens: object
 
 
 class ContinuousBatcher(QueuedScheduler):
@@ -50,6 +61,12 @@ class ContinuousBatcher(QueuedScheduler):
         self._batch: TextBatch | None = None  # the worker's own
         self._stepped_at: dict[TextJob, float] = {}  # the worker's own: when each running job was last stepped
         super().__init__(model, version, metrics, max_queue, rows=lambda: self._rows)
+        # the children observed every iteration, and per mode (`_of_mode`), looked up once
+        self._batch_size = metrics.batch_size.labels(**self.labels)
+        self._batch_seconds = metrics.batch_seconds.labels(**self.labels)
+        self._last_batch = metrics.last_batch.labels(**self.labels)
+        self._prompt_tokens = metrics.prompt_tokens.labels(**self.labels)
+        self._by_mode: dict[str, _ModeMetrics] = {}
 
     def _in_flight(self) -> list[TextJob]:
         return self._admitting
@@ -125,8 +142,8 @@ class ContinuousBatcher(QueuedScheduler):
             self._publish(self._active, admitting=[])
             return
         for job in admitted:
-            self.metrics.queue_wait.labels(**self._mode(job)).observe(started - job.arrived)
-            self.metrics.prompt_tokens.labels(**self.labels).inc(len(job.input_ids))
+            self._of_mode(job.mode).queue_wait.observe(started - job.arrived)
+            self._prompt_tokens.inc(len(job.input_ids))
         joined = self._deliver(generations, time.monotonic())
         newcomers.filter(joined)
         try:  # compaction (dropping dead rows) and the newcomers' join in one copy of the caches
@@ -150,7 +167,7 @@ class ContinuousBatcher(QueuedScheduler):
             self._batch, self._stepped_at = None, {}
             return
         generations = self._batch.generate_token()
-        self.metrics.batch_size.labels(**self.labels).observe(sum(g.rows for g in generations))
+        self._batch_size.observe(sum(g.rows for g in generations))
         self._observe_batch(started)
         survivors = self._deliver(generations, time.monotonic())
         self._stepped_at = {job: self._stepped_at[job] for job in survivors}  # the others left the batch
@@ -160,8 +177,8 @@ class ContinuousBatcher(QueuedScheduler):
 
     def _observe_batch(self, started: float) -> None:
         """The iteration's time (the newcomers' prompt pass and the step), and when it ended."""
-        self.metrics.batch_seconds.labels(**self.labels).observe(time.monotonic() - started)
-        self.metrics.last_batch.labels(**self.labels).set_to_current_time()
+        self._batch_seconds.observe(time.monotonic() - started)
+        self._last_batch.set_to_current_time()
 
     def _deliver(self, generations: list[Generation], now: float) -> list[TextJob]:
         """Hand each request its step's generation (metrics, streamed tokens, its results when done); returns
@@ -172,7 +189,7 @@ class ContinuousBatcher(QueuedScheduler):
             try:
                 if generation.error is not None:
                     raise generation.error
-                self.metrics.generated_tokens.labels(**self._mode(job)).inc(generation.rows)  # a choice per row
+                self._of_mode(job.mode).generated_tokens.inc(generation.rows)  # a choice per row
                 self._after_step(generation, now)
             except Exception as error:
                 log.exception("decoding failed for one request of %s", self.labels["model"])
@@ -189,15 +206,22 @@ class ContinuousBatcher(QueuedScheduler):
         job = generation.job
         if job.phases.first_token_at is None:
             job.phases.first_token_at = now
-            self.metrics.time_to_first_token.labels(**self._mode(job)).observe(now - job.arrived)
+            self._of_mode(job.mode).time_to_first_token.observe(now - job.arrived)
         else:
-            self.metrics.inter_token_latency.labels(**self._mode(job)).observe(now - self._stepped_at[job])
+            self._of_mode(job.mode).inter_token_latency.observe(now - self._stepped_at[job])
         self._stepped_at[job] = now
         if generation.token_ids:
             job.phases.generated += len(generation.token_ids)
             if job.on_tokens is not None:
                 job.on_tokens(generation.token_ids, generation.logprobs)
 
-    def _mode(self, job: TextJob) -> dict[str, str]:
-        """The labels of the metrics observed per decoding mode."""
-        return {**self.labels, "mode": job.mode}
+    def _of_mode(self, mode: str) -> _ModeMetrics:
+        """The metrics observed per decoding mode, labelled with this model's labels and `mode`."""
+        children = self._by_mode.get(mode)
+        if children is None:
+            labels = {**self.labels, "mode": mode}
+            children = self._by_mode[mode] = _ModeMetrics(
+                *(metric.labels(**labels) for metric in (self.metrics.queue_wait, self.metrics.time_to_first_token,
+                                                         self.metrics.inter_token_latency,
+                                                         self.metrics.generated_tokens)))
+        return children

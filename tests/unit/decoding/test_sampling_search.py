@@ -123,3 +123,31 @@ def test_a_temperature_below_1e_5_is_greedy(temperature):
     assert search.temperature == 0.0
     search.step(np.array([[0, 1.0, 1.5, 0, 0, 0]]))
     assert search.generated.tolist() == [2]
+
+
+def _mixed_searches() -> list[SamplingSearch]:
+    """Rows of every kind `step_single_rows` meets: plain greedy (not processed), greedy with a ban (processed
+    while it applies), seeded sampling with penalties and top-k/top-p, each recording log-probabilities."""
+    return [SamplingSearch(max_new_tokens=8, eos_token_id=0, temperature=0.0, logprobs=3),
+            SamplingSearch(max_new_tokens=8, eos_token_id=0, temperature=0.0, min_new_tokens=4,
+                           no_repeat_ngram_size=2, logprobs=2),
+            SamplingSearch(max_new_tokens=8, eos_token_id=0, temperature=0.8, top_k=40, top_p=0.9,
+                           repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, seed=7, logprobs=5)]
+
+
+def test_float32_logits_decode_exactly_as_their_float64_values():
+    """The searches read the engines' float32 logits as they are (no float64 copy of rows that are not processed):
+    tokens, scores and every recorded log-probability are bit for bit those of the same values given in float64."""
+    rng = np.random.default_rng(0)
+    steps = (rng.standard_normal((8, 3, 257)) * 4).astype(np.float32)
+    steps[:, :, 17] = steps[:, :, 5]  # ties, which the top alternatives break by lower id
+    outcomes = []
+    for dtype in (np.float32, np.float64):
+        searches = _mixed_searches()
+        for logits in steps:
+            live = [s for s in searches if not s.done]
+            step_single_rows(live, logits[[i for i, s in enumerate(searches) if not s.done]].astype(dtype))
+        outcomes.append([(h.tokens, h.score, [(t.token_id, t.logprob, t.top) for t in h.logprobs])
+                         for s in searches for h in s.results()])
+    assert outcomes[0] == outcomes[1]
+    assert all(isinstance(lp, float) for _, _, records in outcomes[0] for _, lp, _ in records)

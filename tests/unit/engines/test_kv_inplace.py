@@ -94,6 +94,29 @@ def test_gpt_steps_match_the_original_graph_and_write_in_place(engines):
                                    atol=LOGIT_TOLERANCE)
 
 
+def test_one_binding_lasts_exactly_as_long_as_the_buffers(engines):
+    """A step reuses the IO binding of the step before while the cache's arrays are the same objects, and binds
+    again once growth or a gathering reorder replaced them (the new binding points into the new buffers: the
+    logits stay the original graph's)."""
+    original, inplace = engines["gpt"]
+    prompts = _prompts(original)
+    (_, old), (_, new) = original.prefill(prompts), inplace.prefill(prompts)
+    tokens = np.array([5, 6, 7])
+    inplace.step(new, tokens), original.step(old, tokens)
+    binding, keys = new.step_binding, new.keys[0]
+    for steps in range(1, 2 * CAPACITY_STEP + 1):
+        np.testing.assert_allclose(inplace.step(new, tokens), original.step(old, tokens), atol=LOGIT_TOLERANCE)
+        if new.keys[0] is not keys:
+            break
+        assert new.step_binding is binding
+    assert new.keys[0] is not keys and new.step_binding is not binding, f"no growth in {steps} steps"
+    binding = new.step_binding
+    for engine, cache in ((inplace, new), (original, old)):
+        engine.select(cache, np.array([2, 0, 1]))  # every row moves: gathered into fresh buffers
+    np.testing.assert_allclose(inplace.step(new, tokens), original.step(old, tokens), atol=LOGIT_TOLERANCE)
+    assert new.step_binding is not binding
+
+
 def test_gpt_select_concatenate_recycle_keep_their_meaning(engines):
     original, inplace = engines["gpt"]
     prompts = _prompts(original)
