@@ -24,7 +24,7 @@ FAILURE_REASONS = ("bad_input", "unauthorized", "queue_full", "timeout", "cancel
 # call is counted by the HTTP status of its error (`service.api.oip.grpc.calls`), so one table serves every API.
 FAILURE_BY_STATUS = {400: "bad_input", 401: "unauthorized", 403: "bad_input", 404: "bad_input", 405: "bad_input",
                      408: "bad_input", 413: "bad_input", 415: "bad_input", 422: "bad_input", 429: "queue_full",
-                     499: "cancelled", 500: "internal", 503: "unavailable", 504: "timeout"}
+                     499: "cancelled", 500: "internal", 501: "bad_input", 503: "unavailable", 504: "timeout"}
 
 
 class Metrics:

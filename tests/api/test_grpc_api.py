@@ -379,7 +379,7 @@ def test_bad_requests_are_status_codes_naming_what_is_wrong(client, model, input
     assert error.value.status() == code and named in error.value.message(), error.value
 
 
-def test_a_bad_version_and_a_wrong_datatype(client, stub):
+def test_a_bad_version_and_a_wrong_datatype_and_what_is_not_offered(server, client, stub):
     with pytest.raises(InferenceServerException) as version:
         client.infer("gpt", [text_input("PROMPT", ["x"])], model_version="01")
     assert version.value.status() == "StatusCode.INVALID_ARGUMENT" and "01" in version.value.message()
@@ -389,8 +389,12 @@ def test_a_bad_version_and_a_wrong_datatype(client, stub):
         client.infer("gpt", [wrong])
     assert datatype.value.status() == "StatusCode.INVALID_ARGUMENT" and "BYTES" in datatype.value.message()
     with pytest.raises(grpc.RpcError) as shared:
-        stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest(), timeout=10)
+        stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest(), timeout=10,
+                                      metadata=(("x-request-id", "grpc-unoffered"),))
     assert shared.value.code() == grpc.StatusCode.UNIMPLEMENTED and "shared memory" in shared.value.details()
+    record = poll(lambda: next((r for r in server.access_records() if r.get("request_id") == "grpc-unoffered"),
+                               None), timeout=PATIENCE_S, message="the access line of the unoffered call")
+    assert record["status"] == 501  # not offered, not a fault of the service (500); logged after the reply
 
 
 def test_the_grpc_deadline_is_the_requests_and_its_work_is_dropped(client, rest):

@@ -46,7 +46,8 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
                 408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.INVALID_ARGUMENT,
                 415: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                499: grpc.StatusCode.CANCELLED, 500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE,
+                499: grpc.StatusCode.CANCELLED, 500: grpc.StatusCode.INTERNAL, 501: grpc.StatusCode.UNIMPLEMENTED,
+                503: grpc.StatusCode.UNAVAILABLE,
                 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 INTERNAL_MESSAGE = "internal error; see the server log"
 REQUEST_ID_KEY, AUTHORIZATION_KEY = "x-request-id", "authorization"

@@ -33,7 +33,7 @@ from service.api.oip.grpc.calls import CANCELLED_STATUS, INTERNAL_MESSAGE, INTER
 from service.api.oip.grpc.generated import grpc_service_pb2 as pb
 from service.api.oip.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from service.api.oip.protocol import InferenceRequest
-from service.errors import NotFound, ServiceError, Unavailable
+from service.errors import NotFound, NotImplementedHere, ServiceError, Unavailable
 from service.serving.context import resolve
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 def _not_implemented(method: str, why: str):
     async def handler(self, request, context):
         async def work(call):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, why)
+            raise NotImplementedHere(why)  # UNIMPLEMENTED, logged as 501 (an abort here would be logged as a 500)
         return await self.calls.unary(context, method, work)
     handler.__name__ = method
     return handler
