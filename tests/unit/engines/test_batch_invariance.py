@@ -197,13 +197,13 @@ def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_
         np.testing.assert_array_equal(a, b, err_msg=f"source {source}")
 
 
-@pytest.mark.parametrize("version", ["tiny-int8-mha-inplace", "release-3"])
+@pytest.mark.parametrize("version", ["tiny-int8-mha-inplace", "release-served"])
 def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(variant_repository, version):
     from service.engines.gpt import GPTEngine
     from service.models.repository import ModelRepository
 
     repository, made = variant_repository
-    model = ModelRepository(RELEASE_REPOSITORY).get("gpt", 3) if version == "release-3" else \
+    model = ModelRepository(RELEASE_REPOSITORY).get("gpt") if version == "release-served" else \
         ModelRepository(repository).get("gpt", made[0][1])
     engine = GPTEngine(model)
     prompts = [engine.tokenizer.encode(text).ids[: engine.context_length // 2] for text in GPT_PROMPTS]
