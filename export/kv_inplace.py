@@ -31,7 +31,6 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 from service.engines import onnx_schema as schema
 CACHE_AXIS = 2  # (B, H, T, Dh)'s T
 HEADS_AXIS = 1
-SPLIT_HEADS = [0, 2, 1, 3]  # (B, T, H, Dh) -> (B, H, T, Dh)
 FUSED_OP, CONTRIB_DOMAIN = "MultiHeadAttention", "com.microsoft"
 FUSED_PAST_INPUTS = (6, 7)  # past_key, past_value of com.microsoft.MultiHeadAttention
 FUSED_PRESENT_OUTPUTS = (1, 2)  # present_key, present_value
@@ -99,10 +98,11 @@ class _Rewriter:
         return self._node("Concat", parts, "indices", axis=3)
 
     def split_heads(self, projection: str, name: str) -> str:
-        """(B, 1, D) -> (B, H, 1, Dh)."""
-        shape = self._const(f"{name}_shape", np.array([0, 0, self.heads, self.head_dim], np.int64))
-        return self._node("Transpose", [self._node("Reshape", [projection, shape], f"{name}_heads")], name,
-                          perm=SPLIT_HEADS)
+        """(B, 1, D) -> (B, H, 1, Dh) by one Reshape: with a single token per row, (B, 1, H, Dh) transposed
+        heads-first has the same memory order as (B, H, 1, Dh), so no Transpose (a copy per layer and operand) is
+        needed; ONNX Runtime's Reshape is a view."""
+        shape = self._const(f"{name}_shape", np.array([0, self.heads, 1, self.head_dim], np.int64))
+        return self._node("Reshape", [projection, shape], name)
 
     def run(self) -> int:
         original = list(self.graph.node)
