@@ -41,6 +41,7 @@ class LoadedModel:
     scheduler: Any  # its kind's scheduler: a ContinuousBatcher or the DynamicBatcher
     provider: str
     load_seconds: float
+    variant: dict[str, str] = field(default_factory=dict)  # `ModelVersion.variant`: how its graphs compute
     leases: int = 0  # requests that resolved this version and have not ended
     _released: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
@@ -123,7 +124,8 @@ class ModelRegistry:
         kind.warm_up(engine)
         scheduler.start()
         seconds = time.perf_counter() - started
-        loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds)
+        loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds,
+                             model.variant)
         previous = self.loaded.get((model.name, model.version))
         self.loaded[(model.name, model.version)] = loaded
         self.active[model.name] = model.version
@@ -135,7 +137,7 @@ class ModelRegistry:
         self.metrics.declare_model(model.name, model.version, kind.decoding_modes)
         self.metrics.model_load_seconds.labels(**labels).set(seconds)
         self.metrics.model_info.labels(model=model.name).info(
-            {"kind": model.kind, "version": str(model.version), "provider": engine.provider})
+            {"kind": model.kind, "version": str(model.version), "provider": engine.provider, **model.variant})
         log.info("loaded %s version %d (%s) on %s in %.2fs", model.name, model.version, model.kind,
                  engine.provider, seconds)
         return loaded
@@ -211,7 +213,8 @@ class ModelRegistry:
                 created = 0
             out.append({"name": name, "kind": kind, "versions": versions, "created": created,
                         "active_version": active.version if active else None, "loaded_versions": loaded,
-                        "provider": active.provider if active else None, "ready": bool(loaded)})
+                        "provider": active.provider if active else None,
+                        "variant": active.variant if active else None, "ready": bool(loaded)})
         return out
 
     def unload(self, name: str, version: int) -> LoadedModel:

@@ -28,6 +28,10 @@ TOKENIZER_FILE = "tokenizer.json"
 # `service.models.kinds`; they are named here, where a config is read, which the engines' modules import).
 TRANSLATION, GPT, VIT = "translation", "gpt", "vit"
 KINDS = (TRANSLATION, GPT, VIT)
+# How a version's graphs compute, as its config.json says (`python -m export` and `export.convert` write these keys;
+# a config without them is a plain float32 export): weights, attention, and for the text kinds the KV cache.
+VARIANT_DEFAULTS = {"weights": "fp32", "attention": "plain", "kv_cache": "concat"}
+DECODING_KINDS = (TRANSLATION, GPT)  # the kinds with a KV cache
 # A version as a folder name or as a request writes it: ASCII digits without a leading zero (so `03` cannot stand
 # beside `3` as a second copy of it), at most 9 of them (every such number fits an int32, as Triton's versions do).
 VERSION_DIGITS = 9
@@ -60,6 +64,12 @@ class ModelVersion:
     @property
     def kind(self) -> str:
         return self.config["kind"]
+
+    @property
+    def variant(self) -> dict[str, str]:
+        """Its graphs' variant (`VARIANT_DEFAULTS`' keys; `kv_cache` only for a kind that decodes)."""
+        return {key: str(self.config.get(key, default)) for key, default in VARIANT_DEFAULTS.items()
+                if key != "kv_cache" or self.kind in DECODING_KINDS}
 
 
 @dataclass(frozen=True)

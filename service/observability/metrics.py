@@ -76,7 +76,9 @@ class Metrics:
             ["reason"], registry=r)
         self.model_load_seconds = Gauge(
             "tserve_model_load_seconds", "Time it took to load a model's sessions.", ["model", "version"], registry=r)
-        self.model_info = Info("tserve_model", "Loaded models: kind, version, provider.", ["model"], registry=r)
+        self.model_info = Info("tserve_model", "Loaded models: kind, version, provider and variant (weights, "
+                               "attention, kv_cache for the text models, as the version's config.json says).",
+                               ["model"], registry=r)
         self.ready = Gauge("tserve_ready", "1 when every configured model is loaded and the server is not draining.",
                            registry=r)
 

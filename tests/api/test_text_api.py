@@ -45,6 +45,9 @@ def test_health_and_models(client):
     for name, kind in [("translation", "translation"), ("gpt", "gpt"), ("vit", "vit")]:
         assert models[name]["kind"] == kind and models[name]["active_version"] == 1 and models[name]["ready"]
         assert models[name]["provider"] == "CPUExecutionProvider" and models[name]["versions"] == [1]
+    plain = {"weights": "fp32", "attention": "plain"}  # the tiny exports: what each config.json says
+    assert models["gpt"]["variant"] == models["translation"]["variant"] == {**plain, "kv_cache": "concat"}
+    assert models["vit"]["variant"] == plain  # no KV cache to speak of
 
 
 def test_request_id_is_accepted_and_echoed(client):
@@ -304,7 +307,10 @@ def test_metrics_describe_the_traffic(client):
     for name in ("tserve_time_to_first_token_seconds_bucket", "tserve_inter_token_latency_seconds_bucket",
                  "tserve_queue_wait_seconds_bucket", "tserve_batch_size_bucket", "tserve_prompt_tokens_total",
                  'tserve_generated_tokens_total{mode="greedy",model="gpt",version="1"}', "tserve_queue_depth",
-                 "tserve_running_requests", "tserve_model_load_seconds", 'tserve_model_info{kind="gpt"',
+                 "tserve_running_requests", "tserve_model_load_seconds",
+                 'tserve_model_info{attention="plain",kind="gpt",kv_cache="concat",model="gpt",provider=',
+                 'tserve_model_info{attention="plain",kind="vit",model="vit",provider="CPUExecutionProvider",'
+                 'version="1",weights="fp32"} 1.0',
                  "tserve_ready 1.0"):
         assert name in text, name
     assert 'tserve_request_failures_total{model="translation",reason="bad_input",version="1"}' in text

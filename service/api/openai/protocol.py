@@ -366,6 +366,10 @@ class OpenAIModel(BaseModel):
     active_version: int | None = Field(..., description="The version served when a request names none.")
     loaded_versions: list[int]
     provider: str | None
+    variant: dict[str, str] | None = Field(..., description="How the active version's graphs compute, as its "
+                                           "config.json says: `weights` (fp32, fp16, int8), `attention` (plain, "
+                                           "mha) and, for the text models, `kv_cache` (concat, inplace); null when "
+                                           "no version is loaded.")
     ready: bool
 
 
