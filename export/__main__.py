@@ -6,8 +6,9 @@
 Writes DIR/<name>/<version>/ (name defaults to the kind; version to one above the highest present) with the ONNX
 graph(s), tokenizer.json, config.json and the model card (metrics.json, README.md, curves.png). The parity checks
 of `export.checks` must pass, and an int8 or mha variant must keep the quality within `export.tolerances` (an
-accuracy: by the sample's binomial standard error), or nothing is written. Exit status: 0 written, 1 a check
-failed, 2 bad arguments or inputs.
+accuracy: by the sample's binomial standard error), or nothing is written. Then the weights variant it is not
+stored in is checked the same way (`export.variants`; `--no-variant-check` skips it): the service offers it only
+if it passed. Exit status: 0 written, 1 a check failed, 2 bad arguments or inputs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from export.checks import ExportCheckError
 from export.repository import ATTENTION, KV_CACHE, WEIGHTS, export_run
+from export.variants import check_variants, describe_result
 from models.datasets import DataError
+from service.models.repository import ModelRepository
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +39,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="mha: fuse attention into ONNX Runtime's contrib MultiHeadAttention")
     parser.add_argument("--kv-cache", choices=KV_CACHE, default="concat",
                         help="inplace: add a decoder step graph that writes the KV cache in place (export.kv_inplace)")
+    parser.add_argument("--no-variant-check", action="store_true",
+                        help="do not check the other weights variant (export.variants): the service will not offer it")
     args = parser.parse_args(argv)
     try:
         path = export_run(args.kind, args.checkpoint, args.repository, args.name, args.version, args.data_dir,
                           args.weights, args.attention, args.kv_cache)
+        if not args.no_variant_check:
+            version = ModelRepository(args.repository).get(path.parent.name, int(path.name))
+            for weights, result in check_variants(version, args.data_dir).items():
+                print(f"weights variant {describe_result(weights, result)}")
     except (FileNotFoundError, ValueError, DataError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -112,46 +112,51 @@ def _quality_count(kind: str, card: dict) -> int | None:
 
 
 @contextlib.contextmanager
-def _translation_service(version: ModelVersion) -> Iterator[str]:
+def _translation_service(version: ModelVersion, weights: str | None = None) -> Iterator[str]:
     """URL of `python -m service` serving this one version folder (as `translation`, the name the BLEU check asks
-    for), from a temporary repository that links to it."""
+    for), from a temporary repository that links to it, in the `weights` variant (None: as stored)."""
     from service.client.launcher import ServiceProcess
 
     with tempfile.TemporaryDirectory(prefix="quality-") as scratch:
         (Path(scratch) / "translation").mkdir()
         (Path(scratch) / "translation" / str(version.version)).symlink_to(version.path.resolve())
-        with ServiceProcess("quality", scratch, models='["translation"]', log_level="WARNING",
-                            drain_delay_s=0) as server:
+        with ServiceProcess("quality", scratch, models='["translation"]', log_level="WARNING", drain_delay_s=0,
+                            variant=f"translation={weights}" if weights else "stored") as server:
             yield server.url
 
 
-def measure_quality(kind: str, version: ModelVersion, tokenizer, card: dict, data_dir) -> float:
+def measure_quality(kind: str, version: ModelVersion, tokenizer, card: dict, data_dir,
+                    weights: str | None = None) -> float:
     """The graph's figure on the data `card` was measured on: GPT validation loss (nats, 4 places), ViT test accuracy
-    (percent, 2 places), translation BLEU through the service as `export.verify_served` measures it."""
+    (percent, 2 places), translation BLEU through the service as `export.verify_served` measures it; in the
+    `weights` variant (`service.engines.weights`, derived as the service derives it; None: as stored)."""
     from service.engines.gpt import GPTEngine
+    from service.engines.runtime import RuntimeOptions
     from service.engines.vit import ViTEngine
+
+    options = RuntimeOptions(weights=weights)
 
     root = data.resolve_data_dir(data_dir)
     count = _quality_count(kind, card)
     if kind == "gpt":
         _, val_text = data.load_shakespeare(root)
         ids = np.asarray(tokenizer.encode(val_text).ids, dtype=np.int64)[:count]
-        return round(checks.gpt_validation_loss(GPTEngine(version), ids), 4)
+        return round(checks.gpt_validation_loss(GPTEngine(version, options), ids), 4)
     if kind == "vit":
         images, labels = data.load_fashion_mnist(root, "test")
-        return round(checks.vit_test_accuracy(ViTEngine(version), images[:count], labels[:count]), 2)
+        return round(checks.vit_test_accuracy(ViTEngine(version, options), images[:count], labels[:count]), 2)
     from export.verify_served import verify_translation
 
-    with _translation_service(version) as url:
+    with _translation_service(version, weights) as url:
         return verify_translation(url, card, root)["served"]
 
 
 def check_quality(kind: str, version: ModelVersion, tokenizer, card: dict, data_dir,
-                  tolerances: dict[str, float] = TOLERANCES) -> dict[str, Any]:
-    """Measure the graph on the card's data and compare with the card's float32 figure; raises
-    `checks.ExportCheckError` outside the tolerance, else returns what was measured."""
+                  tolerances: dict[str, float] = TOLERANCES, weights: str | None = None) -> dict[str, Any]:
+    """Measure the graph (in the `weights` variant: `measure_quality`) on the card's data and compare with the
+    card's float32 figure; raises `checks.ExportCheckError` outside the tolerance, else returns what was measured."""
     metric = QUALITY_METRIC[kind]
-    measured = measure_quality(kind, version, tokenizer, card, data_dir)
+    measured = measure_quality(kind, version, tokenizer, card, data_dir, weights)
     reference = card[metric]
     delta = round(measured - reference, 4) + 0.0
     count = _quality_count(kind, card)

@@ -10,8 +10,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.models.variants import parse_pins
 
 
 class Settings(BaseSettings):
@@ -33,6 +35,12 @@ class Settings(BaseSettings):
     # waking a second thread for each small op costs more than it saves (service.engines.runtime.OneThreadSession);
     # unset: each kind's own (service.models.kinds: the GPT's one-row steps, no translation steps)
     single_thread_rows: int | None = Field(None, ge=0)
+    # the weights variant each model runs (service.models.variants): auto = the fastest on this host of those its
+    # version offers, timed at start-up (cached in calibration_cache per CPU); stored = as the repository holds it;
+    # fp32 or int8 for every model; or per model: gpt=fp32,translation=stored (the others: auto)
+    variant: str = "auto"
+    # the calibration timings, kept between starts ("" = none kept: every start measures)
+    calibration_cache: str = str(Path("~/.cache/tserve/calibration.json"))
 
     # iteration-level batching for the text models: rows (beams count as rows) decoded together per step
     translation_max_batch_rows: int = Field(64, ge=1)
@@ -94,6 +102,20 @@ class Settings(BaseSettings):
     # 16 characters
     api_keys: list[str] = Field(default_factory=list)
     api_keys_file: Path | None = None
+
+    @field_validator("variant")
+    @classmethod
+    def _variant_pins(cls, value: str) -> str:
+        parse_pins(value)  # a ValueError names the bad entry
+        return value
+
+    @property
+    def variant_pins(self) -> dict[str, str]:
+        return parse_pins(self.variant)
+
+    @property
+    def calibration_cache_path(self) -> Path | None:
+        return Path(self.calibration_cache).expanduser() if self.calibration_cache else None
 
 
 @lru_cache

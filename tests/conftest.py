@@ -35,6 +35,11 @@ from tests.support.server import ServerProcess, output_on_failure
 # The in-process apps (`serving`, create_app in a test) serve no gRPC port unless a test's settings ask for one:
 # many of them start and stop in one session, and TSERVE_GRPC_PORT's default (8001) is one port.
 os.environ.setdefault("TSERVE_GRPC_PORT", "0")
+# Every server and app of the suite runs each model's stored weights variant unless a test pins or calibrates
+# (service.models.variants): outputs compared with references must not depend on which variant this CPU is
+# fastest with; and none keeps calibration timings in the user's home.
+os.environ.setdefault("TSERVE_VARIANT", "stored")
+os.environ.setdefault("TSERVE_CALIBRATION_CACHE", "")
 
 FIXTURE_DATA = ROOT / "tests" / "fixtures" / "data"
 _MAKE_DATA = "get them with `make data` (or set TSERVE_DATA_DIR to a folder that holds them)"

@@ -1,4 +1,5 @@
-"""ONNX Runtime sessions: provider preference (CUDA first when present, else CPU), threads, graph optimisation.
+"""ONNX Runtime sessions: provider preference (CUDA first when present, else CPU), threads, graph optimisation,
+and the weights variant the graph runs in (`service.engines.weights`: derived from the stored graph when it differs).
 
 The provider actually in use is read back from the session (ONNX Runtime silently falls back to CPU when CUDA
 cannot start) and logged, so `/v1/models` and the metrics report what really runs.
@@ -11,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnxruntime as ort
+
+from service.engines.weights import derive
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ class RuntimeOptions:
     # decoder calls of at most this many rows run on a second session with one intra-op thread (`OneThreadSession`);
     # 0 = never
     single_thread_rows: int = 0
+    # the MatMul weights the sessions compute with (`service.engines.weights.WEIGHTS`), derived from the stored
+    # graph when it holds the other kind; None = as stored
+    weights: str | None = None
 
 
 # Each model kind's `single_thread_rows` unless TSERVE_SINGLE_THREAD_ROWS sets one for all (service.models.kinds;
@@ -76,11 +82,13 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions())
     spin = "1" if options.spin else "0"
     settings.add_session_config_entry("session.intra_op.allow_spinning", spin)
     settings.add_session_config_entry("session.inter_op.allow_spinning", spin)
-    session = ort.InferenceSession(str(path), sess_options=settings, providers=preferred_providers(options.device))
+    derived = None if options.weights is None else derive(path, options.weights)
+    graph = str(path) if derived is None else derived
+    session = ort.InferenceSession(graph, sess_options=settings, providers=preferred_providers(options.device))
     active = session.get_providers()[0]
     if options.device == "cuda" and active != CUDA:
         log.warning("CUDA provider did not start for %s (no GPU visible?); falling back to %s", path, active)
-    log.info("loaded %s on %s", path, active)
+    log.info("loaded %s on %s%s", path, active, "" if derived is None else f" ({options.weights} weights, derived)")
     return session
 
 

@@ -1,16 +1,18 @@
 """What each kind of model is, in one table (`KIND_TABLE`): its engine, how its scheduler is built, its warm-up
-inference and the decoding modes its metrics count. The registry loads a version through its kind's entry; no
+inference, the workload its weights variants are timed with (`service.models.calibration`) and the decoding modes its
+metrics count. The registry loads a version through its kind's entry; no
 other module branches on a kind's name to learn these.
 
 The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.models.repository`'s, where a version's config.json is
 read and its kind checked. Each kind's tensors in the Open Inference Protocol are `service.api.oip.signatures`'.
 
 - translation: `TranslationEngine` (encoder once per source, decoder steps), a continuous batcher of at most
-  `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows, warmed up by translating `TRANSLATION_WARM_UP_SOURCE`;
+  `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows, warmed up by translating `TRANSLATION_WARM_UP_SOURCE`, timed by
+  translating copies of `TRANSLATION_CALIBRATION_SOURCE` (per generated token);
 - gpt: `GPTEngine` (prompt pass, decoder steps), a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows,
-  warmed up by continuing `GPT_WARM_UP_PROMPT`;
+  warmed up by continuing `GPT_WARM_UP_PROMPT`, timed by continuing copies of `GPT_CALIBRATION_PROMPT`;
 - vit: `ViTEngine` (batched classification), the dynamic batcher (`TSERVE_VIT_MAX_BATCH_SIZE` images, waiting at
-  most `TSERVE_VIT_MAX_QUEUE_DELAY_MS` for more), warmed up by classifying an image of grey `WARM_UP_GREY`.
+  most `TSERVE_VIT_MAX_QUEUE_DELAY_MS` for more), warmed up and timed by classifying images of grey `WARM_UP_GREY`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from service.engines.gpt import GPTEngine
 from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS
 from service.engines.translation import TranslationEngine
 from service.engines.vit import ViTEngine
+from service.models.calibration import decode_workload
 from service.models.repository import GPT, TRANSLATION, VIT, ModelVersion
 from service.models.warmup import check_length_penalty, warm_up_images, warm_up_text
 from service.observability.metrics import BEAM, GREEDY, SAMPLE, Metrics
@@ -36,6 +41,9 @@ from service.settings import Settings
 TRANSLATION_WARM_UP_SOURCE = "Hallo."
 GPT_WARM_UP_PROMPT = "A"
 WARM_UP_GREY = 0.5
+# The calibration inputs: a source and a prompt of typical length (a Multi30k-like sentence, a line of verse)
+TRANSLATION_CALIBRATION_SOURCE = "Ein Mann mit einem orangefarbenen Hut starrt auf etwas."
+GPT_CALIBRATION_PROMPT = "ROMEO:\nBut soft, what light"
 
 # (engine, the version, metrics, settings) -> its scheduler, not yet started
 SchedulerFactory = Callable[[Any, ModelVersion, Metrics, Settings], Any]
@@ -48,6 +56,9 @@ class ModelKind:
     scheduler: SchedulerFactory
     warm_up: Callable[[Any], None]  # one checked inference through a loaded engine; `WarmUpFailed` if it cannot serve
     decoding_modes: tuple[str, ...]  # the `mode` labels of its generated tokens; none: it generates no tokens
+    max_rows: Callable[[Settings], int]  # the largest batch its scheduler runs (rows or images)
+    calibration: Callable[[Any, int], int]  # (engine, rows) -> items produced: the workload variants are timed with
+    calibration_unit: str  # what an item of that workload is
     # decoder calls of at most this many rows on a one-thread session unless TSERVE_SINGLE_THREAD_ROWS says
     # otherwise (`OneThreadSession`, `DEFAULT_SINGLE_THREAD_ROWS`)
     single_thread_rows: int = 0
@@ -61,6 +72,18 @@ def continuous_batcher(max_rows: Callable[[Settings], int]) -> SchedulerFactory:
                                  max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size)
 
     return build
+
+
+def _translation_rows(s: Settings) -> int:
+    return s.translation_max_batch_rows
+
+
+def _gpt_rows(s: Settings) -> int:
+    return s.gpt_max_batch_rows
+
+
+def _vit_images(s: Settings) -> int:
+    return s.vit_max_batch_size
 
 
 def dynamic_batcher(engine, model: ModelVersion, metrics: Metrics, s: Settings) -> DynamicBatcher:
@@ -83,11 +106,28 @@ def _warm_up_vit(engine: ViTEngine) -> None:
     warm_up_images(engine, WARM_UP_GREY)
 
 
+def _time_translation(engine: TranslationEngine, rows: int) -> int:
+    return decode_workload(engine, engine.source_ids(TRANSLATION_CALIBRATION_SOURCE), rows)
+
+
+def _time_gpt(engine: GPTEngine, rows: int) -> int:
+    return decode_workload(engine, engine.tokenizer.encode(GPT_CALIBRATION_PROMPT).ids, rows)
+
+
+def _time_vit(engine: ViTEngine, images: int) -> int:
+    engine.logits(engine.normalize(np.full((images, engine.channels, engine.size, engine.size), WARM_UP_GREY,
+                                           np.float32)))
+    return images
+
+
 KIND_TABLE: dict[str, ModelKind] = {
-    TRANSLATION: ModelKind(TRANSLATION, TranslationEngine, continuous_batcher(lambda s: s.translation_max_batch_rows),
-                           _warm_up_translation, decoding_modes=(GREEDY, BEAM),
+    TRANSLATION: ModelKind(TRANSLATION, TranslationEngine, continuous_batcher(_translation_rows),
+                           _warm_up_translation, decoding_modes=(GREEDY, BEAM), max_rows=_translation_rows,
+                           calibration=_time_translation, calibration_unit="token",
                            single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[TRANSLATION]),
-    GPT: ModelKind(GPT, GPTEngine, continuous_batcher(lambda s: s.gpt_max_batch_rows), _warm_up_gpt,
-                   decoding_modes=(GREEDY, BEAM, SAMPLE), single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[GPT]),
-    VIT: ModelKind(VIT, ViTEngine, dynamic_batcher, _warm_up_vit, decoding_modes=()),
+    GPT: ModelKind(GPT, GPTEngine, continuous_batcher(_gpt_rows), _warm_up_gpt,
+                   decoding_modes=(GREEDY, BEAM, SAMPLE), max_rows=_gpt_rows, calibration=_time_gpt,
+                   calibration_unit="token", single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[GPT]),
+    VIT: ModelKind(VIT, ViTEngine, dynamic_batcher, _warm_up_vit, decoding_modes=(), max_rows=_vit_images,
+                   calibration=_time_vit, calibration_unit="image"),
 }

@@ -5,7 +5,8 @@ Models load in a background thread after the server starts, so `/health/live` an
 `/health/ready` says 503, with reasons, until every configured model is loaded (Kubernetes' startup pattern), and
 again whenever a configured model has no loaded version (every version unloaded through model control).
 
-A version is loaded as its kind says (`service.models.kinds`: engine, scheduler, warm-up) and warmed with one real
+A version is loaded as its kind says (`service.models.kinds`: engine, scheduler, warm-up), in the weights variant
+chosen for this host (`service.models.variants`: pinned, or the fastest measured), and warmed with one real
 inference, its outputs checked (`service.models.warmup`), before it takes a request: a version that fails the
 warm-up is not loaded (a model-control load answers 400 with the reason), so a version that loads serves.
 
@@ -24,8 +25,10 @@ from typing import Any
 
 from service.engines.runtime import RuntimeOptions
 from service.errors import NotFound, Unavailable
+from service.models.calibration import CalibrationCache
 from service.models.kinds import KIND_TABLE
 from service.models.repository import ModelRepository, RepositoryError, parse_version
+from service.models.variants import Choice, load_engine, pin_for
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -41,7 +44,8 @@ class LoadedModel:
     scheduler: Any  # its kind's scheduler: a ContinuousBatcher or the DynamicBatcher
     provider: str
     load_seconds: float
-    variant: dict[str, str] = field(default_factory=dict)  # `ModelVersion.variant`: how its graphs compute
+    variant: dict[str, str] = field(default_factory=dict)  # how its graphs compute (`ModelVersion.variant`, the
+    # weights as chosen) and how the weights were chosen (`Choice.report`, `reason`)
     leases: int = 0  # requests that resolved this version and have not ended
     _released: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
@@ -79,6 +83,7 @@ class ModelRegistry:
         self.pending: list[str] = []
         self.errors: dict[str, str] = {}
         self.expected: list[str] = []  # the models configured at start: readiness needs a loaded version of each
+        self.calibration = CalibrationCache(settings.calibration_cache_path)
         self.draining = False
         self._loader: threading.Thread | None = None
 
@@ -119,13 +124,16 @@ class ModelRegistry:
         options = RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin,
                                  single_thread_rows=single_thread_rows)
         started = time.perf_counter()
-        engine = kind.engine(model, options)
+        engine, choice = load_engine(model, kind, options, pin_for(s.variant_pins, model.name),
+                                     sorted({1, kind.max_rows(s)}), self.calibration)
         scheduler = kind.scheduler(engine, model, self.metrics, s)
         kind.warm_up(engine)
         scheduler.start()
         seconds = time.perf_counter() - started
+        variant = {**model.variant, "weights": choice.weights, "stored_weights": model.variant["weights"],
+                   **choice.report()}
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds,
-                             model.variant)
+                             {**variant, "reason": choice.reason})
         previous = self.loaded.get((model.name, model.version))
         self.loaded[(model.name, model.version)] = loaded
         self.active[model.name] = model.version
@@ -137,10 +145,17 @@ class ModelRegistry:
         self.metrics.declare_model(model.name, model.version, kind.decoding_modes)
         self.metrics.model_load_seconds.labels(**labels).set(seconds)
         self.metrics.model_info.labels(model=model.name).info(
-            {"kind": model.kind, "version": str(model.version), "provider": engine.provider, **model.variant})
-        log.info("loaded %s version %d (%s) on %s in %.2fs", model.name, model.version, model.kind,
-                 engine.provider, seconds)
+            {"kind": model.kind, "version": str(model.version), "provider": engine.provider, **variant})
+        self._report_calibration(model.name, model.version, choice)
+        log.info("loaded %s version %d (%s) on %s with %s weights (%s) in %.2fs", model.name, model.version,
+                 model.kind, engine.provider, choice.weights, choice.chosen_by, seconds)
         return loaded
+
+    def _report_calibration(self, name: str, version: int, choice: Choice) -> None:
+        for weights, by_rows in choice.timings.items():
+            for rows, seconds in by_rows.items():
+                self.metrics.variant_seconds.labels(model=name, version=str(version), weights=weights,
+                                                    rows=str(rows)).set(seconds)
 
     # --- lookup and state ---------------------------------------------------------------------------------
 

@@ -76,9 +76,15 @@ class Metrics:
             ["reason"], registry=r)
         self.model_load_seconds = Gauge(
             "tserve_model_load_seconds", "Time it took to load a model's sessions.", ["model", "version"], registry=r)
-        self.model_info = Info("tserve_model", "Loaded models: kind, version, provider and variant (weights, "
-                               "attention, kv_cache for the text models, as the version's config.json says).",
-                               ["model"], registry=r)
+        self.model_info = Info("tserve_model", "Loaded models: kind, version, provider and variant: the weights "
+                               "that run (chosen_by: pinned, only variant, measured or cached measurement; "
+                               "stored_weights, offered_weights), attention and kv_cache for the text models as the "
+                               "version's config.json says.", ["model"], registry=r)
+        self.variant_seconds = Gauge(
+            "tserve_variant_seconds", "Calibration: seconds per generated token (text) or image (ViT) of each "
+            "weights variant a loaded version offers, at one row and at the scheduler's largest batch (rows), as "
+            "measured on this host to choose the variant that runs.", ["model", "version", "weights", "rows"],
+            registry=r)
         self.ready = Gauge("tserve_ready", "1 when every configured model is loaded and the server is not draining.",
                            registry=r)
 

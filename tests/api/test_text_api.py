@@ -45,9 +45,15 @@ def test_health_and_models(client):
     for name, kind in [("translation", "translation"), ("gpt", "gpt"), ("vit", "vit")]:
         assert models[name]["kind"] == kind and models[name]["active_version"] == 1 and models[name]["ready"]
         assert models[name]["provider"] == "CPUExecutionProvider" and models[name]["versions"] == [1]
-    plain = {"weights": "fp32", "attention": "plain"}  # the tiny exports: what each config.json says
-    assert models["gpt"]["variant"] == models["translation"]["variant"] == {**plain, "kv_cache": "concat"}
-    assert models["vit"]["variant"] == plain  # no KV cache to speak of
+    # the tiny exports: what each config.json says, the stored weights (the suite's TSERVE_VARIANT), and the
+    # variants each offers: its stored one, and the other if its export-time check passed on this CPU
+    for name in models:
+        variant = models[name]["variant"]
+        config = json.loads((client.app.state.registry.repository.root / name / "1" / "config.json").read_text())
+        assert variant.pop("offered_weights") == ",".join(["fp32", *config.get("variants", {})])
+        assert variant.pop("reason") == "pinned by TSERVE_VARIANT (stored)"
+        plain = {"weights": "fp32", "stored_weights": "fp32", "chosen_by": "pinned", "attention": "plain"}
+        assert variant == (plain if name == "vit" else {**plain, "kv_cache": "concat"})  # ViT: no KV cache
 
 
 def test_request_id_is_accepted_and_echoed(client):
@@ -308,11 +314,11 @@ def test_metrics_describe_the_traffic(client):
                  "tserve_queue_wait_seconds_bucket", "tserve_batch_size_bucket", "tserve_prompt_tokens_total",
                  'tserve_generated_tokens_total{mode="greedy",model="gpt",version="1"}', "tserve_queue_depth",
                  "tserve_running_requests", "tserve_model_load_seconds",
-                 'tserve_model_info{attention="plain",kind="gpt",kv_cache="concat",model="gpt",provider=',
-                 'tserve_model_info{attention="plain",kind="vit",model="vit",provider="CPUExecutionProvider",'
-                 'version="1",weights="fp32"} 1.0',
+                 'tserve_model_info{attention="plain",chosen_by="pinned",kind="gpt",kv_cache="concat",model="gpt",',
+                 'tserve_model_info{attention="plain",chosen_by="pinned",kind="vit",model="vit",offered_weights=',
                  "tserve_ready 1.0"):
         assert name in text, name
+    assert text.count('provider="CPUExecutionProvider",stored_weights="fp32",version="1",weights="fp32"} 1.0') == 3
     assert 'tserve_request_failures_total{model="translation",reason="bad_input",version="1"}' in text
 
 

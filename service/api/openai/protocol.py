@@ -366,10 +366,13 @@ class OpenAIModel(BaseModel):
     active_version: int | None = Field(..., description="The version served when a request names none.")
     loaded_versions: list[int]
     provider: str | None
-    variant: dict[str, str] | None = Field(..., description="How the active version's graphs compute, as its "
-                                           "config.json says: `weights` (fp32, fp16, int8), `attention` (plain, "
-                                           "mha) and, for the text models, `kv_cache` (concat, inplace); null when "
-                                           "no version is loaded.")
+    variant: dict[str, str] | None = Field(..., description="How the active version's graphs compute: `weights` "
+                                           "(fp32, int8: the variant that runs), `stored_weights` (fp32, fp16, "
+                                           "int8: as the repository holds it), `offered_weights` (the variants "
+                                           "the version offers, comma-separated), `chosen_by` (pinned, only "
+                                           "variant, measured, cached measurement) and `reason`; `attention` "
+                                           "(plain, mha) and, for the text models, `kv_cache` (concat, inplace), "
+                                           "as its config.json says; null when no version is loaded.")
     ready: bool
 
 

@@ -1,0 +1,116 @@
+"""Check the weights variants a version does not store, so that the service may run them: the variants are derived
+when the graphs load (`service.engines.weights`), and offered only once checked here (`service.models.variants`).
+
+    python -m export.variants --repository DIR --name NAME [--version N] [--data-dir DIR]
+
+For each weights variant other than the stored one (`service.engines.weights.WEIGHTS`: int8 <-> fp32), the version
+is measured in that variant, derived exactly as the service derives it, on the data its card was measured on
+(`export.repository.check_quality`: GPT validation loss, ViT test accuracy, translation sacreBLEU with beam 4
+through the service with the variant pinned) and held to `export.tolerances` of the card's float32 (PyTorch)
+figure, as an exported int8 graph is. A variant within it is written into config.json `variants` (variant -> what
+was measured), the list the service chooses from; every result, passed or not, goes into metrics.json
+(`export_checks`, `<variant>_weights_variant`) and the model card's "Weights variants" section. Nothing is
+stored twice: the graphs on disk are not touched. `python -m export` runs this after every export.
+
+Exit status: 0 every variant checked (passed or not, recorded), 2 bad arguments or missing data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from export.checks import ExportCheckError
+from export.repository import check_quality
+from models.datasets import DataError
+from service.engines.weights import WEIGHTS, compute_weights
+from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
+
+METRICS_FILE, CARD_FILE = "metrics.json", "README.md"
+CARD_SECTION = "## Weights variants"
+
+
+def _tokenizer(version: ModelVersion) -> Tokenizer | None:
+    name = version.config.get("tokenizer")
+    return Tokenizer.from_file(str(version.path / name)) if name else None
+
+
+def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[str, dict[str, Any]]:
+    """Measure every weights variant `version` does not store, and record the results in its folder (config.json,
+    metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the failure's
+    message where it failed)."""
+    stored = compute_weights(version.config.get("weights", "fp32"))
+    card = json.loads((version.path / METRICS_FILE).read_text())
+    tokenizer = _tokenizer(version)
+    results: dict[str, dict[str, Any]] = {}
+    for weights in WEIGHTS:
+        if weights == stored:
+            continue
+        try:
+            result = {**check_quality(version.kind, version, tokenizer, card, data_dir, weights=weights),
+                      "passed": True}
+        except ExportCheckError as error:
+            result = {"passed": False, "failure": str(error)}
+        results[weights] = {"derived_from": stored, **result,
+                            "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _record(version, card, results)
+    return results
+
+
+def describe_result(weights: str, result: dict[str, Any]) -> str:
+    if not result["passed"]:
+        return f"{weights} (derived from {result['derived_from']}): not offered: {result['failure']}"
+    return (f"{weights} (derived from {result['derived_from']} when the graphs load): {result['metric']} "
+            f"{result['measured']} vs {result['reference']} (delta {result['delta']:+}, tolerance "
+            f"{result['tolerance']}) on {result['data']}")
+
+
+def _record(version: ModelVersion, card: dict, results: dict[str, dict[str, Any]]) -> None:
+    config = dict(version.config)
+    config["variants"] = {w: {k: v for k, v in r.items() if k not in ("passed", "failure")}
+                          for w, r in results.items() if r["passed"]}
+    (version.path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    checks = card.setdefault("export_checks", {})
+    for weights, result in results.items():
+        checks[f"{weights}_weights_variant"] = describe_result(weights, result)
+    (version.path / METRICS_FILE).write_text(json.dumps(card, indent=2))
+    readme = version.path / CARD_FILE
+    if readme.exists():
+        text = readme.read_text()
+        head, _, rest = text.partition(f"\n{CARD_SECTION}\n")
+        tail = rest.partition("\n## ")[2] if rest else ""
+        section = [CARD_SECTION, "", f"Stored: {compute_weights(config.get('weights', 'fp32'))}. The others are "
+                   "derived when the graphs load (`service.engines.weights`); the service runs the fastest offered "
+                   "one on its host unless TSERVE_VARIANT pins one (`service.models.variants`). Checked by "
+                   f"`python -m export.variants --name {version.name} --version {version.version}`:", ""]
+        section += [f"- {describe_result(w, r)}" for w, r in results.items()]
+        text = head.rstrip("\n") + "\n\n" + "\n".join(section) + "\n" + (f"\n## {tail}" if tail else "")
+        readme.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.variants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repository", type=Path, default=Path("model_repository"), help="model repository root")
+    parser.add_argument("--name", required=True, help="model name in the repository")
+    parser.add_argument("--version", type=int, default=None, help="default: the highest")
+    parser.add_argument("--data-dir", default=None, help="the data the card was measured on (default: TSERVE_DATA_DIR)")
+    args = parser.parse_args(argv)
+    try:
+        version = ModelRepository(args.repository).get(args.name, args.version)
+        results = check_variants(version, args.data_dir)
+    except (RepositoryError, DataError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for weights, result in results.items():
+        print(describe_result(weights, result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The weights variants of a graph, derived when it loads: a graph stored with one kind of MatMul weights runs with
+the other, so that the repository stores each model once and the service runs the variant this CPU is fastest with
+(`service.models.variants` measures and chooses).
+
+- `fp32`: every MatMul computes in float32 on float32 weights (stored as float32 or as float16, `export.compress`);
+- `int8`: every MatMul with a constant weight is ONNX Runtime's `com.microsoft.MatMulNBits`: 8-bit symmetric
+  blocks of `BLOCK_SIZE` along the input dimension, one float scale each, `accuracy_level` 4 (the CPU kernel
+  quantises the activations per row and block, and runs int8 dot products): what `export.quantize` stores.
+
+The derivations (`derive`):
+- int8 -> fp32 dequantises each MatMulNBits' weights once into a float32 (K, N) initializer read by a plain MatMul
+  (and an Add of its bias, if any): the same int8-rounded weights, float32 activations;
+- fp32 -> int8 quantises each constant 2-D MatMul weight with ONNX Runtime's own blockwise kernel
+  (`quantize_matmul_8bits`, the one its `MatMulNBitsQuantizer` calls for `export.quantize`), so the blocks and
+  scales are those the exporter would store from the same weights.
+Either way only the MatMuls change; the rest of the graph (float16 storage of embeddings, fused attention, the
+in-place cache) is kept. Each variant's quality is measured at export time (`export.variants`), not here.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+from onnxruntime.capi._pybind_state import quantize_matmul_8bits
+
+from service.engines.onnx_graph import ModelProto, TensorProto, attribute, from_array, load, make_node, to_array
+
+FP32, INT8 = "fp32", "int8"
+WEIGHTS = (FP32, INT8)
+MICROSOFT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators, MatMulNBits among them
+MATMUL_NBITS = "MatMulNBits"
+BITS = 8
+BLOCK_SIZE = 32
+ACCURACY_LEVEL = 4  # int8 activations per row and block, int8 dot products
+DERIVED_GRAPHS_KEPT = 8  # derived graphs kept in memory (a model's sessions share one: wide and one-thread)
+# MatMulNBits' inputs, in order (the optional ones may be absent or named "")
+NBITS_A, NBITS_B, NBITS_SCALES, NBITS_ZERO_POINTS, NBITS_G_IDX, NBITS_BIAS = range(6)
+
+
+def compute_weights(stored: str) -> str:
+    """The weights variant a repository config's `weights` computes with: float16 storage computes in float32."""
+    return INT8 if stored == INT8 else FP32
+
+
+def graph_weights(model: ModelProto) -> str:
+    """`int8` if any MatMul of the graph is a MatMulNBits, else `fp32`."""
+    return INT8 if any(node.op_type == MATMUL_NBITS for node in model.graph.node) else FP32
+
+
+@functools.lru_cache(maxsize=DERIVED_GRAPHS_KEPT)
+def _derived(path: str, mtime_ns: int, size: int, weights: str) -> bytes | None:
+    model = load(path)
+    if graph_weights(model) == weights:
+        return None
+    rewritten = to_fp32(model) if weights == FP32 else to_int8(model)
+    if weights == INT8 and rewritten == 0:
+        raise ValueError(f"{path}: no MatMul with a constant 2-D float weight to quantise")
+    return model.SerializeToString()
+
+
+def derive(path: str | Path, weights: str) -> bytes | None:
+    """The graph at `path` serialized in the `weights` variant, or None when it is stored in that variant already.
+    A graph derived once is kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights variant must be one of {WEIGHTS}, got {weights!r}")
+    stat = Path(path).stat()
+    return _derived(str(path), stat.st_mtime_ns, stat.st_size, weights)
+
+
+# --- int8 -> fp32 ---------------------------------------------------------------------------------------------
+
+def dequantized_weight(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
+                       bits: int, block_size: int) -> np.ndarray:
+    """MatMulNBits' weight as the float32 (K, N) matrix it stands for: (q - zero point) x scale per block, q read
+    from `packed` (N, blocks, block_size x bits / 8) uint8, low bits first; zero point 2^(bits-1) when none."""
+    if bits not in (4, 8):
+        raise ValueError(f"MatMulNBits with {bits}-bit weights is not supported (4 or 8)")
+    blocks = -(-k // block_size)
+    q = packed.reshape(n, -1)
+    if bits == 4:
+        q = np.stack([q & 0x0F, q >> 4], axis=-1).reshape(n, -1)
+    q = q[:, : blocks * block_size].reshape(n, blocks, block_size).astype(np.float32)
+    if zero_points is None:
+        zero = np.float32(1 << (bits - 1))
+    else:
+        zp = zero_points.reshape(n, -1)
+        if bits == 4:
+            zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)
+        zero = zp[:, :blocks, None].astype(np.float32)
+    weight = (q - zero) * scales.reshape(n, blocks)[:, :, None].astype(np.float32)
+    return np.ascontiguousarray(weight.reshape(n, blocks * block_size)[:, :k].T)
+
+
+def to_fp32(model: ModelProto) -> int:
+    """Replace every MatMulNBits with a float32 MatMul on its dequantised weights (+ Add of its bias), in place;
+    returns how many were replaced."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    constants = _constants(model)
+    replaced = 0
+    for index in range(len(graph.node) - 1, -1, -1):
+        node = graph.node[index]
+        if node.op_type != MATMUL_NBITS:
+            continue
+        inputs = list(node.input) + [""] * (NBITS_BIAS + 1 - len(node.input))
+        if inputs[NBITS_G_IDX]:
+            raise ValueError(f"{node.name}: MatMulNBits with g_idx (act-order) is not supported")
+        packed, zero_points = (initializers.get(inputs[i]) for i in (NBITS_B, NBITS_ZERO_POINTS))
+        scales = constants.get(inputs[NBITS_SCALES])
+        if packed is None or scales is None or (inputs[NBITS_ZERO_POINTS] and zero_points is None):
+            raise ValueError(f"{node.name}: MatMulNBits whose weights are not constants")
+        weight = dequantized_weight(to_array(packed), scales, None if zero_points is None else to_array(zero_points),
+                                    attribute(node, "K"), attribute(node, "N"), attribute(node, "bits"),
+                                    attribute(node, "block_size"))
+        name = f"{inputs[NBITS_B]}__fp32"
+        graph.initializer.append(from_array(weight, name))
+        output = node.output[0]
+        new = [make_node("MatMul", [inputs[NBITS_A], name], [f"{output}__matmul" if inputs[NBITS_BIAS] else output],
+                         f"{node.name}__fp32")]
+        if inputs[NBITS_BIAS]:
+            new.append(make_node("Add", [new[0].output[0], inputs[NBITS_BIAS]], [output], f"{node.name}__bias"))
+        del graph.node[index]
+        for offset, added in enumerate(new):
+            graph.node.insert(index + offset, added)
+        replaced += 1
+    _drop_unread_initializers(model)
+    return replaced
+
+
+# --- fp32 -> int8 ---------------------------------------------------------------------------------------------
+
+def quantized_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A float (K, N) weight as MatMulNBits' symmetric 8-bit blocks: packed (N, blocks, BLOCK_SIZE) uint8 and scales
+    (N, blocks) float32, by ONNX Runtime's kernel called as its quantiser calls it (the last block's slots past K
+    left zero; the exporter then stores large scale tensors as float16, `export.compress`: here they stay float32)."""
+    k, n = weight.shape
+    blocks = -(-k // BLOCK_SIZE)
+    padded = np.zeros((blocks * BLOCK_SIZE, n), np.float32)
+    padded[:k] = weight
+    packed = np.zeros((n, blocks, BLOCK_SIZE * BITS // 8), np.uint8)
+    scales = np.zeros((n, blocks), np.float32)
+    zero_points = np.zeros((n, blocks), np.uint8)  # written by the kernel, unused: symmetric blocks have none
+    quantize_matmul_8bits(packed, padded, scales, zero_points, BLOCK_SIZE, n, k, True)
+    return packed, scales
+
+
+def _constants(model: ModelProto) -> dict[str, np.ndarray]:
+    """Every constant float tensor of the graph by the name its readers use, as float32: the float initializers, and
+    the float16 ones under the name of the Cast to float that reads them (`export.compress`'s storage)."""
+    graph = model.graph
+    floats = {t.name: t for t in graph.initializer if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)}
+    named = dict(floats)
+    for node in graph.node:
+        if node.op_type == "Cast" and node.input[0] in floats and attribute(node, "to", -1) == TensorProto.FLOAT:
+            named[node.output[0]] = floats[node.input[0]]
+    return {name: to_array(tensor).astype(np.float32) for name, tensor in named.items()}
+
+
+def to_int8(model: ModelProto) -> int:
+    """Replace every MatMul whose weight is a constant 2-D float matrix with a MatMulNBits on its 8-bit blocks, in
+    place (what `export.quantize` does from float32 weights); returns how many were replaced."""
+    graph = model.graph
+    constants = _constants(model)
+    replaced = 0
+    for index, node in enumerate(graph.node):
+        weight = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is None or weight.ndim != 2 or node.domain not in ("", "ai.onnx"):
+            continue
+        packed, scales = quantized_weight(weight)
+        base = node.input[1]
+        graph.initializer.extend([from_array(packed, f"{base}_Q{BITS}"), from_array(scales, f"{base}_scales")])
+        k, n = weight.shape
+        quantized = make_node(MATMUL_NBITS, [node.input[0], f"{base}_Q{BITS}", f"{base}_scales"], list(node.output),
+                              f"{node.name}_Q{BITS}", MICROSOFT_DOMAIN, K=k, N=n, bits=BITS, block_size=BLOCK_SIZE,
+                              accuracy_level=ACCURACY_LEVEL)
+        graph.node[index].CopyFrom(quantized)
+        replaced += 1
+    if replaced and not any(o.domain == MICROSOFT_DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=MICROSOFT_DOMAIN, version=1)
+    _drop_unread_initializers(model)
+    return replaced
+
+
+def _drop_unread_initializers(model: ModelProto) -> None:
+    """Remove the Casts nothing reads any more, then the initializers nothing reads (a graph output is read)."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {name for node in graph.node for name in node.input} | outputs
+        unread = [i for i, node in enumerate(graph.node)
+                  if node.op_type == "Cast" and not any(o in read for o in node.output)]
+        if not unread:
+            break
+        for i in reversed(unread):
+            del graph.node[i]
+    read = {name for node in graph.node for name in node.input} | outputs
+    kept = [t for t in graph.initializer if t.name in read]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)

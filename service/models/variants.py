@@ -1,0 +1,139 @@
+"""Which weights variant each model version runs (`load_engine`): the one `TSERVE_VARIANT` pins, else the fastest on
+this host of those the version offers, as `service.models.calibration` measures them (or cached them).
+
+A version offers (`offered`) the variant it is stored in (config.json `weights`; float16 storage computes in
+float32) and each other one that `export.variants` derived from it with the serving code and quality-checked at
+export against the model card (config.json `variants`: variant -> its check); nothing unchecked, so a variant
+that would answer worse than its card is never chosen. The others are derived when their graphs load
+(`service.engines.weights`); the repository stores each model once.
+
+The choice (`fastest`) weighs every batch size measured (one row and the scheduler's largest batch) alike: each
+variant's time per item over the fastest one's at that size, multiplied over the sizes (a geometric mean of the
+slowdowns). The stored variant keeps its place unless another beats it by more than `MARGIN`, so that noise
+between two equal variants does not flip the choice from one start to the next.
+
+`TSERVE_VARIANT` (`parse_pins`): `auto` (the default: calibrate), `stored` (no calibration), a variant for every
+model (`fp32`, `int8`), or per model: `gpt=fp32,translation=stored` (the models it does not name: auto). A pinned
+variant the version does not offer (no quality check recorded) still runs, as an operator's explicit override
+(and as `export.variants` measures one before it is offered): logged as a warning, and its reason says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from service.engines.runtime import RuntimeOptions
+from service.engines.weights import WEIGHTS, compute_weights
+from service.models.calibration import CalibrationCache, calibration_key, cpu_identity, measure
+from service.models.repository import ModelVersion
+
+log = logging.getLogger(__name__)
+
+AUTO, STORED = "auto", "stored"
+PIN_VALUES = (AUTO, STORED, *WEIGHTS)
+ALL_MODELS = "*"  # the pin of a value without a model name
+MARGIN = 0.05  # a derived variant must be this much faster than the stored one to replace it
+# how the variant was chosen (the `chosen_by` of /v1/models and the model info metric)
+PINNED, ONLY, MEASURED, CACHED = "pinned", "only variant", "measured", "cached measurement"
+
+
+@dataclass(frozen=True)
+class Choice:
+    weights: str  # the variant that runs
+    stored: str  # the variant the repository holds
+    offered: tuple[str, ...]
+    chosen_by: str  # PINNED, ONLY, MEASURED or CACHED
+    reason: str
+    timings: dict[str, dict[int, float]] = field(default_factory=dict)  # variant -> rows -> seconds per item
+
+    def report(self) -> dict[str, str]:
+        """What /v1/models and the model info metric say of the choice besides the weights themselves."""
+        return {"offered_weights": ",".join(self.offered), "chosen_by": self.chosen_by}
+
+
+def parse_pins(spec: str) -> dict[str, str]:
+    """TSERVE_VARIANT -> model name (or `ALL_MODELS`) -> pinned value; raises ValueError naming what is wrong."""
+    pins: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, equals, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (ALL_MODELS, "", part)
+        if value not in PIN_VALUES or (equals and not name) or name in pins:
+            raise ValueError(f"bad TSERVE_VARIANT entry {part!r}: expected VALUE or MODEL=VALUE, each model once, "
+                             f"VALUE one of {', '.join(PIN_VALUES)}")
+        pins[name] = value
+    return pins
+
+
+def pin_for(pins: Mapping[str, str], name: str) -> str:
+    return pins.get(name, pins.get(ALL_MODELS, AUTO))
+
+
+def offered(model: ModelVersion) -> tuple[str, ...]:
+    """The stored variant first, then those config.json `variants` records as derived and checked."""
+    stored = compute_weights(model.config.get("weights", "fp32"))
+    checked = model.config.get("variants") or {}
+    return (stored, *(v for v in WEIGHTS if v != stored and isinstance(checked.get(v), dict)))
+
+
+def fastest(timings: Mapping[str, Mapping[int, float]], stored: str, margin: float = MARGIN) -> str:
+    """The variant with the smallest geometric mean, over the batch sizes, of its time over the best time at that
+    size; the stored one unless another beats it by more than `margin`."""
+    sizes = sorted(set.intersection(*(set(t) for t in timings.values())))
+    best = {size: min(t[size] for t in timings.values()) for size in sizes}
+    score = {v: math.exp(sum(math.log(t[size] / best[size]) for size in sizes) / len(sizes))
+             for v, t in timings.items()}
+    winner = min(score, key=score.get)
+    if stored in score and score[stored] <= score[winner] * (1 + margin):
+        return stored
+    return winner
+
+
+def describe(timings: Mapping[str, Mapping[int, float]], unit: str) -> str:
+    """'int8 0.61/0.20 ms, fp32 0.85/0.17 ms per token at 1/64 rows'."""
+    sizes = sorted(next(iter(timings.values())))
+    parts = [f"{v} {'/'.join(f'{t[s] * 1e3:.3g}' for s in sizes)} ms" for v, t in timings.items()]
+    return f"{', '.join(parts)} per {unit} at {'/'.join(map(str, sizes))} rows"
+
+
+def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, rows: Sequence[int],
+                cache: CalibrationCache) -> tuple[Any, Choice]:
+    """The version's engine in the variant chosen for it (the module's docstring says how) and that choice.
+    `kind`: its `service.models.kinds.ModelKind`; `rows`: the batch sizes to calibrate at."""
+    variants = offered(model)
+    stored = variants[0]
+    if pin != AUTO:
+        weights = stored if pin == STORED else pin
+        unchecked = "" if weights in variants else (f"; version {model.version} records no quality check of it "
+                                                    f"(offered: {', '.join(variants)})")
+        if unchecked:  # an operator's override, and how `export.variants` measures a variant before it is offered
+            log.warning("%s:%d runs %s weights, pinned, unchecked%s", model.name, model.version, weights, unchecked)
+        engine = kind.engine(model, replace(options, weights=weights))
+        return engine, Choice(weights, stored, variants, PINNED, f"pinned by TSERVE_VARIANT ({pin}){unchecked}")
+    if len(variants) == 1:
+        engine = kind.engine(model, replace(options, weights=stored))
+        return engine, Choice(stored, stored, variants, ONLY, "the only variant this version offers (its "
+                              "config.json records no other checked one)")
+    engines = {stored: kind.engine(model, replace(options, weights=stored))}
+    key = calibration_key(model, engines[stored].provider, options.intra_op_threads, rows)
+    cached = cache.get(key)
+    if cached is not None and set(cached["timings"]) == set(variants):
+        timings, chosen_by, when = cached["timings"], CACHED, f"measured {cached['measured_at']}, cached"
+    else:
+        for weights in variants[1:]:
+            try:
+                engines[weights] = kind.engine(model, replace(options, weights=weights))
+            except Exception as error:  # a variant this provider cannot run is not a candidate
+                log.warning("%s:%d: the %s variant does not load here (%s); not a candidate", model.name,
+                            model.version, weights, error)
+        timings = measure(engines, kind.calibration, rows)
+        chosen_by, when = MEASURED, f"measured {cache.put(key, timings)} at start-up"
+    weights = fastest(timings, stored)
+    engine = engines.get(weights) or kind.engine(model, replace(options, weights=weights))
+    cpu = cpu_identity()["cpu"]
+    reason = (f"{'fastest' if weights != stored else 'stored, and none faster by ' + format(MARGIN, '.0%')} on "
+              f"{cpu}: {describe(timings, kind.calibration_unit)} ({when})")
+    log.info("%s:%d runs %s weights: %s", model.name, model.version, weights, reason)
+    return engine, Choice(weights, stored, variants, chosen_by, reason, timings)

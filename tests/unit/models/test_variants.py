@@ -1,0 +1,182 @@
+"""Which weights variant a version runs (`service.models.variants`) and the calibration behind the choice
+(`service.models.calibration`): only checked variants are candidates, the fastest by the geometric mean of its
+slowdowns wins (the stored one unless beaten by more than the margin), a pin overrides and says so, measurements
+are cached per host and reused, and the engine that serves really computes with the chosen weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from service.engines.gpt import GPTEngine
+from service.engines.runtime import RuntimeOptions
+from service.models import variants as V
+from service.models.calibration import CalibrationCache, calibration_key, cpu_identity
+from service.models.kinds import KIND_TABLE
+from service.models.repository import ModelRepository, ModelVersion
+from service.settings import Settings
+
+ROWS = (1, 4)  # batch sizes calibrated here: small, so that the tiny model's measurements take milliseconds
+PROMPT = [5, 6, 7]
+
+
+@pytest.mark.parametrize("spec, pins", [
+    ("auto", {"*": "auto"}), ("", {}), ("stored", {"*": "stored"}), ("int8", {"*": "int8"}),
+    ("gpt=fp32, translation=stored", {"gpt": "fp32", "translation": "stored"}),
+    ("fp32,vit=int8", {"*": "fp32", "vit": "int8"}),
+])
+def test_pins_parse(spec, pins):
+    assert V.parse_pins(spec) == pins
+    assert V.pin_for(pins, "vit") == pins.get("vit", pins.get("*", "auto"))
+
+
+@pytest.mark.parametrize("spec", ["fp16", "gpt=fp16", "=int8", "gpt=int8,gpt=fp32", "int8,fp32"])
+def test_bad_pins_name_the_entry(spec):
+    with pytest.raises(ValueError, match="bad TSERVE_VARIANT entry"):
+        V.parse_pins(spec)
+    with pytest.raises(ValueError, match="TSERVE_VARIANT"):
+        Settings(variant=spec)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"weights": "int8", "variants": {"fp32": {"measured": 1.47}}}, ("int8", "fp32")),
+    ({"weights": "fp16", "variants": {"int8": {"measured": 37.9}}}, ("fp32", "int8")),  # fp16 storage: fp32
+    ({"weights": "int8"}, ("int8",)),
+    ({}, ("fp32",)),  # the first exports: float32, nothing checked
+    ({"weights": "fp32", "variants": {"int8": "not a check"}}, ("fp32",)),
+])
+def test_a_version_offers_its_stored_variant_and_the_checked_ones(tmp_path, config, expected):
+    assert V.offered(ModelVersion("m", 1, tmp_path, {"kind": "gpt", **config})) == expected
+
+
+@pytest.mark.parametrize("timings, stored, chosen", [
+    ({"int8": {1: 1.0, 64: 1.0}, "fp32": {1: 0.8, 64: 0.9}}, "int8", "fp32"),  # faster at both sizes
+    ({"int8": {1: 1.0, 64: 1.0}, "fp32": {1: 0.98, 64: 0.97}}, "int8", "int8"),  # within the margin: stored
+    ({"int8": {1: 1.0, 64: 2.0}, "fp32": {1: 2.0, 64: 1.0}}, "int8", "int8"),  # a tie of slowdowns: stored
+    ({"int8": {1: 1.0, 64: 1.0}, "fp32": {1: 1.5, 64: 0.5}}, "fp32", "fp32"),  # slowdowns 1.22 vs 1.41
+    ({"int8": {1: 1.0, 64: 1.0}, "fp32": {1: 1.2, 64: 0.5}}, "int8", "fp32"),  # 1.10 vs 1.41: derived wins
+    ({"int8": {1: 1.0, 64: 1.0}, "fp32": {1: 2.0, 64: 0.6}}, "fp32", "int8"),  # 1.41 vs 1.29: derived wins
+])
+def test_the_fastest_by_the_geometric_mean_of_slowdowns_wins_the_stored_one_within_the_margin(timings, stored,
+                                                                                            chosen):
+    assert V.fastest(timings, stored) == chosen
+
+
+@pytest.fixture
+def gpt_with_int8(tiny_repository_copy):
+    """The tiny GPT (stored float32) whose config records a checked int8 variant."""
+    repository = tiny_repository_copy("variants", ["gpt"])
+    config_path = repository / "gpt" / "1" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["variants"] = {"int8": {"derived_from": "fp32", "metric": "val_loss", "measured": 2.2}}
+    config_path.write_text(json.dumps(config))
+    return ModelRepository(repository).get("gpt", 1)
+
+
+def _counting(kind):
+    """The kind with its calibration workload counted."""
+    calls = []
+
+    def workload(engine, rows):
+        calls.append((engine.options_weights, rows))
+        return kind.calibration(engine, rows)
+
+    class Engine(kind.engine):
+        def __init__(self, model, options):
+            super().__init__(model, options)
+            self.options_weights = options.weights
+
+    return dataclasses.replace(kind, engine=Engine, calibration=workload), calls
+
+
+def _logits(engine):
+    return engine.prefill([PROMPT])[0]
+
+
+def test_auto_measures_every_offered_variant_chooses_caches_and_serves_the_choice(gpt_with_int8, tmp_path):
+    kind, calls = _counting(KIND_TABLE["gpt"])
+    cache = CalibrationCache(tmp_path / "cache" / "calibration.json")
+    engine, choice = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
+    assert choice.chosen_by == V.MEASURED and choice.offered == ("fp32", "int8") and choice.stored == "fp32"
+    assert set(choice.timings) == {"fp32", "int8"} and all(set(t) == set(ROWS) for t in choice.timings.values())
+    assert all(s > 0 for t in choice.timings.values() for s in t.values())
+    assert choice.weights == V.fastest(choice.timings, "fp32") and engine.options_weights == choice.weights
+    # one untimed and ROUNDS timed runs of each variant at each size
+    assert sorted(calls) == sorted([(w, r) for w in ("fp32", "int8") for r in ROWS] * 4)
+    assert cpu_identity()["cpu"] in choice.reason and "measured" in choice.reason
+    # the engine computes with the chosen weights: its logits are those of an engine built with them alone
+    np.testing.assert_array_equal(_logits(engine),
+                                  _logits(GPTEngine(gpt_with_int8, RuntimeOptions(weights=choice.weights))))
+    assert not np.array_equal(_logits(GPTEngine(gpt_with_int8, RuntimeOptions(weights="fp32"))),
+                              _logits(GPTEngine(gpt_with_int8, RuntimeOptions(weights="int8"))))
+
+    calls.clear()  # a restart on the same host: the cached timings, nothing measured
+    again, cached = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
+    assert cached.chosen_by == V.CACHED and cached.timings == choice.timings and calls == []
+    assert cached.weights == choice.weights and again.options_weights == choice.weights
+    entry = next(iter(json.loads(cache.path.read_text()).values()))
+    assert entry["key"] == calibration_key(gpt_with_int8, "CPUExecutionProvider", 0, ROWS)
+
+    calls.clear()  # other batch sizes (another TSERVE_GPT_MAX_BATCH_ROWS): measured again
+    _, other = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, (1, 2), cache)
+    assert other.chosen_by == V.MEASURED and calls
+
+
+def test_changed_graphs_are_measured_again(gpt_with_int8, tmp_path):
+    kind, calls = _counting(KIND_TABLE["gpt"])
+    cache = CalibrationCache(tmp_path / "calibration.json")
+    V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
+    graph = gpt_with_int8.path / "decoder.onnx"
+    graph.write_bytes(graph.read_bytes())  # rewritten, the same bytes: the same digest, still cached
+    calls.clear()
+    assert V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)[1].chosen_by == V.CACHED
+    key = calibration_key(gpt_with_int8, "CPUExecutionProvider", 0, ROWS)
+    assert cache.get({**key, "graphs": "0" * 64}) is None  # another graph (or CPU, threads, runtime): no entry
+
+
+def test_a_pin_runs_its_variant_unmeasured_and_an_unchecked_pin_says_so(gpt_with_int8, tmp_path, caplog):
+    kind, calls = _counting(KIND_TABLE["gpt"])
+    cache = CalibrationCache(tmp_path / "calibration.json")
+    engine, choice = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), "int8", ROWS, cache)
+    assert (choice.weights, choice.chosen_by, engine.options_weights, calls) == ("int8", V.PINNED, "int8", [])
+    assert choice.reason == "pinned by TSERVE_VARIANT (int8)" and not cache.path.exists()
+    _, stored = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.STORED, ROWS, cache)
+    assert stored.weights == "fp32" and stored.chosen_by == V.PINNED
+
+    plain = ModelVersion("gpt", 1, gpt_with_int8.path, {**gpt_with_int8.config, "variants": {}})
+    with caplog.at_level(logging.WARNING, logger="service.models.variants"):
+        _, unchecked = V.load_engine(plain, kind, RuntimeOptions(), "int8", ROWS, cache)
+    assert unchecked.weights == "int8" and "records no quality check" in unchecked.reason
+    assert "unchecked" in caplog.text
+    _, only = V.load_engine(plain, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
+    assert (only.weights, only.chosen_by, calls) == ("fp32", V.ONLY, [])
+
+
+def test_an_unreadable_cache_is_measured_past_and_rewritten(gpt_with_int8, tmp_path, caplog):
+    path = tmp_path / "calibration.json"
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="service.models.calibration"):
+        _, choice = V.load_engine(gpt_with_int8, KIND_TABLE["gpt"], RuntimeOptions(), V.AUTO, ROWS,
+                                  CalibrationCache(path))
+    assert choice.chosen_by == V.MEASURED and "unreadable" in caplog.text
+    assert len(json.loads(path.read_text())) == 1
+
+
+def test_the_service_reports_the_choice_and_the_measurements(gpt_with_int8, serving, tmp_path):
+    settings = Settings(repository=gpt_with_int8.path.parents[1], variant="auto", gpt_max_batch_rows=4,
+                        calibration_cache=str(tmp_path / "calibration.json"))
+    with serving(settings) as client:
+        model = next(m for m in client.get("/v1/models").json()["data"] if m["id"] == "gpt")
+        metrics = client.get("/metrics").text
+    variant = model["variant"]
+    assert variant["chosen_by"] == V.MEASURED and variant["offered_weights"] == "fp32,int8"
+    assert variant["weights"] in ("fp32", "int8") and variant["stored_weights"] == "fp32"
+    assert "per token at 1/4 rows" in variant["reason"]
+    for weights in ("fp32", "int8"):
+        for rows in ("1", "4"):
+            assert f'tserve_variant_seconds{{model="gpt",rows="{rows}",version="1",weights="{weights}"}}' in metrics
+    assert 'chosen_by="measured"' in metrics and f'weights="{variant["weights"]}"' in metrics
