@@ -68,10 +68,13 @@ lock:
 	$(MAKE) --no-print-directory mutation-lock
 
 # Regenerate the gRPC stubs (service/api/oip/grpc/generated) from the vendored upstream protos with the locked
-# grpcio-tools (service/api/oip/grpc/protos.py); tests/unit/api/test_grpc_stubs.py fails while they are stale.
+# grpcio-tools (service/api/oip/grpc/protos.py), and the ONNX schema module (service/engines/onnx_graph) the
+# load-time weights variants use; tests/unit/api/test_grpc_stubs.py and tests/unit/engines/test_weights.py fail
+# while they are stale.
 .PHONY: proto
 proto: venv
 	$(BIN)/python -m service.api.oip.grpc.protos
+	$(BIN)/python -m service.engines.onnx_graph.protos
 
 # The KServe SDK's venv (requirements/kserve.in says why it is its own): the SDK from its lock and nothing else,
 # not the project; tests/api/test_oip_api.py runs its client script with this venv's python.

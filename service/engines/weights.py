@@ -34,7 +34,7 @@ MATMUL_NBITS = "MatMulNBits"
 BITS = 8
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per row and block, int8 dot products
-DERIVED_GRAPHS_KEPT = 8  # derived graphs kept in memory (a model's sessions share one: wide and one-thread)
+DERIVED_GRAPHS_KEPT = 2  # derived graphs kept in memory: an engine builds a wide and a one-thread session of one graph in a row
 # MatMulNBits' inputs, in order (the optional ones may be absent or named "")
 NBITS_A, NBITS_B, NBITS_SCALES, NBITS_ZERO_POINTS, NBITS_G_IDX, NBITS_BIAS = range(6)
 

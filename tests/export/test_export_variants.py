@@ -181,3 +181,41 @@ def test_an_inplace_kv_cache_conversion_adds_a_step_graph_and_changes_no_output(
     assert conversion["same_as_source"] == "50/50" and conversion["kv_cache"] == "inplace"
     assert "in place" in (folder / "README.md").read_text()
     assert _convert(repository, "vit", data_dir, "--kv-cache", "inplace") == 2  # no decoder to step: refused
+
+
+# --- the weights variants the service may choose (export.variants, service.models.variants) ---------------------
+
+def test_every_export_checks_the_other_weights_variant_and_offers_it_only_when_it_passed(tiny_repository):
+    for kind in ("translation", "gpt", "vit"):
+        folder = tiny_repository / kind / "1"
+        config = json.loads((folder / "config.json").read_text())
+        result = json.loads((folder / "metrics.json").read_text())["export_checks"]["int8_weights_variant"]
+        assert result.startswith("int8 (derived from fp32"), result
+        offered = config.get("variants", {})
+        assert set(offered) <= {"int8"} and ("int8" in offered) == ("not offered" not in result), (kind, result)
+        if offered:
+            check = offered["int8"]
+            assert check["derived_from"] == "fp32" and check["reference"] == json.loads(
+                (folder / "metrics.json").read_text())[check["metric"]]
+            assert check["delta"] <= check["tolerance"] if check["metric"] == "val_loss" else \
+                abs(check["delta"]) <= check["tolerance"]
+        assert "## Weights variants" in (folder / "README.md").read_text()
+
+
+def test_a_variant_outside_the_tolerance_is_recorded_and_not_offered(tiny_repository, tmp_path, capsys):
+    from export.variants import main as variants_main
+
+    repository = _copy(tiny_repository, tmp_path, "gpt")
+    card_path = repository / "gpt" / "1" / "metrics.json"
+    card = json.loads(card_path.read_text())
+    card["val_loss"] = round(card["val_loss"] - 0.5, 4)  # a card figure no variant of these weights reaches
+    card_path.write_text(json.dumps(card))
+    assert variants_main(["--repository", str(repository), "--name", "gpt"]) == 0
+    assert "int8 (derived from fp32): not offered" in capsys.readouterr().out
+    config = json.loads((repository / "gpt" / "1" / "config.json").read_text())
+    assert config["variants"] == {}
+    recorded = json.loads(card_path.read_text())["export_checks"]["int8_weights_variant"]
+    assert "not offered" in recorded and "outside the tolerance" in recorded
+    card_text = (repository / "gpt" / "1" / "README.md").read_text()
+    assert card_text.count("## Weights variants") == 1 and "not offered" in card_text
+    assert ModelRepository(repository).get("gpt", 1).config["variants"] == {}
