@@ -42,7 +42,7 @@ from service.api.openai import chat_template
 from service.api.openai.errors import OPENAI
 from service.api.openai.protocol import OpenAIError
 from service.errors import BadInput, NotFound
-from service.http.routing import with_body
+from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, with_body
 from service.models.registry import LoadedModel
 from service.models.repository import GPT, TRANSLATION
 from service.serving.context import label, resolve
@@ -146,7 +146,7 @@ def tokenize_request_models(settings: Settings, chat_request: type[BaseModel]) -
 ERRORS = {status: {"model": OpenAIError, "description": text} for status, text in {
     400: "The body does not conform (the message and `param` name the field), an id outside the vocabulary, or "
          "both or neither of prompt and messages",
-    404: "Unknown model, or a model without a tokenizer (`param`: model)", 503: "Not ready or draining"}.items()}
+    404: "Unknown model, or a model without a tokenizer (`param`: model)", 503: "Not ready or draining", NOT_JSON_STATUS: NOT_JSON_DESCRIPTION}.items()}
 
 
 def build_router(settings: Settings, chat_request: type[BaseModel]) -> APIRouter:

@@ -19,13 +19,36 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from service.errors import Cancelled, ServiceError, describe_validation, field_path, json_error_reason, printable
+from service.errors import (
+    Cancelled,
+    ServiceError,
+    UnsupportedMediaType,
+    describe_validation,
+    field_path,
+    json_error_reason,
+    printable,
+)
 from service.http.apis import VALIDATION_STATUS, Api, ApiTable
+from service.http.routing import NOT_JSON_STATUS
 
 # The error type of a request that does not conform to its schema (status VALIDATION_STATUS) or is not JSON.
 INVALID_TYPE = "invalid_request"
 # Error types of routing's own HTTP errors, by status (anything else: "http_error").
 HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed"}
+JSON_MEDIA_TYPE = "application/json"
+
+
+def non_json_media_type(request: Request) -> str | None:
+    """What a request that sent a body FastAPI does not read as JSON declared it as: its media type, or "" for a body
+    sent without a Content-Type (FastAPI reads JSON only under application/json or application/*+json); None for
+    a JSON body, or no body at all (the schema's own error says what is missing)."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    maintype, _, subtype = media.partition("/")
+    if maintype == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return None
+    if not media and request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return None
+    return media
 
 
 class ClientBodyError(StarletteHTTPException):
@@ -72,6 +95,12 @@ def install_error_handlers(app: FastAPI, apis: ApiTable) -> None:
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         request.state.failure_reason = "bad_input"
         errors = error.errors()
+        media = non_json_media_type(request)
+        if media is not None and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+            # a JSON route sent a form, text or no Content-Type: its body was never read as JSON; say what to send
+            sent = f"Content-Type {media!r} is" if media else "a body without a Content-Type is"
+            return respond(request, NOT_JSON_STATUS, UnsupportedMediaType.type,
+                           f"{sent} not supported here; send {JSON_MEDIA_TYPE}")
         first = errors[0].get("loc", ()) if errors else ()
         return respond(request, VALIDATION_STATUS, INVALID_TYPE, describe_validation(errors), param=field_path(first))
 

@@ -19,8 +19,15 @@ from service.client.sse import DONE
 from service.client.sse import event as sse_event
 
 
+# How a `with_body` route answers a body that is not declared JSON (`service.http.errors`), for its OpenAPI responses
+NOT_JSON_STATUS = 415
+NOT_JSON_DESCRIPTION = ("The body is not declared JSON: a Content-Type other than application/json (or "
+                        "application/*+json), or a body sent without one; the message names what was sent")
+
+
 def with_body(handler: Callable[..., Awaitable], body_model: type[BaseModel]) -> Callable[..., Awaitable]:
-    """An endpoint for FastAPI that validates the JSON body as `body_model` and calls `handler(body, request)`."""
+    """An endpoint for FastAPI that validates the JSON body as `body_model` and calls `handler(body, request)`;
+    its errors table should document `NOT_JSON_STATUS`."""
 
     async def endpoint(body, request: Request):
         return await handler(body, request)

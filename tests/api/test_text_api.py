@@ -336,3 +336,24 @@ def test_each_native_request_maps_every_option_to_the_serving_parameters():
                 "repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "seed": 11, "num_beams": 2}
     params = models.generate.model_validate({"prompt": "A", "stop": ["x", "yz"], **generate}).to_params()
     assert {name: getattr(params, name) for name in generate} == generate and params.stop == ("x", "yz")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/translate", {"text": "Ein Hund.", "max_new_tokens": 3}),
+    ("/v1/generate", {"prompt": "ROMEO:", "max_new_tokens": 3}),
+    ("/v1/completions", {"model": "gpt", "prompt": "ROMEO:", "max_tokens": 3}),
+    ("/v1/chat/completions", {"model": "gpt", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+])
+def test_a_json_route_answers_a_form_or_text_body_with_415_naming_the_content_type(client, path, body):
+    form = client.post(path, data={k: str(v) for k, v in body.items()})  # application/x-www-form-urlencoded
+    assert form.status_code == 415, form.text
+    assert "'application/x-www-form-urlencoded' is not supported here; send application/json" in form.text
+    text = client.post(path, content=json.dumps(body), headers={"content-type": "text/plain"})
+    assert text.status_code == 415 and "'text/plain'" in text.text
+    bare = client.post(path, content=json.dumps(body))  # no Content-Type: FastAPI does not read it as JSON
+    assert bare.status_code == 415 and "a body without a Content-Type is not supported here" in bare.text
+    json_suffix = client.post(path, content=json.dumps(body), headers={"content-type": "application/vnd.x+json"})
+    assert json_suffix.status_code == 200, json_suffix.text  # a JSON media type of another name is read as JSON
+    # a JSON body that does not fit the schema is still the schema's error
+    wrong = client.post(path, content=b"[]", headers={"content-type": "application/json"})
+    assert wrong.status_code in (400, 422)

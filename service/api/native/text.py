@@ -25,7 +25,7 @@ from service.api.native.protocol import (
 )
 from service.client.sse import event as sse_event
 from service.http.apis import NATIVE
-from service.http.routing import sse_response, with_body
+from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, sse_response, with_body
 from service.models.repository import GPT, TRANSLATION
 from service.observability.metrics import SCORE
 from service.serving import generate as generation
@@ -44,7 +44,7 @@ ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text
     422: "The request does not conform to the schema: a field missing, unknown, of the wrong type or out of its "
          "range (the limits are in the schema); the message names the field",
     429: "Queue full; retry after the Retry-After header's seconds", 503: "Not ready or draining",
-    504: "The request's deadline expired"}.items()}
+    504: "The request's deadline expired", NOT_JSON_STATUS: NOT_JSON_DESCRIPTION}.items()}
 STREAM_DOC = {200: {"content": {"text/event-stream": {"example": 'data: {"token": " A", "index": 0}\n\n'
                                                        'data: {"token": "", "index": 1, "finish_reason": "eos", '
                                                        '"usage": {...}}\n\ndata: [DONE]\n\n'}},

@@ -31,7 +31,7 @@ from service.api.openai.errors import OPENAI, ModelNotFound
 from service.api.openai.field_rules import IGNORED_FIELDS_HEADER
 from service.api.openai.render import ChatRender, CompletionRender
 from service.errors import BadInput
-from service.http.routing import with_body
+from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, with_body
 from service.models.repository import GPT
 from service.serving import generate as generation
 from service.serving.context import deadline_of, label, resolve
@@ -41,7 +41,7 @@ ERRORS = {status: {"model": OpenAIError, "description": text} for status, text i
     400: "Invalid request (OpenAI answers a malformed request with 400): the message and `param` name the field",
     401: "Missing or wrong API key (when TSERVE_API_KEYS is set)", 404: "Unknown or not loaded model",
     429: "Queue full; retry after the Retry-After header's seconds", 503: "Not ready or draining",
-    504: "The request's deadline (TSERVE_DEFAULT_TIMEOUT_MS) expired"}.items()}
+    504: "The request's deadline (TSERVE_DEFAULT_TIMEOUT_MS) expired", NOT_JSON_STATUS: NOT_JSON_DESCRIPTION}.items()}
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or with stream=true OpenAI's "
                     "server-sent chunks ending with `data: [DONE]`.",
                     "headers": {IGNORED_FIELDS_HEADER: {"schema": {"type": "string"}, "description": (
