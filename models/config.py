@@ -150,6 +150,15 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
             TrainConfig(epochs=15, batch_tokens=4000, lr=1e-3, warmup_steps=250, schedule="inverse_sqrt",
                         weight_decay=0.0, label_smoothing=0.1, checkpoint_every=200, ema_decay=0.995),
         ),
+        "candidate": (
+            # For version 4 (issue 26: >= 38.5): version 3's model and schedule for 20 epochs, and the mean of the
+            # weights at the last 5 epoch ends (`average_last`, Vaswani et al.'s last-5-checkpoints averaging, about
+            # 600 steps wide) instead of a moving average over the last ~200 steps.
+            TranslationConfig(vocab_size=8000, d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
+                              d_ff=1024, dropout=0.1, max_positions=256),
+            TrainConfig(epochs=20, batch_tokens=4000, lr=1e-3, warmup_steps=250, schedule="inverse_sqrt",
+                        weight_decay=0.0, label_smoothing=0.1, checkpoint_every=200, average_last=5),
+        ),
     },
     "gpt": {
         "tiny": (

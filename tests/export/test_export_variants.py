@@ -202,7 +202,7 @@ def test_every_export_checks_the_other_weights_variant_and_offers_it_only_when_i
         assert "## Weights variants" in (folder / "README.md").read_text()
 
 
-def test_a_variant_outside_the_tolerance_is_recorded_and_not_offered(tiny_repository, tmp_path, capsys):
+def test_a_variant_outside_the_tolerance_is_recorded_and_not_offered(tiny_repository, data_dir, tmp_path, capsys):
     from export.variants import main as variants_main
 
     repository = _copy(tiny_repository, tmp_path, "gpt")
@@ -210,7 +210,7 @@ def test_a_variant_outside_the_tolerance_is_recorded_and_not_offered(tiny_reposi
     card = json.loads(card_path.read_text())
     card["val_loss"] = round(card["val_loss"] - 0.5, 4)  # a card figure no variant of these weights reaches
     card_path.write_text(json.dumps(card))
-    assert variants_main(["--repository", str(repository), "--name", "gpt"]) == 0
+    assert variants_main(["--repository", str(repository), "--name", "gpt", "--data-dir", str(data_dir)]) == 0
     assert "int8 (derived from fp32): not offered" in capsys.readouterr().out
     config = json.loads((repository / "gpt" / "1" / "config.json").read_text())
     assert config["variants"] == {}
