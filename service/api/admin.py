@@ -33,3 +33,9 @@ async def ready(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     request.app.state.registry.readiness()  # refresh the tserve_ready gauge
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# Probes and scrapers that ask with HEAD (`curl -I`, some load balancers' health checks) get the GET's status and
+# headers (the server sends no body to a HEAD); not in the OpenAPI document, which lists each route once.
+for _path, _endpoint in (("/health/live", live), ("/health/ready", ready), ("/metrics", metrics)):
+    router.add_api_route(_path, _endpoint, methods=["HEAD"], include_in_schema=False)

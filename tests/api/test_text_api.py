@@ -357,3 +357,12 @@ def test_a_json_route_answers_a_form_or_text_body_with_415_naming_the_content_ty
     # a JSON body that does not fit the schema is still the schema's error
     wrong = client.post(path, content=b"[]", headers={"content-type": "application/json"})
     assert wrong.status_code in (400, 422)
+
+
+def test_the_probes_answer_head_as_they_answer_get(client):
+    for path in ("/health/live", "/health/ready", "/metrics"):
+        head, get = client.head(path), client.get(path)
+        assert head.status_code == get.status_code == 200 and head.content == b""
+        assert head.headers["content-type"] == get.headers["content-type"]
+    assert client.head("/v1/translate").status_code == 405  # the other routes keep their methods
+    assert not any("head" in operations for operations in client.get("/openapi.json").json()["paths"].values())

@@ -44,6 +44,9 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 # validate (SDKs send one part per text, a few at most), and the characters are bounded by the text limit anyway.
 MAX_CONTENT_PARTS = 64
 MAX_SPEAKER_CHARS = 64  # a chat message's `name`: OpenAI's limit for it
+# ... and what it may hold: the play's speaker line is `NAME:` then a line break (service.api.openai.chat_template),
+# so a name with a colon or a line break could forge another speaker's turn
+SPEAKER_PATTERN = r"^[^:\r\n]+$"
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0  # OpenAI's defaults: the model's distribution as it is
 VLLM_TOP_K_OFF = -1  # vLLM's "no top-k" (as 0 is, the native API's)
 NO_REPETITION_PENALTY = 1.0  # a repetition penalty that changes nothing (the default)
@@ -87,9 +90,11 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         content: Content | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] = Field(
             ..., description=f"Text, or a list of up to {MAX_CONTENT_PARTS} text parts (joined); up to "
             f"{s.max_text_chars} characters (TSERVE_MAX_TEXT_CHARS), and so is the whole conversation.")
-        name: Annotated[str, Field(min_length=1, max_length=MAX_SPEAKER_CHARS)] | None = Field(
+        name: Annotated[str, Field(min_length=1, max_length=MAX_SPEAKER_CHARS,
+                                   pattern=SPEAKER_PATTERN)] | None = Field(
             None, description="The speaker's name in the rendered play (default: ROMEO for user, JULIET for "
-            "assistant).")
+            "assistant); no line break or colon, which would start another speaker's turn.",
+            examples=["HAMLET"])
 
     class _Sampling(_OpenAIRequest, ValidUnicode):
         model: Name = Field(..., description="A loaded GPT model (see GET /v1/models), e.g. gpt.", examples=["gpt"])
