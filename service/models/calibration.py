@@ -10,7 +10,8 @@ variants take turns for `ROUNDS` rounds and each keeps its median: the host's no
 
 The cache (`CalibrationCache`: one JSON file, `TSERVE_CALIBRATION_CACHE`) is keyed (`calibration_key`) by what
 decides the timings: the CPU (its model name and the ISA flags ONNX Runtime's kernels are chosen by), ONNX
-Runtime's version and provider, the threads, the version's graph files (SHA-256) and the batch sizes measured.
+Runtime's version and provider, the session options (threads, spinning, one-thread small steps), the version's
+graph files (SHA-256) and the batch sizes measured.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import onnxruntime as ort
 
+from service.engines.runtime import RuntimeOptions
 from service.models.repository import ModelVersion
 
 log = logging.getLogger(__name__)
@@ -74,10 +76,15 @@ def graph_digest(model: ModelVersion) -> str:
     return digest.hexdigest()
 
 
-def calibration_key(model: ModelVersion, provider: str, threads: int, rows: Sequence[int]) -> dict[str, Any]:
-    """Everything the timings of `model`'s variants depend on; its hash (`key_hash`) names the cache entry."""
-    return {**cpu_identity(), "onnxruntime": ort.__version__, "provider": provider, "threads": threads,
-            "model": f"{model.name}:{model.version}", "graphs": graph_digest(model), "rows": list(rows)}
+def calibration_key(model: ModelVersion, provider: str, options: RuntimeOptions, rows: Sequence[int]
+                    ) -> dict[str, Any]:
+    """Everything the timings of `model`'s variants depend on; its hash (`key_hash`) names the cache entry. The
+    session options that change a step's speed are in it (threads, spinning, the one-thread sessions of small
+    steps); the weights are what is measured."""
+    return {**cpu_identity(), "onnxruntime": ort.__version__, "provider": provider,
+            "threads": options.intra_op_threads, "spin": options.spin,
+            "single_thread_rows": options.single_thread_rows, "model": f"{model.name}:{model.version}",
+            "graphs": graph_digest(model), "rows": list(rows)}
 
 
 def key_hash(key: Mapping[str, Any]) -> str:

@@ -117,7 +117,7 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
         return engine, Choice(stored, stored, variants, ONLY, "the only variant this version offers (its "
                               "config.json records no other checked one)")
     engines = {stored: kind.engine(model, replace(options, weights=stored))}
-    key = calibration_key(model, engines[stored].provider, options.intra_op_threads, rows)
+    key = calibration_key(model, engines[stored].provider, options, rows)
     cached = cache.get(key)
     if cached is not None and set(cached["timings"]) == set(variants):
         timings, chosen_by, when = cached["timings"], CACHED, f"measured {cached['measured_at']}, cached"

@@ -119,7 +119,7 @@ def test_auto_measures_every_offered_variant_chooses_caches_and_serves_the_choic
     assert cached.chosen_by == V.CACHED and cached.timings == choice.timings and calls == []
     assert cached.weights == choice.weights and again.options_weights == choice.weights
     entry = next(iter(json.loads(cache.path.read_text()).values()))
-    assert entry["key"] == calibration_key(gpt_with_int8, "CPUExecutionProvider", 0, ROWS)
+    assert entry["key"] == calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS)
 
     calls.clear()  # other batch sizes (another TSERVE_GPT_MAX_BATCH_ROWS): measured again
     _, other = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, (1, 2), cache)
@@ -134,8 +134,11 @@ def test_changed_graphs_are_measured_again(gpt_with_int8, tmp_path):
     graph.write_bytes(graph.read_bytes())  # rewritten, the same bytes: the same digest, still cached
     calls.clear()
     assert V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)[1].chosen_by == V.CACHED
-    key = calibration_key(gpt_with_int8, "CPUExecutionProvider", 0, ROWS)
+    key = calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS)
+    assert cache.get(key) is not None
     assert cache.get({**key, "graphs": "0" * 64}) is None  # another graph (or CPU, threads, runtime): no entry
+    assert calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(single_thread_rows=4),
+                           ROWS) != key  # the session options that change the timings are part of the key
 
 
 def test_a_pin_runs_its_variant_unmeasured_and_an_unchecked_pin_says_so(gpt_with_int8, tmp_path, caplog):
