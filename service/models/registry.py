@@ -64,6 +64,13 @@ class LoadedModel:
             return self._released.wait_for(lambda: self.leases <= 0, timeout=timeout)
 
 
+def runtime_options(s: Settings, kind) -> RuntimeOptions:
+    """How a version of `kind` (a `ModelKind`) builds its sessions under settings `s`."""
+    single_thread_rows = kind.single_thread_rows if s.single_thread_rows is None else s.single_thread_rows
+    return RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin,
+                          single_thread_rows=single_thread_rows)
+
+
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
     """'gpt' -> ('gpt', None); 'gpt:3' -> ('gpt', 3)."""
     name, colon, version = spec.partition(":")
@@ -120,9 +127,7 @@ class ModelRegistry:
         s = self.settings
         model = self.repository.get(name, version)
         kind = KIND_TABLE[model.kind]
-        single_thread_rows = kind.single_thread_rows if s.single_thread_rows is None else s.single_thread_rows
-        options = RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin,
-                                 single_thread_rows=single_thread_rows)
+        options = runtime_options(s, kind)
         started = time.perf_counter()
         engine, choice = load_engine(model, kind, options, pin_for(s.variant_pins, model.name),
                                      sorted({1, kind.max_rows(s)}), self.calibration)

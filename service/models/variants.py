@@ -12,6 +12,8 @@ variant's time per item over the fastest one's at that size, multiplied over the
 slowdowns). The stored variant keeps its place unless another beats it by more than `MARGIN`, so that noise
 between two equal variants does not flip the choice from one start to the next.
 
+`python -m service.models.calibrate` is the explicit calibration step (the same choice, ahead of a start).
+
 `TSERVE_VARIANT` (`parse_pins`): `auto` (the default: calibrate), `stored` (no calibration), a variant for every
 model (`fp32`, `int8`), or per model: `gpt=fp32,translation=stored` (the models it does not name: auto). A pinned
 variant the version does not offer (no quality check recorded) still runs, as an operator's explicit override
@@ -129,7 +131,7 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
                 log.warning("%s:%d: the %s variant does not load here (%s); not a candidate", model.name,
                             model.version, weights, error)
         timings = measure(engines, kind.calibration, rows)
-        chosen_by, when = MEASURED, f"measured {cache.put(key, timings)} at start-up"
+        chosen_by, when = MEASURED, f"measured {cache.put(key, timings)}"
     weights = fastest(timings, stored)
     engine = engines.get(weights) or kind.engine(model, replace(options, weights=weights))
     cpu = cpu_identity()["cpu"]
@@ -137,3 +139,4 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
               f"{cpu}: {describe(timings, kind.calibration_unit)} ({when})")
     log.info("%s:%d runs %s weights: %s", model.name, model.version, weights, reason)
     return engine, Choice(weights, stored, variants, chosen_by, reason, timings)
+

@@ -183,3 +183,25 @@ def test_the_service_reports_the_choice_and_the_measurements(gpt_with_int8, serv
         for rows in ("1", "4"):
             assert f'tserve_variant_seconds{{model="gpt",rows="{rows}",version="1",weights="{weights}"}}' in metrics
     assert 'chosen_by="measured"' in metrics and f'weights="{variant["weights"]}"' in metrics
+
+
+def test_the_explicit_calibration_step_fills_the_cache_the_server_then_reads(gpt_with_int8, tmp_path, monkeypatch,
+                                                                            capsys):
+    from service.models.calibrate import main
+
+    cache = tmp_path / "calibration.json"
+    for name, value in {"REPOSITORY": gpt_with_int8.path.parents[1], "VARIANT": "auto", "CALIBRATION_CACHE": cache,
+                        "GPT_MAX_BATCH_ROWS": 4}.items():
+        monkeypatch.setenv(f"TSERVE_{name}", str(value))
+    assert main(["gpt"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("gpt:1 runs ") and "(measured)" in first and str(cache) in first
+    assert main([]) == 0 and "(cached measurement)" in capsys.readouterr().out  # every model: the tiny GPT
+    assert main(["gpt", "--again"]) == 0 and "(measured)" in capsys.readouterr().out
+    from service.models.registry import runtime_options
+
+    kind = KIND_TABLE["gpt"]  # what a server start with these settings finds
+    _, choice = V.load_engine(gpt_with_int8, kind, runtime_options(Settings(), kind), V.AUTO, (1, 4),
+                              CalibrationCache(cache))
+    assert choice.chosen_by == V.CACHED
+    assert main(["nope"]) == 2 and "not found" in capsys.readouterr().err
