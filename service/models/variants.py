@@ -119,16 +119,18 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
         return engine, Choice(stored, stored, variants, ONLY, "the only variant this version offers (its "
                               "config.json records no other checked one)")
     engines = {stored: kind.engine(model, replace(options, weights=stored))}
-    key = calibration_key(model, engines[stored].provider, options, rows)
+    key = {**calibration_key(model, engines[stored].provider, options, rows), "offered": list(variants)}
     cached = cache.get(key)
-    if cached is not None and set(cached["timings"]) == set(variants):
+    if cached is not None and stored in cached["timings"] and set(cached["timings"]) <= set(variants):
         timings, chosen_by, when = cached["timings"], CACHED, f"measured {cached['measured_at']}, cached"
     else:
         for weights in variants[1:]:
-            try:
+            try:  # built and run once: a variant this provider cannot build or run is not a candidate
                 engines[weights] = kind.engine(model, replace(options, weights=weights))
-            except Exception as error:  # a variant this provider cannot run is not a candidate
-                log.warning("%s:%d: the %s variant does not load here (%s); not a candidate", model.name,
+                kind.calibration(engines[weights], 1)
+            except Exception as error:
+                engines.pop(weights, None)
+                log.warning("%s:%d: the %s variant does not run here (%s); not a candidate", model.name,
                             model.version, weights, error)
         timings = measure(engines, kind.calibration, rows)
         chosen_by, when = MEASURED, f"measured {cache.put(key, timings)}"

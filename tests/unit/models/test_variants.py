@@ -105,8 +105,8 @@ def test_auto_measures_every_offered_variant_chooses_caches_and_serves_the_choic
     assert set(choice.timings) == {"fp32", "int8"} and all(set(t) == set(ROWS) for t in choice.timings.values())
     assert all(s > 0 for t in choice.timings.values() for s in t.values())
     assert choice.weights == V.fastest(choice.timings, "fp32") and engine.options_weights == choice.weights
-    # one untimed and ROUNDS timed runs of each variant at each size
-    assert sorted(calls) == sorted([(w, r) for w in ("fp32", "int8") for r in ROWS] * 4)
+    # one untimed and ROUNDS timed runs of each variant at each size (and the derived one's first run, at 1 row)
+    assert sorted(calls) == sorted([(w, r) for w in ("fp32", "int8") for r in ROWS] * 4 + [("int8", 1)])
     assert cpu_identity()["cpu"] in choice.reason and "measured" in choice.reason
     # the engine computes with the chosen weights: its logits are those of an engine built with them alone
     np.testing.assert_array_equal(_logits(engine),
@@ -119,7 +119,8 @@ def test_auto_measures_every_offered_variant_chooses_caches_and_serves_the_choic
     assert cached.chosen_by == V.CACHED and cached.timings == choice.timings and calls == []
     assert cached.weights == choice.weights and again.options_weights == choice.weights
     entry = next(iter(json.loads(cache.path.read_text()).values()))
-    assert entry["key"] == calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS)
+    assert entry["key"] == {**calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS),
+                            "offered": ["fp32", "int8"]}
 
     calls.clear()  # other batch sizes (another TSERVE_GPT_MAX_BATCH_ROWS): measured again
     _, other = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, (1, 2), cache)
@@ -134,7 +135,8 @@ def test_changed_graphs_are_measured_again(gpt_with_int8, tmp_path):
     graph.write_bytes(graph.read_bytes())  # rewritten, the same bytes: the same digest, still cached
     calls.clear()
     assert V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)[1].chosen_by == V.CACHED
-    key = calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS)
+    key = {**calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS),
+           "offered": ["fp32", "int8"]}
     assert cache.get(key) is not None
     assert cache.get({**key, "graphs": "0" * 64}) is None  # another graph (or CPU, threads, runtime): no entry
     assert calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(single_thread_rows=4),
@@ -205,3 +207,21 @@ def test_the_explicit_calibration_step_fills_the_cache_the_server_then_reads(gpt
                               CalibrationCache(cache))
     assert choice.chosen_by == V.CACHED
     assert main(["nope"]) == 2 and "not found" in capsys.readouterr().err
+
+
+def test_a_variant_that_cannot_run_here_is_no_candidate(gpt_with_int8, tmp_path, caplog):
+    kind, _ = _counting(KIND_TABLE["gpt"])
+
+    def fails_in_int8(engine, rows):  # as a provider without the int8 kernel would
+        if engine.options_weights == "int8":
+            raise RuntimeError("no kernel for MatMulNBits")
+        return KIND_TABLE["gpt"].calibration(engine, rows)
+
+    kind = dataclasses.replace(kind, calibration=fails_in_int8)
+    cache = CalibrationCache(tmp_path / "calibration.json")
+    with caplog.at_level(logging.WARNING, logger="service.models.variants"):
+        engine, choice = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
+    assert (choice.weights, choice.chosen_by, set(choice.timings)) == ("fp32", V.MEASURED, {"fp32"})
+    assert "does not run here" in caplog.text and engine.options_weights == "fp32"
+    _, again = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
+    assert again.chosen_by == V.CACHED  # not measured again at every start
