@@ -300,10 +300,16 @@ def test_prometheus_scrapes_both_replicas(stack):
             tserve = {t["labels"]["instance"]: t["health"] for t in targets if t["labels"]["job"] == "tserve"}
             return tserve if tserve == dict.fromkeys(expected, "up") else None
 
+        def ready_values() -> dict[str, float]:
+            query = prometheus.get("/api/v1/query", params={"query": 'tserve_ready{job="tserve"}'}).json()
+            return {r["metric"]["instance"]: float(r["value"][1]) for r in query["data"]["result"]}
+
         wait_for(f"Prometheus targets {sorted(expected)} up", both_up, 60)
-        query = prometheus.get("/api/v1/query", params={"query": 'tserve_ready{job="tserve"}'}).json()
-        ready = {r["metric"]["instance"]: float(r["value"][1]) for r in query["data"]["result"]}
-        assert ready == dict.fromkeys(expected, 1.0), ready
+        # the replicas are ready (the stack waited for it), but a scrape may predate it: a replica that was scraped
+        # while it was still loading reads 0 until its next scrape (every 5 s, deploy/prometheus/prometheus.yml)
+        wait_for("tserve_ready 1 on both replicas in Prometheus",
+                 lambda: ready_values() == dict.fromkeys(expected, 1.0), 30)
+        assert ready_values() == dict.fromkeys(expected, 1.0), ready_values()
 
 
 # --- fail-over --------------------------------------------------------------------------------------------------
