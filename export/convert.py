@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from export.checks import ExportCheckError
 from export.repository import (
     ATTENTION,
@@ -38,6 +36,7 @@ from export.repository import (
     greedy_outputs,
     rewrite_graphs,
     same_outputs,
+    version_tokenizer,
 )
 from export.tolerances import TOLERANCES
 from models.datasets import DataError
@@ -45,11 +44,6 @@ from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion
 
 PARITY_INPUTS = {"gpt": "50 validation prompts", "translation": "50 validation sentences",
                  "vit": "the first 1,000 test images"}
-
-
-def _tokenizer(version: ModelVersion) -> Tokenizer | None:
-    name = version.config.get("tokenizer")
-    return Tokenizer.from_file(str(version.path / name)) if name else None
 
 
 def _demoted(card: str) -> list[str]:
@@ -106,7 +100,7 @@ def convert(repository: Path, name: str, from_version: int, to_version: int, wei
                        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         staged = ModelVersion(name, to_version, staging, config)
-        kind, tokenizer = source.kind, _tokenizer(source)
+        kind, tokenizer = source.kind, version_tokenizer(source)
         card = json.loads((source.path / "metrics.json").read_text())
         quality = check_quality(kind, staged, tokenizer, card, data_dir, tolerances)
         same = same_outputs(greedy_outputs(kind, source, tokenizer, data_dir),

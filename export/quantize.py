@@ -27,10 +27,9 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from export.compress import store_weights_as_fp16
-
-BITS = 8
-BLOCK_SIZE = 32  # weights per scale along the input dimension (K); every K here is a multiple of it
-ACCURACY_LEVEL = 4  # int8 activations (blockwise, per row) and int8 dot products in the CPU kernel
+# the int8 format, one definition for the exporter and the service's load-time derivation (BLOCK_SIZE weights per
+# scale along the input dimension K; accuracy level 4: int8 activations per row and block, int8 dot products)
+from service.engines.weights import ACCURACY_LEVEL, BITS, BLOCK_SIZE
 
 
 def _cast_target(node: onnx.NodeProto) -> int:

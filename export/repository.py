@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+from tokenizers import Tokenizer
 
 from export import checks
 from export.compress import store_weights_as_fp16
@@ -104,6 +105,12 @@ def _served_quality(kind: str, version: ModelVersion, tokenizer, metrics: dict, 
                                                                              data_dir)
     name, places = SERVED_FIGURE[kind]
     return {name: served, f"{name}_minus_pytorch": round(served - metrics[metric], places) + 0.0}  # no "-0.0"
+
+
+def version_tokenizer(version: ModelVersion) -> Tokenizer | None:
+    """The tokenizer a repository version's config.json names, or None (the ViT has none)."""
+    name = version.config.get("tokenizer")
+    return Tokenizer.from_file(str(version.path / name)) if name else None
 
 
 def _quality_count(kind: str, card: dict) -> int | None:

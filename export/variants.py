@@ -24,10 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from export.checks import ExportCheckError
-from export.repository import check_quality
+from export.repository import check_quality, version_tokenizer
 from models.datasets import DataError
 from service.engines.weights import WEIGHTS, compute_weights
 from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
@@ -36,18 +34,13 @@ METRICS_FILE, CARD_FILE = "metrics.json", "README.md"
 CARD_SECTION = "## Weights variants"
 
 
-def _tokenizer(version: ModelVersion) -> Tokenizer | None:
-    name = version.config.get("tokenizer")
-    return Tokenizer.from_file(str(version.path / name)) if name else None
-
-
 def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[str, dict[str, Any]]:
     """Measure every weights variant `version` does not store, and record the results in its folder (config.json,
     metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the failure's
     message where it failed)."""
     stored = compute_weights(version.config.get("weights", "fp32"))
     card = json.loads((version.path / METRICS_FILE).read_text())
-    tokenizer = _tokenizer(version)
+    tokenizer = version_tokenizer(version)
     results: dict[str, dict[str, Any]] = {}
     for weights in WEIGHTS:
         if weights == stored:
@@ -59,7 +52,7 @@ def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[s
             result = {"passed": False, "failure": str(error)}
         results[weights] = {"derived_from": stored, **result,
                             "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _record(version, card, results)
+    _record(version, card, stored, results)
     return results
 
 
@@ -71,7 +64,7 @@ def describe_result(weights: str, result: dict[str, Any]) -> str:
             f"{result['tolerance']}) on {result['data']}")
 
 
-def _record(version: ModelVersion, card: dict, results: dict[str, dict[str, Any]]) -> None:
+def _record(version: ModelVersion, card: dict, stored: str, results: dict[str, dict[str, Any]]) -> None:
     config = dict(version.config)
     config["variants"] = {w: {k: v for k, v in r.items() if k not in ("passed", "failure")}
                           for w, r in results.items() if r["passed"]}
@@ -85,7 +78,7 @@ def _record(version: ModelVersion, card: dict, results: dict[str, dict[str, Any]
         text = readme.read_text()
         head, _, rest = text.partition(f"\n{CARD_SECTION}\n")
         tail = rest.partition("\n## ")[2] if rest else ""
-        section = [CARD_SECTION, "", f"Stored: {compute_weights(config.get('weights', 'fp32'))}. The others are "
+        section = [CARD_SECTION, "", f"Stored: {stored}. The others are "
                    "derived when the graphs load (`service.engines.weights`); the service runs the fastest offered "
                    "one on its host unless TSERVE_VARIANT pins one (`service.models.variants`). Checked by "
                    f"`python -m export.variants --name {version.name} --version {version.version}`:", ""]

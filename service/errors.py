@@ -2,12 +2,12 @@
 reason that the metrics count; every layer (scheduling, engines, models, serving, the APIs) raises them, and none of
 them needs HTTP code to do so. How they become responses, in each API's shape, is `service.http.errors`.
 
-Bad input is 400/413/415 and never a 500; 404 unknown model or version; 501 a part of a protocol not offered; 429 (with Retry-After) full queue; 503 not
-ready or draining; 504 deadline expired; 499 (never read) the client went away; 500 `ModelOutputError` when a model
-computes what no response may hold (NaN or infinite scores). The message helpers are here too, for every layer: an
-error message that echoes a client's text is written with its lone surrogates escaped (`printable`), so rendering
-an error never fails; `json_error_reason` says why a body is not JSON, `describe_validation` which fields are
-invalid.
+Bad input is 400/413/415 and never a 500; 404 unknown model or version; 501 a part of a protocol not offered; 429
+(with Retry-After) full queue; 503 not ready or draining; 504 deadline expired; 499 (never read) the client went
+away; 500 `ModelOutputError` when a model computes what no response may hold (NaN or infinite scores). The message
+helpers are here too, for every layer: an error message that echoes a client's text is written with its lone
+surrogates escaped (`printable`), so rendering an error never fails; `json_error_reason` says why a body is not
+JSON, `describe_validation` which fields are invalid.
 """
 
 from __future__ import annotations

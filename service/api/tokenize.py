@@ -146,7 +146,8 @@ def tokenize_request_models(settings: Settings, chat_request: type[BaseModel]) -
 ERRORS = {status: {"model": OpenAIError, "description": text} for status, text in {
     400: "The body does not conform (the message and `param` name the field), an id outside the vocabulary, or "
          "both or neither of prompt and messages",
-    404: "Unknown model, or a model without a tokenizer (`param`: model)", 503: "Not ready or draining", NOT_JSON_STATUS: NOT_JSON_DESCRIPTION}.items()}
+    404: "Unknown model, or a model without a tokenizer (`param`: model)", 503: "Not ready or draining",
+    NOT_JSON_STATUS: NOT_JSON_DESCRIPTION}.items()}
 
 
 def build_router(settings: Settings, chat_request: type[BaseModel]) -> APIRouter:

@@ -275,7 +275,8 @@ def _choose(searches: Sequence[SamplingSearch], x: np.ndarray) -> list[tuple[int
     processed = [i for i, s in enumerate(searches) if s.needs_processing()]
     tokens = np.argmax(x, axis=1) if len(processed) < len(searches) else np.empty(len(searches), np.int64)
     if processed:
-        tokens[processed] = sampler.choose(x[processed].astype(np.float64, copy=False), row_params([searches[i] for i in processed], x.shape[1]))
+        tokens[processed] = sampler.choose(x[processed].astype(np.float64, copy=False),
+                                           row_params([searches[i] for i in processed], x.shape[1]))
     logprobs = ((x[np.arange(len(tokens)), tokens] - peak) - log_z).tolist()
     return [(tok, lp, top_logprobs(x[row], s.logprobs, peak[row], log_z[row]) if s.logprobs else [])
             for row, (s, tok, lp) in enumerate(zip(searches, tokens.tolist(), logprobs))]

@@ -34,7 +34,8 @@ MATMUL_NBITS = "MatMulNBits"
 BITS = 8
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per row and block, int8 dot products
-DERIVED_GRAPHS_KEPT = 2  # derived graphs kept in memory: an engine builds a wide and a one-thread session of one graph in a row
+# derived graphs kept in memory: an engine builds a wide and a one-thread session of one graph in a row
+DERIVED_GRAPHS_KEPT = 2
 # MatMulNBits' inputs, in order (the optional ones may be absent or named "")
 NBITS_A, NBITS_B, NBITS_SCALES, NBITS_ZERO_POINTS, NBITS_G_IDX, NBITS_BIAS = range(6)
 
@@ -108,7 +109,7 @@ def to_fp32(model: ModelProto) -> int:
         if inputs[NBITS_G_IDX]:
             raise ValueError(f"{node.name}: MatMulNBits with g_idx (act-order) is not supported")
         packed, zero_points = (initializers.get(inputs[i]) for i in (NBITS_B, NBITS_ZERO_POINTS))
-        scales = constants.get(inputs[NBITS_SCALES])
+        scales = _as_float32(constants.get(inputs[NBITS_SCALES]))
         if packed is None or scales is None or (inputs[NBITS_ZERO_POINTS] and zero_points is None):
             raise ValueError(f"{node.name}: MatMulNBits whose weights are not constants")
         weight = dequantized_weight(to_array(packed), scales, None if zero_points is None else to_array(zero_points),
@@ -146,16 +147,21 @@ def quantized_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, scales
 
 
-def _constants(model: ModelProto) -> dict[str, np.ndarray]:
-    """Every constant float tensor of the graph by the name its readers use, as float32: the float initializers, and
-    the float16 ones under the name of the Cast to float that reads them (`export.compress`'s storage)."""
+def _constants(model: ModelProto) -> dict[str, TensorProto]:
+    """Every constant float tensor of the graph by the name its readers use: the float initializers, and the float16
+    ones under the name of the Cast to float that reads them (`export.compress`'s storage). Read (`_as_float32`)
+    only where a rewrite needs one: the embeddings and the rest are never decoded."""
     graph = model.graph
     floats = {t.name: t for t in graph.initializer if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)}
     named = dict(floats)
     for node in graph.node:
         if node.op_type == "Cast" and node.input[0] in floats and attribute(node, "to", -1) == TensorProto.FLOAT:
             named[node.output[0]] = floats[node.input[0]]
-    return {name: to_array(tensor).astype(np.float32) for name, tensor in named.items()}
+    return named
+
+
+def _as_float32(tensor: TensorProto | None) -> np.ndarray | None:
+    return None if tensor is None else to_array(tensor).astype(np.float32)
 
 
 def to_int8(model: ModelProto) -> int:
@@ -165,9 +171,10 @@ def to_int8(model: ModelProto) -> int:
     constants = _constants(model)
     replaced = 0
     for index, node in enumerate(graph.node):
-        weight = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if weight is None or weight.ndim != 2 or node.domain not in ("", "ai.onnx"):
+        tensor = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if tensor is None or len(tensor.dims) != 2 or node.domain not in ("", "ai.onnx"):
             continue
+        weight = _as_float32(tensor)
         packed, scales = quantized_weight(weight)
         base = node.input[1]
         graph.initializer.extend([from_array(packed, f"{base}_Q{BITS}"), from_array(scales, f"{base}_scales")])

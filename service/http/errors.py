@@ -38,11 +38,16 @@ HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed"}
 JSON_MEDIA_TYPE = "application/json"
 
 
+def media_type(request: Request) -> str:
+    """The request's Content-Type without its parameters, lower case ("" when it has none)."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
 def non_json_media_type(request: Request) -> str | None:
     """What a request that sent a body FastAPI does not read as JSON declared it as: its media type, or "" for a body
     sent without a Content-Type (FastAPI reads JSON only under application/json or application/*+json); None for
     a JSON body, or no body at all (the schema's own error says what is missing)."""
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    media = media_type(request)
     maintype, _, subtype = media.partition("/")
     if maintype == "application" and (subtype == "json" or subtype.endswith("+json")):
         return None

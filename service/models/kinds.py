@@ -1,7 +1,7 @@
 """What each kind of model is, in one table (`KIND_TABLE`): its engine, how its scheduler is built, its warm-up
 inference, the workload its weights variants are timed with (`service.models.calibration`) and the decoding modes its
-metrics count. The registry loads a version through its kind's entry; no
-other module branches on a kind's name to learn these.
+metrics count. The registry loads a version through its kind's entry; no other module branches on a kind's name to
+learn these.
 
 The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.models.repository`'s, where a version's config.json is
 read and its kind checked. Each kind's tensors in the Open Inference Protocol are `service.api.oip.signatures`'.
@@ -21,15 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from service.engines.gpt import GPTEngine
 from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS
 from service.engines.translation import TranslationEngine
 from service.engines.vit import ViTEngine
 from service.models.calibration import decode_workload
 from service.models.repository import GPT, TRANSLATION, VIT, ModelVersion
-from service.models.warmup import check_length_penalty, warm_up_images, warm_up_text
+from service.models.warmup import check_length_penalty, grey_images, warm_up_images, warm_up_text
 from service.observability.metrics import BEAM, GREEDY, SAMPLE, Metrics
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.dynamic import DynamicBatcher
@@ -115,8 +113,7 @@ def _time_gpt(engine: GPTEngine, rows: int) -> int:
 
 
 def _time_vit(engine: ViTEngine, images: int) -> int:
-    engine.logits(engine.normalize(np.full((images, engine.channels, engine.size, engine.size), WARM_UP_GREY,
-                                           np.float32)))
+    engine.logits(grey_images(engine, images, WARM_UP_GREY))
     return images
 
 

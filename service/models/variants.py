@@ -30,7 +30,7 @@ from typing import Any
 
 from service.engines.runtime import RuntimeOptions
 from service.engines.weights import WEIGHTS, compute_weights
-from service.models.calibration import CalibrationCache, calibration_key, cpu_identity, measure
+from service.models.calibration import CalibrationCache, calibration_key, measure
 from service.models.repository import ModelVersion
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,15 @@ PINNED, ONLY, MEASURED, CACHED = "pinned", "only variant", "measured", "cached m
 @dataclass(frozen=True)
 class Choice:
     weights: str  # the variant that runs
-    stored: str  # the variant the repository holds
-    offered: tuple[str, ...]
+    offered: tuple[str, ...]  # the stored one first (`offered`)
     chosen_by: str  # PINNED, ONLY, MEASURED or CACHED
     reason: str
     timings: dict[str, dict[int, float]] = field(default_factory=dict)  # variant -> rows -> seconds per item
+
+    @property
+    def stored(self) -> str:
+        """The variant the repository holds."""
+        return self.offered[0]
 
     def report(self) -> dict[str, str]:
         """What /v1/models and the model info metric say of the choice besides the weights themselves."""
@@ -113,10 +117,10 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
         if unchecked:  # an operator's override, and how `export.variants` measures a variant before it is offered
             log.warning("%s:%d runs %s weights, pinned, unchecked%s", model.name, model.version, weights, unchecked)
         engine = kind.engine(model, replace(options, weights=weights))
-        return engine, Choice(weights, stored, variants, PINNED, f"pinned by TSERVE_VARIANT ({pin}){unchecked}")
+        return engine, Choice(weights, variants, PINNED, f"pinned by TSERVE_VARIANT ({pin}){unchecked}")
     if len(variants) == 1:
         engine = kind.engine(model, replace(options, weights=stored))
-        return engine, Choice(stored, stored, variants, ONLY, "the only variant this version offers (its "
+        return engine, Choice(stored, variants, ONLY, "the only variant this version offers (its "
                               "config.json records no other checked one)")
     engines = {stored: kind.engine(model, replace(options, weights=stored))}
     key = {**calibration_key(model, engines[stored].provider, options, rows), "offered": list(variants)}
@@ -136,9 +140,7 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
         chosen_by, when = MEASURED, f"measured {cache.put(key, timings)}"
     weights = fastest(timings, stored)
     engine = engines.get(weights) or kind.engine(model, replace(options, weights=weights))
-    cpu = cpu_identity()["cpu"]
     reason = (f"{'fastest' if weights != stored else 'stored, and none faster by ' + format(MARGIN, '.0%')} on "
-              f"{cpu}: {describe(timings, kind.calibration_unit)} ({when})")
+              f"{key['cpu']}: {describe(timings, kind.calibration_unit)} ({when})")
     log.info("%s:%d runs %s weights: %s", model.name, model.version, weights, reason)
-    return engine, Choice(weights, stored, variants, chosen_by, reason, timings)
-
+    return engine, Choice(weights, variants, chosen_by, reason, timings)

@@ -47,8 +47,14 @@ def warm_up_images(engine, level: float) -> None:
     if not (np.isfinite(engine.mean) and np.isfinite(engine.std) and engine.std > 0):
         raise WarmUpFailed(f"config image normalisation must be finite with std > 0, got mean {engine.mean}, "
                            f"std {engine.std}")
-    grey = np.full((1, engine.channels, engine.size, engine.size), level, np.float32)  # (B, C, H, W)
-    check_logits(engine.logits(engine.normalize(grey)), len(labels), "the config's labels", True, "a grey image")
+    check_logits(engine.logits(grey_images(engine, 1, level)), len(labels), "the config's labels", True,
+                 "a grey image")
+
+
+def grey_images(engine, count: int, level: float) -> np.ndarray:
+    """`count` images of one grey `level` (pixels scaled to [0, 1]) in the ViT's input layout, normalised:
+    (count, C, H, W) float32."""
+    return engine.normalize(np.full((count, engine.channels, engine.size, engine.size), level, np.float32))
 
 
 def check_logits(logits: np.ndarray, size: int, what: str, exact: bool, probe: str) -> None:

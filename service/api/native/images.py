@@ -36,7 +36,7 @@ from service.errors import (
 from service.api.native.protocol import ClassifyResponse, ErrorResponse, Prediction, RequestModels
 from service.engines.imaging import EncodedImage
 from service.http.apis import NATIVE
-from service.http.errors import ClientBodyError
+from service.http.errors import ClientBodyError, media_type
 from service.models.repository import VIT
 from service.serving import classify as classification
 from service.serving.context import label, resolve
@@ -169,12 +169,12 @@ def _invalid_model(error: ValidationError):
 
 
 async def _parse(request: Request, settings: Settings) -> tuple[BaseModel, list[EncodedImage]]:
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type == "application/json":
+    media = media_type(request)
+    if media == "application/json":
         return await _parse_json(request, settings)
-    if media_type == "multipart/form-data":
+    if media == "multipart/form-data":
         return await _parse_multipart(request, settings)
-    raise UnsupportedMediaType(f"Content-Type {media_type or '(none)'!r} is not supported; send "
+    raise UnsupportedMediaType(f"Content-Type {media or '(none)'!r} is not supported; send "
                                f"{' or '.join(ACCEPTED_TYPES)}")
 
 

@@ -3,7 +3,7 @@
 package's onnx-ml.proto under another protobuf package; its header says why).
 
 The module is committed: a serving install reads and rewrites ONNX graphs with protobuf alone (a dependency of the
-gRPC front end already), not the onnx package; `tests/unit/engines/test_onnx_graph.py` regenerates it and fails when
+gRPC front end already), not the onnx package; `tests/unit/engines/test_weights.py` regenerates it and fails when
 it differs from the committed one. Needs grpcio-tools (the dev extra); nothing at serving time imports this module.
 """
 

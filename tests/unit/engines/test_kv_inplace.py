@@ -89,7 +89,8 @@ def test_gpt_steps_match_the_original_graph_and_write_in_place(engines):
     assert new.length == max(map(len, prompts)) + STEPS and new.capacity >= new.length > CAPACITY_STEP
     for row in range(new.rows):  # the same keys in the same order, each row's from slot 0 in the buffers
         used = np.flatnonzero(old.mask[row])
-        assert new.lengths[row] == len(used) and new.mask[row, : len(used)].all() and not new.mask[row, len(used):].any()
+        assert new.lengths[row] == len(used) and new.mask[row, : len(used)].all()
+        assert not new.mask[row, len(used):].any()
         np.testing.assert_allclose(new.keys[-1][row, :, : len(used)], old.keys[-1][row][:, used],
                                    atol=LOGIT_TOLERANCE)
 

@@ -15,7 +15,8 @@ from service.models.repository import ModelVersion
     ({"kind": "translation", "weights": "fp16", "attention": "mha"},
      {"weights": "fp16", "attention": "mha", "kv_cache": "concat"}),
     ({"kind": "gpt"}, {"weights": "fp32", "attention": "plain", "kv_cache": "concat"}),
-    ({"kind": "vit", "weights": "int8", "attention": "mha", "kv_cache": "concat"}, {"weights": "int8", "attention": "mha"}),
+    ({"kind": "vit", "weights": "int8", "attention": "mha", "kv_cache": "concat"},
+     {"weights": "int8", "attention": "mha"}),
     ({"kind": "vit"}, {"weights": "fp32", "attention": "plain"}),
 ])
 def test_the_variant_is_what_the_config_says_with_the_plain_export_as_default(config, variant):
