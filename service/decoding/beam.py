@@ -171,7 +171,7 @@ class BeamSearch(Search):
         token``, best first, ties by lower index, and their accumulated scores ``top_scores`` (K,)."""
         nb, t, p = self.num_beams, self._t, self._p
         beams, toks = np.divmod(top, vocab)  # (K,) row each candidate extends, its token
-        is_eos = np.isin(toks, self.eos)
+        is_eos = (toks[:, None] == self.eos).any(axis=1)  # np.isin sorts: 10x slower for K tokens
 
         # d. stopping criteria: EOS or max length
         stops = is_eos | (t + 1 >= self.max_new_tokens)  # (K,)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 
@@ -889,6 +892,32 @@ def test_log_normaliser_is_log_softmax_bit_for_bit():
     np.testing.assert_array_equal((x - peak[:, None]) - log_z[:, None], log_softmax(x))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_log_normaliser_in_row_chunks_on_threads_is_the_same_bit_for_bit(monkeypatch, dtype):
+    import service.decoding.distributions as distributions
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((37, 300)) * 6).astype(dtype)
+    x[4, :50] = -np.inf
+    x[9] = -np.inf  # a row with no finite max
+    alone = [distributions._log_normaliser(x[r : r + 1]) for r in range(x.shape[0])]
+    threads = []
+    real = distributions._log_normaliser
+    monkeypatch.setattr(distributions, "_log_normaliser", lambda part: threads.append(part.shape[0]) or real(part))
+    monkeypatch.setattr(distributions, "PARALLEL_CHUNK_ENTRIES", 1000)
+    monkeypatch.setattr(distributions, "_normaliser_threads", lambda: 3)
+    monkeypatch.setattr(distributions, "_pool", None)
+    peak, log_z = log_normaliser(x)
+    assert sorted(threads) == [12, 12, 13]  # three chunks of rows, two of them on the pool's threads
+    np.testing.assert_array_equal(peak, np.concatenate([m for m, _ in alone]))
+    np.testing.assert_array_equal(log_z, np.concatenate([z for _, z in alone]))
+    with np.errstate(invalid="ignore"):  # the row of -inf: NaN both ways
+        np.testing.assert_array_equal((x.astype(np.float64) - peak[:, None]) - log_z[:, None], log_softmax(x))
+    threads.clear()
+    log_normaliser(x[:, :20])  # fewer entries than two chunks' worth: on the calling thread, whole
+    assert threads == [37]
+
+
 def test_softmax_keeps_the_dtype_and_is_the_classic_formula():
     x = np.random.default_rng(4).standard_normal((3, 11)).astype(np.float32) * 5
     e = np.exp(x - x.max(axis=1, keepdims=True))
@@ -907,3 +936,26 @@ def test_top_k_indices_is_a_stable_sort_of_minus_the_scores(k):
         np.testing.assert_array_equal(top_k_indices(row, k), expected)
         rows = np.stack([row, row[::-1]])
         np.testing.assert_array_equal(top_k_indices(rows, k), np.argsort(-rows, axis=1, kind="stable")[:, :k])
+
+
+CHILD_TIMEOUT_S = 20
+
+
+def test_log_normaliser_after_fork_starts_its_own_threads(monkeypatch):
+    import service.decoding.distributions as distributions
+
+    monkeypatch.setattr(distributions, "PARALLEL_CHUNK_ENTRIES", 1000)
+    monkeypatch.setattr(distributions, "_normaliser_threads", lambda: 2)
+    x = np.random.default_rng(6).standard_normal((8, 500))
+    expected = log_normaliser(x)  # the parent's pool now has a thread
+    child = os.fork()
+    if child == 0:  # the child: the parent's thread is gone; a chunk handed to it would never come back
+        signal.alarm(CHILD_TIMEOUT_S)  # a hang ends the child with SIGALRM, which fails the test
+        code = 1
+        try:
+            got = log_normaliser(x)
+            code = 0 if all(np.array_equal(a, b) for a, b in zip(got, expected)) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
