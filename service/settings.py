@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     translation_max_batch_rows: int = Field(64, ge=1)
     gpt_max_batch_rows: int = Field(64, ge=1)
     max_prefill_requests: int = Field(16, ge=1)  # requests admitted into one prompt/encoder pass
+    # decoding loops per text model, each with its own batch of up to *_max_batch_rows rows, over one queue and one
+    # engine: while one batch runs in ONNX Runtime the other's searches run in Python (service.scheduling.continuous)
+    decoding_workers: int = Field(2, ge=1)
     # dynamic batching for the ViT (Triton's knobs)
     vit_max_batch_size: int = Field(64, ge=1)
     vit_max_queue_delay_ms: float = Field(5.0, ge=0)

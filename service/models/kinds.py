@@ -7,10 +7,11 @@ The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.models.repository`'s
 read and its kind checked. Each kind's tensors in the Open Inference Protocol are `service.api.oip.signatures`'.
 
 - translation: `TranslationEngine` (encoder once per source, decoder steps), a continuous batcher of at most
-  `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows, warmed up by translating `TRANSLATION_WARM_UP_SOURCE`, timed by
-  translating copies of `TRANSLATION_CALIBRATION_SOURCE` (per generated token);
-- gpt: `GPTEngine` (prompt pass, decoder steps), a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows,
-  warmed up by continuing `GPT_WARM_UP_PROMPT`, timed by continuing copies of `GPT_CALIBRATION_PROMPT`;
+  `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows per worker (`TSERVE_DECODING_WORKERS` of them), warmed up by
+  translating `TRANSLATION_WARM_UP_SOURCE`, timed by translating copies of `TRANSLATION_CALIBRATION_SOURCE` (per
+  generated token);
+- gpt: `GPTEngine` (prompt pass, decoder steps), a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows
+  per worker, warmed up by continuing `GPT_WARM_UP_PROMPT`, timed by continuing copies of `GPT_CALIBRATION_PROMPT`;
 - vit: `ViTEngine` (batched classification), the dynamic batcher (`TSERVE_VIT_MAX_BATCH_SIZE` images, waiting at
   most `TSERVE_VIT_MAX_QUEUE_DELAY_MS` for more), warmed up and timed by classifying images of grey `WARM_UP_GREY`.
 """
@@ -67,7 +68,8 @@ def continuous_batcher(max_rows: Callable[[Settings], int]) -> SchedulerFactory:
 
     def build(engine, model: ModelVersion, metrics: Metrics, s: Settings) -> ContinuousBatcher:
         return ContinuousBatcher(engine, model.name, model.version, metrics, max_rows=max_rows(s),
-                                 max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size)
+                                 max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size,
+                                 workers=s.decoding_workers)
 
     return build
 

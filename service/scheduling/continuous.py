@@ -1,7 +1,7 @@
 """Iteration-level (continuous) batching for the text models, after Orca (Yu et al., OSDI 2022) and
 text-generation-inference's router.
 
-One worker thread per model owns the decoding batch; ONNX Runtime never runs on the event loop. Each iteration:
+A worker thread owns the decoding batch; ONNX Runtime never runs on the event loop. Each iteration:
 1. admit waiting requests at the step boundary: one prefill (prompt pass, or encoder pass + start token) for the
    newcomers, whose rows are concatenated after the running rows;
 2. retire requests that were cancelled (client gone) or passed their deadline: their rows are not selected for
@@ -19,12 +19,20 @@ raises fails the whole batch (its cache is then unusable). The batch never holds
 request counts with its widest row count, its beam width), except that an empty batch takes one request wider
 than that rather than none. Waiting requests that were cancelled or passed their deadline leave the queue at the
 next step boundary, wherever they are in it.
+
+`workers` > 1 runs that many such loops on threads of their own, each with its own batch (a `_Lane`), over the one
+queue and the one engine (ONNX Runtime sessions take concurrent runs): while one batch is in ONNX Runtime, the
+other's searches run in Python, on the core the first leaves idle between its graph runs. A waiting request goes
+to the lane that holds the fewest rows (vLLM's data-parallel ranks, within one process); what it decodes does
+not depend on its lane (batch invariance). Each lane holds at most `max_rows` rows.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from service.errors import ServiceError
@@ -48,19 +56,34 @@ class _ModeMetrics(NamedTuple):
     generated_tokens: object
 
 
+@dataclass(eq=False)
+class _Lane:
+    """One worker's decoding batch. `active`, `admitting` and `rows` are published under the scheduler's lock
+    (replaced, never mutated); `batch` and `stepped_at` are the worker's own."""
+
+    active: list[TextJob] = field(default_factory=list)
+    admitting: list[TextJob] = field(default_factory=list)  # left the queue, prefill running, not active yet
+    rows: int = 0  # the batch's live rows
+    batch: TextBatch | None = None
+    stepped_at: dict[TextJob, float] = field(default_factory=dict)  # when each running job was last stepped
+
+    def load(self) -> int:
+        """The rows this lane holds or is admitting (at their widest): what the least-loaded lane is chosen by."""
+        return sum(job.rows for job in self.active) + sum(job.rows for job in self.admitting)
+
+
 class ContinuousBatcher(QueuedScheduler):
-    """The limits come from `service.settings` (`*_max_batch_rows`, `max_prefill_requests`, `max_queue_size`)."""
+    """The limits come from `service.settings` (`*_max_batch_rows`, `max_prefill_requests`, `max_queue_size`,
+    `decoding_workers`)."""
 
     def __init__(self, backend: DecodingBackend, model: str, version: int, metrics: Metrics, *, max_rows: int,
-                 max_prefill: int, max_queue: int):
+                 max_prefill: int, max_queue: int, workers: int = 1):
         self.backend = backend
         self.max_rows = max_rows
         self.max_prefill = max_prefill
-        self._admitting: list[TextJob] = []  # left the queue, prefill running, not active yet
-        self._rows = 0  # the batch's live rows, published with `_active`
-        self._batch: TextBatch | None = None  # the worker's own
-        self._stepped_at: dict[TextJob, float] = {}  # the worker's own: when each running job was last stepped
-        super().__init__(model, version, metrics, max_queue, rows=lambda: self._rows)
+        self._lanes = [_Lane() for _ in range(workers)]
+        self._rows = 0  # the live rows of every lane's batch, published with `_active`
+        super().__init__(model, version, metrics, max_queue, rows=lambda: self._rows, workers=workers)
         # the children observed every iteration, and per mode (`_of_mode`), looked up once
         self._batch_size = metrics.batch_size.labels(**self.labels)
         self._batch_seconds = metrics.batch_seconds.labels(**self.labels)
@@ -69,65 +92,83 @@ class ContinuousBatcher(QueuedScheduler):
         self._by_mode: dict[str, _ModeMetrics] = {}
 
     def _in_flight(self) -> list[TextJob]:
-        return self._admitting
+        return [job for lane in self._lanes for job in lane.admitting]
 
     def _forget_in_flight(self) -> None:
-        self._admitting = []
+        for lane in self._lanes:
+            lane.admitting = []
 
-    # --- the worker thread --------------------------------------------------------------------------------
+    # --- the worker threads -------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, worker: int) -> None:
+        lane = self._lanes[worker]
         while True:
             with self._changed:
                 if self._stop:
                     return
-                if not self._active and not self._waiting:
+                if not lane.active and not self._waiting:
                     self._changed.wait(timeout=IDLE_WAIT_S)
                     continue
             try:
-                self._iterate()
-            except Exception as error:  # the decoding step failed: every running request is concerned
+                self._iterate(lane)
+            except Exception as error:  # the decoding step failed: every request of this batch is concerned
                 log.exception("decoding step failed for %s", self.labels["model"])
-                for job in self._active:
+                for job in lane.active:
                     fail(job.future, ServiceError(f"decoding failed: {error}"))
-                self._batch, self._stepped_at = None, {}
-                self._publish([])
+                lane.batch, lane.stepped_at = None, {}
+                self._publish(lane, [])
 
-    def _publish(self, active: list[TextJob], admitting: list[TextJob] | None = None) -> None:
-        """Replace the running set (and the set being admitted) under the lock; nothing once stopped."""
-        rows = self._batch.live_rows if self._batch is not None and active else 0
+    def _publish(self, lane: _Lane, active: list[TextJob], admitting: list[TextJob] | None = None) -> None:
+        """Replace a lane's running set (and its set being admitted) under the lock, and the scheduler's union of
+        them; nothing once stopped."""
+        rows = lane.batch.live_rows if lane.batch is not None and active else 0
         with self._changed:
             if self._stop:
                 return
-            self._active, self._rows = active, rows
+            lane.active, lane.rows = active, rows
             if admitting is not None:
-                self._admitting = admitting
+                lane.admitting = admitting
+            self._active = active if len(self._lanes) == 1 else [job for each in self._lanes for job in each.active]
+            self._rows = sum(each.rows for each in self._lanes)
 
-    def _admit(self) -> list[TextJob]:
-        """Take waiting requests, oldest first, while the batch stays within `max_rows` at every request's widest
-        (its beam width)."""
-        rows = sum(job.rows for job in self._active)
+    def _admit(self, lane: _Lane) -> list[TextJob]:
+        """Take waiting requests, oldest first, while the lane's batch stays within `max_rows` at every request's
+        widest (its beam width) and, with several lanes, while it stays within its share of all the rows (held,
+        being admitted and waiting) or holds no more than any other lane."""
+        rows = sum(job.rows for job in lane.active)
         admitted: list[TextJob] = []
         with self._changed:
+            others, share = self._balance(lane)
             while self._waiting and len(admitted) < self.max_prefill:
                 widest = self._waiting[0].rows
-                if rows + widest > self.max_rows and (self._active or admitted):
+                if rows + widest > self.max_rows and (lane.active or admitted):
+                    break
+                if rows + widest > share and rows > others:  # the emptier lanes take it
                     break
                 admitted.append(self._waiting.popleft())
                 rows += widest
-            self._admitting = admitted
+            lane.admitting = admitted
         self._retry.departed(len(admitted))
         return admitted
 
-    def _retire(self) -> None:
+    def _balance(self, lane: _Lane) -> tuple[float, float]:
+        """With `_changed` held: the fewest rows another lane holds, and a lane's share of every row held, being
+        admitted or waiting -> (others, share); one lane: (inf, inf), it takes everything."""
+        if len(self._lanes) == 1:
+            return math.inf, math.inf
+        others = min(each.load() for each in self._lanes if each is not lane)
+        total = sum(each.load() for each in self._lanes) + sum(job.rows for job in self._waiting)
+        return others, math.ceil(total / len(self._lanes))
+
+    def _retire(self, lane: _Lane) -> None:
         """Drop cancelled and expired requests from the batch (their rows die, see `TextBatch.filter`)."""
         now = time.monotonic()
-        live = [job for job in self._active if not self._gone(job, now, "during decoding")]
-        if len(live) != len(self._active):
-            self._batch.filter(live)
-            self._publish(live)
+        live = [job for job in lane.active if not self._gone(job, now, "during decoding")]
+        if len(live) != len(lane.active):
+            lane.batch.filter(live)
+            self._publish(lane, live)
 
-    def _join(self, admitted: list[TextJob]) -> None:
+    def _join(self, lane: _Lane, admitted: list[TextJob]) -> None:
         """Prefill the newcomers and append their rows to the batch. A prefill that raises fails the newcomers
         only; a newcomer whose first search step raises fails alone."""
         started = time.monotonic()
@@ -139,48 +180,48 @@ class ContinuousBatcher(QueuedScheduler):
             log.exception("prefill failed for %d request(s) of %s", len(admitted), self.labels["model"])
             for job in admitted:
                 fail(job.future, ServiceError(f"prefill failed: {error}"))
-            self._publish(self._active, admitting=[])
+            self._publish(lane, lane.active, admitting=[])
             return
         for job in admitted:
             self._of_mode(job.mode).queue_wait.observe(started - job.arrived)
             self._prompt_tokens.inc(len(job.input_ids))
-        joined = self._deliver(generations, time.monotonic())
+        joined = self._deliver(lane, generations, time.monotonic())
         newcomers.filter(joined)
         try:  # compaction (dropping dead rows) and the newcomers' join in one copy of the caches
-            self._batch = newcomers if self._batch is None else TextBatch.concatenate([self._batch, newcomers])
+            lane.batch = newcomers if lane.batch is None else TextBatch.concatenate([lane.batch, newcomers])
         except Exception as error:
             log.exception("joining %d request(s) to the batch of %s failed", len(joined), self.labels["model"])
             for job in joined:
                 fail(job.future, ServiceError(f"prefill failed: {error}"))
             joined = []
-        self._publish(self._active + joined, admitting=[])
+        self._publish(lane, lane.active + joined, admitting=[])
 
-    def _iterate(self) -> None:
-        self._retire()
+    def _iterate(self, lane: _Lane) -> None:
+        self._retire(lane)
         with self._changed:
             self._leave_queue("while it waited in the queue")
-        admitted = self._admit()
+        admitted = self._admit(lane)
         started = time.monotonic()
         if admitted:
-            self._join(admitted)
-        if not self._active:
-            self._batch, self._stepped_at = None, {}
+            self._join(lane, admitted)
+        if not lane.active:
+            lane.batch, lane.stepped_at = None, {}
             return
-        generations = self._batch.generate_token()
+        generations = lane.batch.generate_token()
         self._batch_size.observe(sum(g.rows for g in generations))
         self._observe_batch(started)
-        survivors = self._deliver(generations, time.monotonic())
-        self._stepped_at = {job: self._stepped_at[job] for job in survivors}  # the others left the batch
-        if len(survivors) != len(self._active):
-            self._batch.filter(survivors)
-            self._publish(survivors)
+        survivors = self._deliver(lane, generations, time.monotonic())
+        lane.stepped_at = {job: lane.stepped_at[job] for job in survivors}  # the others left the batch
+        if len(survivors) != len(lane.active):
+            lane.batch.filter(survivors)
+            self._publish(lane, survivors)
 
     def _observe_batch(self, started: float) -> None:
         """The iteration's time (the newcomers' prompt pass and the step), and when it ended."""
         self._batch_seconds.observe(time.monotonic() - started)
         self._last_batch.set_to_current_time()
 
-    def _deliver(self, generations: list[Generation], now: float) -> list[TextJob]:
+    def _deliver(self, lane: _Lane, generations: list[Generation], now: float) -> list[TextJob]:
         """Hand each request its step's generation (metrics, streamed tokens, its results when done); returns
         those that go on. A search or a stream callback that raised fails its own request only."""
         survivors = []
@@ -190,7 +231,7 @@ class ContinuousBatcher(QueuedScheduler):
                 if generation.error is not None:
                     raise generation.error
                 self._of_mode(job.mode).generated_tokens.inc(generation.rows)  # a choice per row
-                self._after_step(generation, now)
+                self._after_step(lane, generation, now)
             except Exception as error:
                 log.exception("decoding failed for one request of %s", self.labels["model"])
                 fail(job.future, ServiceError(f"decoding failed: {error}"))
@@ -202,14 +243,14 @@ class ContinuousBatcher(QueuedScheduler):
                 survivors.append(job)
         return survivors
 
-    def _after_step(self, generation: Generation, now: float) -> None:
+    def _after_step(self, lane: _Lane, generation: Generation, now: float) -> None:
         job = generation.job
         if job.phases.first_token_at is None:
             job.phases.first_token_at = now
             self._of_mode(job.mode).time_to_first_token.observe(now - job.arrived)
         else:
-            self._of_mode(job.mode).inter_token_latency.observe(now - self._stepped_at[job])
-        self._stepped_at[job] = now
+            self._of_mode(job.mode).inter_token_latency.observe(now - lane.stepped_at[job])
+        lane.stepped_at[job] = now
         if generation.token_ids:
             job.phases.generated += len(generation.token_ids)
             if job.on_tokens is not None:

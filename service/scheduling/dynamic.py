@@ -59,7 +59,7 @@ class DynamicBatcher(QueuedScheduler):
 
     # --- the worker thread --------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, worker: int = 0) -> None:  # one worker
         while True:
             batch = self._collect()
             if batch is None:

@@ -142,18 +142,21 @@ def release_gauges(metrics: Metrics, labels: dict[str, str], owner: object, rows
 
 
 class QueuedScheduler:
-    """The skeleton both schedulers share: a bounded queue in front of one worker thread, admission (429 with
-    Retry-After when full, 503 once stopping), the gauges, and a stop that drains what was accepted.
+    """The skeleton both schedulers share: a bounded queue in front of its worker threads (one unless `workers`
+    says more), admission (429 with Retry-After when full, 503 once stopping), the gauges, and a stop that drains
+    what was accepted.
 
-    Subclasses implement `_run` (the worker) and may widen `_in_flight` (requests that left the queue but are not
-    running yet). `_changed` guards `_waiting`, `_active`, `_accepting` and `_stop` and is notified on every
+    Subclasses implement `_run(worker)` (worker number `worker`'s loop) and may widen `_in_flight` (requests that
+    left the queue but are not running yet). `_changed` guards `_waiting`, `_active`, `_accepting` and `_stop` and is notified on every
     change the worker may wait for; `_active` is replaced, never mutated, under it.
     """
 
     def __init__(self, model: str, version: int, metrics: Metrics, max_queue: int,
-                 rows: Callable[[], int] | None = None):
+                 rows: Callable[[], int] | None = None, workers: int = 1):
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
         self.labels = {"model": model, "version": str(version)}
         self.metrics = metrics
         self.max_queue = max_queue
@@ -166,12 +169,18 @@ class QueuedScheduler:
         self._counts_rows = rows is not None
         bind_gauges(metrics, self.labels, waiting=lambda: len(self._waiting), running=lambda: len(self._active),
                     rows=rows, owner=self)
-        self._thread = threading.Thread(target=self._run, name=f"batcher-{model}-{version}", daemon=True)
+        self._threads = [threading.Thread(target=self._run, args=(worker,), daemon=True,
+                                          name=f"batcher-{model}-{version}" + (f"-{worker}" if workers > 1 else ""))
+                         for worker in range(workers)]
 
     # --- the caller's side (event loop) -------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
+
+    def _working(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
 
     def submit(self, job):
         """Queue a request; raises QueueFull (429, Retry-After) when the queue is full, Unavailable when stopping."""
@@ -206,14 +215,16 @@ class QueuedScheduler:
             self._changed.notify_all()  # a batch being collected goes now: nothing more will arrive
         deadline = time.monotonic() + timeout
         while (self._waiting or self._in_flight() or self._active) and time.monotonic() < deadline \
-                and self._thread.is_alive():
+                and self._working():
             time.sleep(DRAIN_POLL_S)
         with self._changed:
             self._stop = True
             self._changed.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout=STOP_JOIN_S)
-        # If the join timed out the worker is inside a step: whatever it resolves later loses to these failures
+        join_by = time.monotonic() + STOP_JOIN_S
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=max(0.0, join_by - time.monotonic()))
+        # If a join timed out that worker is inside a step: whatever it resolves later loses to these failures
         # (first outcome wins), and it publishes nothing once stopped.
         with self._changed:
             leftovers = list(self._waiting) + self._in_flight() + self._active
@@ -225,7 +236,7 @@ class QueuedScheduler:
 
     # --- the worker's side --------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, worker: int) -> None:
         raise NotImplementedError
 
     def _in_flight(self) -> list:

@@ -61,7 +61,8 @@ def submit_staggered(batcher, inputs, make_search, pause=0.002):
     return [job.future.result(timeout=PATIENCE_S) for job in jobs]
 
 
-def test_gpt_requests_joining_and_leaving_decode_as_if_alone(gpt, batcher_for):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gpt_requests_joining_and_leaving_decode_as_if_alone(gpt, batcher_for, workers):
     prompts = [gpt.tokenizer.encode(p).ids for p in PROMPTS * 3]
 
     def make(i):  # different lengths, so requests leave at different steps
@@ -72,14 +73,15 @@ def test_gpt_requests_joining_and_leaving_decode_as_if_alone(gpt, batcher_for):
             return BeamSearch(3, 6 + i % 5, gpt.eos_id, prefix=prompts[i])
         return SamplingSearch(10 + i % 9, gpt.eos_id, temperature=0.8, top_k=30, seed=i)
 
-    batched = submit_staggered(batcher_for(gpt, max_rows=24, max_prefill=4), prompts, make)
+    batched = submit_staggered(batcher_for(gpt, max_rows=24, max_prefill=4, workers=workers), prompts, make)
     for i, prompt in enumerate(prompts):
         alone = gpt.generate([prompt], lambda _: make(i))[0].results()
         assert [(h.tokens, h.finish_reason) for h in alone] == [(h.tokens, h.finish_reason) for h in batched[i]]
         assert np.allclose([h.score for h in alone], [h.score for h in batched[i]], atol=1e-4)
 
 
-def test_translations_joining_and_leaving_decode_as_if_alone(translation, batcher_for):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_translations_joining_and_leaving_decode_as_if_alone(translation, batcher_for, workers):
     sources = [translation.source_ids(s) for s in GERMAN * 3]
 
     def make(i):
@@ -87,7 +89,7 @@ def test_translations_joining_and_leaving_decode_as_if_alone(translation, batche
             return GreedySearch(translation.default_max_new_tokens(len(sources[i])), translation.eos_id)
         return BeamSearch(4, 25, translation.eos_id, num_return_sequences=2, prefix=[translation.bos_id])
 
-    batched = submit_staggered(batcher_for(translation, max_rows=20, max_prefill=3), sources, make)
+    batched = submit_staggered(batcher_for(translation, max_rows=20, max_prefill=3, workers=workers), sources, make)
     for i, source in enumerate(sources):
         alone = translation.translate_ids([source], lambda _: make(i))[0].results()
         assert [h.tokens for h in alone] == [h.tokens for h in batched[i]]

@@ -20,7 +20,7 @@ from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.dynamic import DynamicBatcher
 from service.scheduling.jobs import ImageJob, TextJob
 from tests.support.batchers import hold, job
-from tests.support.fake_decoding import POISON, RESULT_TIMEOUT_S, ExplodingSearch, FakeBackend, alone
+from tests.support.fake_decoding import EOS, POISON, RESULT_TIMEOUT_S, ExplodingSearch, FakeBackend, alone
 from tests.support.waiting import PATIENCE_S
 
 LABELS = {"model": "m", "version": "1"}
@@ -269,8 +269,9 @@ def test_a_full_queue_answers_429_with_both_retry_headers(batcher):
 
 def test_the_worker_is_a_named_daemon_thread(batcher):
     b = batcher(start=False)
-    assert b._thread.name == "batcher-m-1"
-    assert b._thread.daemon is True
+    assert [(t.name, t.daemon) for t in b._threads] == [("batcher-m-1", True)]
+    two = batcher(start=False, workers=2)
+    assert [(t.name, t.daemon) for t in two._threads] == [("batcher-m-1-0", True), ("batcher-m-1-1", True)]
 
 
 def test_retry_after_follows_the_measured_departure_interval(monkeypatch):
@@ -316,3 +317,70 @@ def test_each_decoding_iteration_is_timed_and_stamped(batcher):
     assert steps and b.metrics.registry.get_sample_value("tserve_batch_seconds_count", labels) == steps
     assert b.metrics.registry.get_sample_value("tserve_batch_seconds_sum", labels) > 0
     assert before <= b.metrics.registry.get_sample_value("tserve_last_batch_timestamp_seconds", labels) <= time.time()
+
+
+# --- several decoding workers ------------------------------------------------------------------------------------
+
+
+class ThreadRecordingBackend(FakeBackend):
+    """A fake backend that records which worker thread ran each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.step_threads: list[str] = []
+
+    def step(self, state, tokens):
+        self.step_threads.append(threading.current_thread().name)
+        return super().step(state, tokens)
+
+
+def test_two_workers_share_the_queue_and_every_request_decodes_as_if_alone(batcher):
+    b = batcher(ThreadRecordingBackend(), workers=2)
+    searches = [lambda n=n: GreedySearch(4 + n % 7, EOS) for n in range(24)]
+    jobs = []
+    for n, make in enumerate(searches):
+        jobs.append(b.submit(job([1 + n % 9, 2 + n % 5, n % 3], make())))
+        if n % 5 == 0:
+            time.sleep(0.002)  # some join running batches
+    for n, (j, make) in enumerate(zip(jobs, searches)):
+        assert outcome(j) == alone([1 + n % 9, 2 + n % 5, n % 3], make())
+    assert set(b.backend.step_threads) == {"batcher-m-1-0", "batcher-m-1-1"}  # both lanes decoded
+    assert eventually(lambda: (value(b.metrics, "tserve_running_requests"), value(b.metrics, "tserve_batch_rows"),
+                               value(b.metrics, "tserve_queue_depth")) == (0, 0, 0))
+
+
+def test_waiting_requests_are_shared_between_the_workers_by_rows(batcher):
+    backend = FakeBackend()
+    backend.gate.clear()  # every step waits: the lanes keep what they admitted
+    b = batcher(backend, start=False, workers=2)
+    jobs = [b.submit(job([n, 2], GreedySearch(50, None))) for n in range(1, 7)]
+    b.start()
+    deadline = time.monotonic() + PATIENCE_S
+    while sum(len(lane.active) for lane in b._lanes) < len(jobs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sorted(len(lane.active) for lane in b._lanes) == [3, 3]  # six one-row requests: three rows each
+    assert (value(b.metrics, "tserve_queue_depth"), value(b.metrics, "tserve_running_requests"),
+            value(b.metrics, "tserve_batch_rows")) == (0, 6, 6)
+    backend.gate.set()
+    assert all(outcome(j) == alone([n, 2], GreedySearch(50, None)) for n, j in enumerate(jobs, start=1))
+
+
+def test_a_failing_step_fails_only_the_requests_of_its_own_worker(batcher, caplog):
+    backend = FakeBackend()
+    backend.gate.clear()
+    b = batcher(backend, start=False, workers=2)
+    jobs = [b.submit(job([n, 3], GreedySearch(40, None))) for n in (1, 2)]
+    b.start()
+    deadline = time.monotonic() + PATIENCE_S
+    while not all(lane.active for lane in b._lanes) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [len(lane.active) for lane in b._lanes] == [1, 1]
+    backend.fail_step = True  # the first step to run raises; the other lane's steps go on
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
+        backend.gate.set()
+        outcomes = [outcome(j) for j in jobs]
+    failed = [n for n, o in zip((1, 2), outcomes) if o is ServiceError]
+    assert len(failed) == 1
+    survivor = 3 - failed[0]
+    assert outcomes[survivor - 1] == alone([survivor, 3], GreedySearch(40, None))
+    assert "decoding step failed for m" in caplog.text

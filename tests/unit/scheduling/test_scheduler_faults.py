@@ -11,6 +11,7 @@ resolved with the outcome it should have, and every gauge (queue depth, running 
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import numpy as np
@@ -244,8 +245,8 @@ def test_stop_while_a_step_hangs_resolves_every_request(batcher, monkeypatch):
     for j in [running, *queued]:
         assert outcome(j) is Unavailable
     b.backend.gate.set()  # the worker leaves its step: it must not resolve anything differently or crash
-    b._thread.join(timeout=PATIENCE_S)
-    assert not b._thread.is_alive()
+    b._threads[0].join(timeout=PATIENCE_S)
+    assert not b._threads[0].is_alive()
     assert all(outcome(j) is Unavailable for j in [running, *queued])
     assert gauges(b.metrics) == (0, 0, 0)
     with pytest.raises(Unavailable):
@@ -257,23 +258,32 @@ def test_stop_while_a_step_hangs_resolves_every_request(batcher, monkeypatch):
 
 class RecordingBackend(FakeBackend):
     """A `FakeBackend` that writes down which jobs each injected fault hit: a poisoned prefill fails the newcomers
-    admitted with it (the batcher's `_admitting`), a failing step every running job (its `_active`). Both are read
-    on the worker thread, inside the call that raises, so they are the sets the failure concerns."""
+    admitted with it (its worker's `admitting`), a failing step every job of that worker's batch (its `active`).
+    Both are read on the worker thread, inside the call that raises, so they are the sets the failure concerns."""
 
     def __init__(self):
         super().__init__()
         self.batcher: ContinuousBatcher | None = None
         self.prefill_hits: list[set[TextJob]] = []
         self.step_hits: list[set[TextJob]] = []
+        self._lock = threading.Lock()
+
+    def _lane(self):
+        """The lane of the worker thread calling (its name ends in its number when there are several)."""
+        lanes = self.batcher._lanes
+        return lanes[0] if len(lanes) == 1 else lanes[int(threading.current_thread().name.rsplit("-", 1)[1])]
 
     def prefill(self, inputs):
         if any(POISON in ids for ids in inputs):
-            self.prefill_hits.append(set(self.batcher._admitting))
+            self.prefill_hits.append(set(self._lane().admitting))
         return super().prefill(inputs)
 
     def step(self, state, tokens):
-        if self.fail_step:
-            self.step_hits.append(set(self.batcher._active))
+        with self._lock:  # one step takes the injected fault, even with two workers stepping at once
+            failing, self.fail_step = self.fail_step, False
+        if failing:
+            self.step_hits.append(set(self._lane().active))
+            raise RuntimeError("step failed")
         return super().step(state, tokens)
 
 
@@ -289,8 +299,9 @@ def ending(job: TextJob):
         return type(error), error.message
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_text_gauges_equal_the_truth_after_any_mix(batcher, seed):
+def test_text_gauges_equal_the_truth_after_any_mix(batcher, seed, workers):
     """Random requests (greedy, beam, sampling, exploding searches, poisoned prompts), short deadlines,
     cancellations, a full queue and failing steps, each request with its own expected end: the one cancelled ends
     Cancelled, the one given a short deadline DeadlineExceeded, one hit by an injected fault (a poisoned prefill it
@@ -300,7 +311,7 @@ def test_text_gauges_equal_the_truth_after_any_mix(batcher, seed):
     rng = random.Random(seed)
     backend = RecordingBackend()
     b = batcher(backend, max_rows=rng.choice([4, 8, 24]), max_prefill=rng.choice([1, 3, 16]),
-                max_queue=rng.choice([4, 64]))
+                max_queue=rng.choice([4, 64]), workers=workers)
     backend.batcher = b
     plan = []  # drawn before anything runs, so that each seed's requests do not depend on the machine's timing
     for i in range(60):
