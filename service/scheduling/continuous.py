@@ -23,7 +23,8 @@ next step boundary, wherever they are in it.
 `workers` > 1 runs that many such loops on threads of their own, each with its own batch (a `_Lane`), over the one
 queue and the one engine (ONNX Runtime sessions take concurrent runs): while one batch is in ONNX Runtime, the
 other's searches run in Python, on the core the first leaves idle between its graph runs. A waiting request goes
-to the lane that holds the fewest rows (vLLM's data-parallel ranks, within one process); what it decodes does
+to a lane still within its share of all the rows, or holding no more than the others (vLLM's data-parallel
+ranks, within one process); what it decodes does
 not depend on its lane (batch invariance). Each lane holds at most `max_rows` rows.
 """
 
@@ -67,9 +68,13 @@ class _Lane:
     batch: TextBatch | None = None
     stepped_at: dict[TextJob, float] = field(default_factory=dict)  # when each running job was last stepped
 
+    def held(self) -> int:
+        """The rows its running requests hold, at their widest (beam width)."""
+        return sum(job.rows for job in self.active)
+
     def load(self) -> int:
-        """The rows this lane holds or is admitting (at their widest): what the least-loaded lane is chosen by."""
-        return sum(job.rows for job in self.active) + sum(job.rows for job in self.admitting)
+        """The rows this lane holds or is admitting (at their widest): what the lanes are balanced by."""
+        return self.held() + sum(job.rows for job in self.admitting)
 
 
 class ContinuousBatcher(QueuedScheduler):
@@ -128,17 +133,17 @@ class ContinuousBatcher(QueuedScheduler):
             lane.active, lane.rows = active, rows
             if admitting is not None:
                 lane.admitting = admitting
-            self._active = active if len(self._lanes) == 1 else [job for each in self._lanes for job in each.active]
+            self._active = [job for each in self._lanes for job in each.active]
             self._rows = sum(each.rows for each in self._lanes)
 
     def _admit(self, lane: _Lane) -> list[TextJob]:
         """Take waiting requests, oldest first, while the lane's batch stays within `max_rows` at every request's
         widest (its beam width) and, with several lanes, while it stays within its share of all the rows (held,
         being admitted and waiting) or holds no more than any other lane."""
-        rows = sum(job.rows for job in lane.active)
+        rows = lane.held()
         admitted: list[TextJob] = []
         with self._changed:
-            others, share = self._balance(lane)
+            others, share = self._balance(lane) if self._waiting else (math.inf, math.inf)
             while self._waiting and len(admitted) < self.max_prefill:
                 widest = self._waiting[0].rows
                 if rows + widest > self.max_rows and (lane.active or admitted):
