@@ -15,21 +15,25 @@ from itertools import accumulate
 import numpy as np
 
 from .beam import BeamSearch
-from .beam_candidates import CANDIDATE_BLOCK, top_candidates
+from .beam_candidates import CANDIDATE_BLOCK, top_candidates, top_k_rows
 from .distributions import block_maxima, log_normaliser
 from .sampling import step_single_rows
-from .types import Search, StepResult, isolated
+from .types import Search, StepLogits, StepResult, isolated
 
 __all__ = ["run_search", "step_searches"]
 
 
-def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool = False
+def step_searches(searches: Sequence[Search], logits: np.ndarray | StepLogits, isolate: bool = False
                   ) -> list[StepResult | Exception]:
     """Step every search: ``logits`` (sum of ``num_rows``, V), the rows of ``searches[i]`` after those of the
-    searches before it. Returns one `StepResult` per search, in order.
+    searches before it, or a `StepLogits` of those rows (each row's most likely tokens beside its logits: the beam
+    searches that need no more of them than it holds choose among those, `_step_beam_candidates`). Returns one
+    `StepResult` per search, in order.
 
     ``isolate``: a search that raises gets its exception in its place and the others go on (the scheduler fails
     that request only); otherwise the first exception propagates."""
+    step = logits if isinstance(logits, StepLogits) else None
+    logits = logits.logits if step is not None else logits
     sizes = [s.num_rows for s in searches]
     if logits.shape[0] != sum(sizes):
         raise ValueError(f"expected logits for {sum(sizes)} rows, got {logits.shape[0]}")
@@ -40,8 +44,12 @@ def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool 
         rows = logits if len(single) == len(searches) else logits[[starts[i] for i in single]]
         for i, result in zip(single, step_single_rows([searches[i] for i in single], rows, isolate)):
             results[i] = result
-    if len(single) < len(searches):
-        several = [i for i, s in enumerate(searches) if not s.single_row]
+    chosen = [] if step is None else [i for i, s in enumerate(searches) if isinstance(s, BeamSearch)
+                                      and 0 < s.row_candidates <= step.k]
+    _step_beam_candidates(chosen, searches, step, starts, results, isolate)
+    taken = set(chosen)
+    several = [i for i, s in enumerate(searches) if results[i] is None and i not in taken]
+    if several:
         rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in several])
         x = logits[rows]  # a copy, which the searches mask in place
         peak, log_z = log_normaliser(x)
@@ -56,6 +64,34 @@ def step_searches(searches: Sequence[Search], logits: np.ndarray, isolate: bool 
         masked = [i for i in several if i in beams and results[i] is None]
         _step_beams(masked, searches, x, peak, log_z, first, results, isolate)
     return results
+
+
+def _step_beam_candidates(beams: list[int], searches: Sequence[Search], step: StepLogits | None,
+                          starts: list[int], results: list, isolate: bool) -> None:
+    """The beam searches ``beams`` on their rows' most likely tokens (`StepLogits`): each search masks what its
+    processors ban among them (`BeamSearch.mask_candidates`), then the searches with as many rows and candidates
+    take their best K of rows x k together, ties by lower ``row * V + token`` (the order of a top-K over every
+    entry: a row's tokens beyond its k best rank after them), and each does its own bookkeeping (`advance`)."""
+    if not beams:
+        return
+    vocab, k = step.logits.shape[1], step.k
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in beams:
+        groups.setdefault((searches[i].num_rows, searches[i].candidates), []).append(i)
+    for (R, K), members in groups.items():
+        rows = np.array([starts[i] for i in members], dtype=np.int64)[:, None] + np.arange(R)  # (S, R)
+        logprobs = step.top_logprobs[rows].astype(np.float64)  # (S, R, k)
+        ids = step.top_ids[rows]
+        for s, i in enumerate(members):
+            _into(results, i, isolate, searches[i].mask_candidates, logprobs[s], ids[s])
+        scores = np.stack([searches[i].beam_scores for i in members])[..., None] + logprobs  # (S, R, k)
+        flat = (np.arange(R)[:, None] * vocab + ids).reshape(len(members), R * k)
+        top = top_k_rows(scores.reshape(len(members), R * k), K, flat)
+        tops = np.take_along_axis(flat, top, axis=-1)
+        top_scores = np.take_along_axis(scores.reshape(len(members), R * k), top, axis=-1)
+        for s, i in enumerate(members):
+            if results[i] is None:  # its masking did not raise
+                _into(results, i, isolate, searches[i].advance, tops[s], top_scores[s], vocab)
 
 
 def _into(results: list, i: int, isolate: bool, function: Callable, *arguments) -> None:
@@ -83,26 +119,29 @@ def _step_beams(beams: list[int], searches: Sequence[Search], x: np.ndarray, pea
             _into(results, i, isolate, searches[i].advance, top, top_score, x.shape[1])
 
 
-StepFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+StepFn = Callable[[np.ndarray, np.ndarray], "np.ndarray | StepLogits"]
 
 
-def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray], step_fn: StepFn) -> None:
+def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray] | StepLogits, step_fn: StepFn) -> None:
     """Drive ``searches`` to completion offline (a reference driver; the server uses a batching scheduler).
 
     ``first_logits[i]``: logits (V,) or (1, V) of the prefill row of ``searches[i]`` (decoder-only: at the last
-    prompt position; encoder-decoder: after feeding the decoder start token). The prefill rows form the initial
-    row set: row ``i`` belongs to ``searches[i]``.
+    prompt position; encoder-decoder: after feeding the decoder start token), or a `StepLogits` of the prefill
+    rows. The prefill rows form the initial row set: row ``i`` belongs to ``searches[i]``.
 
     ``step_fn(tokens, parents) -> logits``: ``tokens`` and ``parents`` are int64 arrays of shape (R,). The model
     builds its new row ``r`` from its previous row ``parents[r]`` (a global index into the rows of the previous
     call, or into the prefill rows on the first call) extended by ``tokens[r]``, and returns the next-token
-    logits of the new rows, shape (R, V). Rows are grouped per still-active search, in the order of
+    logits of the new rows, shape (R, V), or a `StepLogits` of them. Rows are grouped per still-active search, in the order of
     ``searches``, each group in the order of that search's `StepResult`. ``step_fn`` is not called once every
     search is done (a search may finish on its prefill logits).
     """
-    if len(searches) != len(first_logits):
+    first_rows = first_logits.logits if isinstance(first_logits, StepLogits) else first_logits
+    if len(searches) != len(first_rows):
         raise ValueError("need one first_logits entry per search")
-    steps = step_searches(searches, np.stack([np.asarray(fl).reshape(-1) for fl in first_logits]))
+    if not isinstance(first_logits, StepLogits):
+        first_logits = np.stack([np.asarray(fl).reshape(-1) for fl in first_logits])
+    steps = step_searches(searches, first_logits)
     offsets = np.arange(len(searches), dtype=np.int64)  # first row of each search in the previous row set
     while True:
         tokens, parents, active, new_offsets = [], [], [], []
@@ -117,9 +156,12 @@ def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray], s
             n_rows += len(res.tokens)
         if not active:
             return
-        logits = np.asarray(step_fn(np.concatenate(tokens), np.concatenate(parents)))  # (n_rows, V)
-        if logits.shape[0] != n_rows:
-            raise ValueError(f"step_fn returned {logits.shape[0]} rows, expected {n_rows}")
+        logits = step_fn(np.concatenate(tokens), np.concatenate(parents))  # (n_rows, V)
+        if not isinstance(logits, StepLogits):
+            logits = np.asarray(logits)
+        returned = (logits.logits if isinstance(logits, StepLogits) else logits).shape[0]
+        if returned != n_rows:
+            raise ValueError(f"step_fn returned {returned} rows, expected {n_rows}")
         steps = step_searches(active, logits)
         searches = active
         offsets = np.asarray(new_offsets, dtype=np.int64)

@@ -145,6 +145,27 @@ class BeamSearch(Search):
         return self._k
 
     @property
+    def row_candidates(self) -> int:
+        """Per row, the K candidates plus the tokens its processors ban at the next step: among that many most
+        likely tokens of a row are its K best that are not banned."""
+        banned = 0
+        if self._ngrams is not None:
+            banned = max(len(blocker.banned()) for blocker in self._ngrams[: self._rows])
+        if self._t < self.min_new_tokens:
+            banned += self.eos.size
+        return self._k + banned
+
+    def mask_candidates(self, logprobs: np.ndarray, ids: np.ndarray) -> None:
+        """`mask` on each row's most likely tokens instead of its logits: ``logprobs`` (num_rows, k) float64 of
+        the tokens ``ids`` (num_rows, k) go to -inf, in place, where the processors ban the token."""
+        if self._ngrams is not None:
+            for r, blocker in enumerate(self._ngrams[: ids.shape[0]]):
+                if blocker.banned():
+                    logprobs[r, np.isin(ids[r], np.fromiter(blocker.banned(), np.int64))] = -np.inf
+        if self._t < self.min_new_tokens and self.eos.size:
+            logprobs[(ids[..., None] == self.eos).any(axis=-1)] = -np.inf
+
+    @property
     def beam_scores(self) -> np.ndarray:
         """(num_rows,) the accumulated log-probs of the running beams, row order."""
         return self._scores

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FINISH_REASONS", "Hypothesis", "Search", "StepResult", "TokenLogprob", "eos_ids", "finished_step"]
+__all__ = ["FINISH_REASONS", "Hypothesis", "Search", "StepLogits", "StepResult", "TokenLogprob", "eos_ids",
+           "finished_step", "row_candidates"]
 
 FINISH_REASONS = ("eos", "length", "stop")  # the values of `Hypothesis.finish_reason`
 
@@ -97,6 +98,26 @@ def eos_ids(eos_token_id: int | Sequence[int] | None) -> np.ndarray:
     return np.asarray(list(eos_token_id), dtype=np.int64).reshape(-1)
 
 
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    """A step's model output for its rows: the raw next-token ``logits`` (rows, V) and, from a graph that computes
+    them (`service.engines.row_candidates`), each row's ``k`` most likely tokens: ``top_logprobs`` (rows, k) float32
+    log-softmax values, best first, and their ``top_ids`` (rows, k) int64, ties by lower id. A beam search whose
+    `Search.row_candidates` is at most ``k`` chooses among these; everything else reads ``logits``."""
+
+    logits: np.ndarray
+    top_logprobs: np.ndarray
+    top_ids: np.ndarray
+
+    @property
+    def k(self) -> int:
+        return self.top_ids.shape[1]
+
+    def take(self, rows: np.ndarray) -> StepLogits:
+        """These rows only, in this order."""
+        return StepLogits(self.logits[rows], self.top_logprobs[rows], self.top_ids[rows])
+
+
 class Search(ABC):
     """A per-request decoding state machine (see the module docstring for the protocol)."""
 
@@ -113,6 +134,12 @@ class Search(ABC):
         return 1
 
     @property
+    def row_candidates(self) -> int:
+        """How many most likely tokens per row its next step chooses among when the model hands them over
+        (`StepLogits`): 0 for a search that reads the whole distribution."""
+        return 0
+
+    @property
     @abstractmethod
     def done(self) -> bool:
         """Whether the search has finished; `results` is valid from then on."""
@@ -124,6 +151,11 @@ class Search(ABC):
     @abstractmethod
     def results(self) -> list[Hypothesis]:
         """Finished hypotheses, best first (valid once `done`)."""
+
+
+def row_candidates(searches: Sequence[Search]) -> int:
+    """The most likely tokens per row a step of ``searches`` hands over: the most any of them chooses among."""
+    return max((search.row_candidates for search in searches if not search.done), default=0)
 
 
 def isolated(function: Callable[..., StepResult | None], *arguments) -> StepResult | Exception | None:

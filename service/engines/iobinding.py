@@ -18,6 +18,7 @@ import numpy as np
 from service.engines import onnx_schema as schema
 from service.engines.kv_cache import KVCache
 from service.engines.onnx_schema import past_names, present_names
+from service.decoding.types import StepLogits
 from service.engines.runtime import OneThreadSession, RuntimeOptions, create_session
 
 DEVICE, DEVICE_ID = "cpu", 0  # where the bound arrays live: numpy memory, ONNX Runtime's CPU device 0
@@ -54,6 +55,9 @@ class StepBinding:
     slot: np.ndarray  # (R,) int64: each row's slot, written each step
     logits: np.ndarray  # (R, 1, V) float32, the graph's output
     held: list[np.ndarray]  # kept alive as long as the binding
+    candidates: np.ndarray | None = None  # (1,) int64, written each step: the k of a graph with row candidates
+    top_logprobs: np.ndarray | None = None  # (R, 1, k) float32, its output
+    top_ids: np.ndarray | None = None  # (R, 1, k) int64
 
 
 class InPlaceStep:
@@ -72,27 +76,35 @@ class InPlaceStep:
         self.session = session
         self.vocab_size = vocab_size
         self.one_thread = one_thread  # small steps' session, if any (`service.engines.runtime.OneThreadSession`)
+        # a graph with row candidates (`service.engines.row_candidates`) returns a `StepLogits`
+        self.row_candidates = any(o.name == schema.TOP_IDS for o in session.get_outputs())
 
-    def run(self, cache: KVCache, tokens: np.ndarray, inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
-        """Feed one token per row (R,) and return the next-token logits (R, V); `inputs`: the graph's other
-        inputs (e.g. the encoder's), bound by address as they are."""
+    def run(self, cache: KVCache, tokens: np.ndarray, inputs: dict[str, np.ndarray] | None = None,
+            candidates: int = 0) -> np.ndarray | StepLogits:
+        """Feed one token per row (R,) and return the next-token logits (R, V), or on a graph with row candidates
+        a `StepLogits` with each row's ``candidates`` most likely tokens (at least one); `inputs`: the graph's
+        other inputs (e.g. the encoder's), bound by address as they are."""
         inputs = inputs or {}
+        k = max(1, candidates) if self.row_candidates else 0
         slots = cache.open_slot()
         session = self.session if self.one_thread is None else self.one_thread.pick(cache.rows, self.session)
         arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
         # which arrays, by identity (cheaper than reading each one's address): the binding holds them (`_bind`)
-        key = (id(session), cache.rows, cache.capacity, *map(id, arrays), *(a.shape for a in inputs.values()))
+        key = (id(session), cache.rows, cache.capacity, k, *map(id, arrays), *(a.shape for a in inputs.values()))
         bound = cache.step_binding
         if bound is None or bound.key != key:
-            bound = cache.step_binding = self._bind(session, key, cache, inputs, arrays)
+            bound = cache.step_binding = self._bind(session, key, cache, inputs, arrays, k)
         bound.ids[:, 0] = tokens
         bound.slot[:] = slots
         session.run_with_iobinding(bound.binding)
         cache.advance()
-        return bound.logits[:, -1].copy()
+        logits = bound.logits[:, -1].copy()
+        if not k:
+            return logits
+        return StepLogits(logits, bound.top_logprobs[:, -1].copy(), bound.top_ids[:, -1].copy())
 
     def _bind(self, session, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray],
-              keyed: tuple[np.ndarray, ...]) -> StepBinding:
+              keyed: tuple[np.ndarray, ...], k: int) -> StepBinding:
         """A new binding for `key`; it holds the `keyed` arrays themselves besides what it points into (a copy, for
         an input that was not contiguous), so that no id in `key` can be reused while it lives."""
         binding = session.io_binding()
@@ -105,15 +117,24 @@ class InPlaceStep:
                 bind_array(binding, schema.LOGITS, logits, output=True), *bind_cache(binding, cache)]
         held += [bind_array(binding, name, array) for name, array in inputs.items()]
         held += keyed
-        return StepBinding(key, binding, ids, slot, logits, held)
+        if not k:
+            return StepBinding(key, binding, ids, slot, logits, held)
+        candidates = bind_array(binding, schema.CANDIDATES_K, np.array([k], np.int64))
+        top_logprobs = bind_array(binding, schema.TOP_LOGPROBS, np.empty((cache.rows, 1, k), np.float32), output=True)
+        top_ids = bind_array(binding, schema.TOP_IDS, np.empty((cache.rows, 1, k), np.int64), output=True)
+        return StepBinding(key, binding, ids, slot, logits, held, candidates, top_logprobs, top_ids)
 
 
 def step_runners(folder: Path, step_file: str | None, decoder_file: str | None, decoder,
-                 vocab_size: int, options: RuntimeOptions) -> tuple[InPlaceStep | None, OneThreadSession | None]:
+                 vocab_size: int, options: RuntimeOptions, row_candidates: bool = False
+                 ) -> tuple[InPlaceStep | None, OneThreadSession | None]:
     """How an engine runs its one-token steps: on the in-place step graph `step_file` when the version has one
     (an `InPlaceStep`, with its own one-thread session), else on the decoder graph's session ``decoder`` (and a
-    `OneThreadSession` of `decoder_file` for small steps) -> (in-place step or None, one-thread session or None)."""
+    `OneThreadSession` of `decoder_file` for small steps) -> (in-place step or None, one-thread session or None).
+    ``row_candidates``: the step graph and the one-thread session with them (`service.engines.row_candidates`),
+    as ``decoder`` was made."""
     if step_file:
-        step = create_session(folder / step_file, options)
-        return InPlaceStep(step, vocab_size, OneThreadSession(folder / step_file, options, step)), None
-    return None, OneThreadSession(folder / decoder_file, options, decoder)
+        step = create_session(folder / step_file, options, row_candidates)
+        one_thread = OneThreadSession(folder / step_file, options, step, row_candidates)
+        return InPlaceStep(step, vocab_size, one_thread), None
+    return None, OneThreadSession(folder / decoder_file, options, decoder, row_candidates)

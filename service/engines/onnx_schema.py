@@ -36,6 +36,10 @@ ENCODER_ATTENTION_MASK = "encoder_attention_mask"
 ENCODER_ROW = "encoder_row"
 CACHE_SLOT = "cache_slot"
 LOGITS = "logits"
+# the decoder graphs' row candidates, added when a translation engine loads them (`service.engines.row_candidates`)
+CANDIDATES_K = "candidates_k"
+TOP_LOGPROBS = "top_logprobs"
+TOP_IDS = "top_ids"
 PIXEL_VALUES = "pixel_values"
 
 # The token id fed where the attention mask is 0 (a right-padded prompt's tail, a batch's dead rows): such slots

@@ -73,7 +73,10 @@ def preferred_providers(device: str = "auto") -> list[str]:
     return [CPU]
 
 
-def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions()) -> ort.InferenceSession:
+def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(), row_candidates: bool = False
+                   ) -> ort.InferenceSession:
+    """A session of the graph at `path` in `options.weights`; `row_candidates`: with the decoder's row candidates
+    added (`service.engines.row_candidates`)."""
     settings = ort.SessionOptions()
     settings.intra_op_num_threads = options.intra_op_threads
     settings.inter_op_num_threads = options.inter_op_threads
@@ -82,13 +85,15 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions())
     spin = "1" if options.spin else "0"
     settings.add_session_config_entry("session.intra_op.allow_spinning", spin)
     settings.add_session_config_entry("session.inter_op.allow_spinning", spin)
-    derived = None if options.weights is None else derive(path, options.weights)
+    derived = derive(path, options.weights, row_candidates) if options.weights or row_candidates else None
     graph = str(path) if derived is None else derived
     session = ort.InferenceSession(graph, sess_options=settings, providers=preferred_providers(options.device))
     active = session.get_providers()[0]
     if options.device == "cuda" and active != CUDA:
         log.warning("CUDA provider did not start for %s (no GPU visible?); falling back to %s", path, active)
-    log.info("loaded %s on %s%s", path, active, "" if derived is None else f" ({options.weights} weights, derived)")
+    extra = ", with row candidates" if row_candidates else ""
+    note = "" if derived is None else f" (derived: {options.weights or 'stored'} weights{extra})"
+    log.info("loaded %s on %s%s", path, active, note)
     return session
 
 
@@ -104,10 +109,12 @@ class OneThreadSession:
     on an AMD EPYC, 2 cores: 1,111 tokens/s on one thread, 890 on two; from batch 16 two threads win by
     1.3-1.4x; `bench/bench_engine.py --threads`)."""
 
-    def __init__(self, path: str | Path, options: RuntimeOptions, wide: ort.InferenceSession):
+    def __init__(self, path: str | Path, options: RuntimeOptions, wide: ort.InferenceSession,
+                 row_candidates: bool = False):
         self.max_rows = options.single_thread_rows
         needed = self.max_rows > 0 and options.intra_op_threads != 1 and active_provider(wide) == CPU
-        self.session = create_session(path, replace(options, intra_op_threads=1)) if needed else None
+        self.session = (create_session(path, replace(options, intra_op_threads=1), row_candidates) if needed
+                        else None)
 
     def pick(self, rows: int, wide: ort.InferenceSession) -> ort.InferenceSession:
         """The session a call of ``rows`` rows runs on: this one for small calls, else ``wide``."""

@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from service.decoding import Search, run_search
+from service.decoding.types import StepLogits, row_candidates
 from service.decoding.distributions import log_normaliser
 from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
@@ -89,6 +90,9 @@ class DecoderBatch:
 
 
 class TranslationEngine:
+    # prefill and step take `candidates` and return `StepLogits` (`service.scheduling.text_batch.DecodingBackend`)
+    returns_row_candidates = True
+
     def __init__(self, model: ModelVersion, options: RuntimeOptions = RuntimeOptions()):
         config = model.config
         self.model = model
@@ -98,7 +102,10 @@ class TranslationEngine:
         # step graph needs no other decoder graph (`export.kv_inplace`: it replaces decoder.onnx); `score_ids`
         # feeds whole targets to this one when there is one, and steps through the step graph otherwise
         decoder_file = config["files"].get("decoder")
-        self.decoder = create_session(model.path / decoder_file, options) if decoder_file else None
+        # the decoder graphs return each row's most likely tokens beside its logits, for the beam searches
+        # (`service.engines.row_candidates`)
+        self.decoder = (create_session(model.path / decoder_file, options, row_candidates=True) if decoder_file
+                        else None)
         self.provider = active_provider(self.encoder)
         step_file = config["files"].get("decoder_step")
         if not (decoder_file or step_file):
@@ -106,10 +113,13 @@ class TranslationEngine:
         arch = config["architecture"]
         self.n_layers, self.n_heads, self.head_dim = arch["n_decoder_layers"], arch["n_heads"], arch["head_dim"]
         self.vocab_size = arch["vocab_size"]
+        # what a step reads from the decoder graph, in this order
+        self._outputs = [schema.LOGITS, *(name for i in range(self.n_layers) for name in schema.present_names(i)),
+                         schema.TOP_LOGPROBS, schema.TOP_IDS]
         # the in-place step graph (`export.kv_inplace`) when the version has one: every decoder call runs on it;
         # else the small steps' session of decoder.onnx (`OneThreadSession`)
         self._in_place, self._one_thread = step_runners(model.path, step_file, decoder_file, self.decoder,
-                                                        self.vocab_size, options)
+                                                        self.vocab_size, options, row_candidates=True)
         special = config["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
         self.max_source_length = config["max_source_length"]
@@ -134,9 +144,15 @@ class TranslationEngine:
         cross = self.encoder.run(None, {schema.INPUT_IDS: ids, schema.ATTENTION_MASK: mask})
         return EncodedSources(cross, mask)
 
-    def _run(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
+    def _run(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray, candidates: int = 0
+             ) -> np.ndarray | StepLogits:
+        """One token per row (R,) -> the next-token logits (R, V), or with ``candidates`` a `StepLogits` that also
+        holds each row's that many most likely tokens."""
         if self._in_place is not None:
-            return self._run_in_place(cache, encoded, tokens)
+            step = self._in_place.run(cache, tokens, {schema.ENCODER_ATTENTION_MASK: encoded.mask,
+                                                      schema.ENCODER_ROW: cache.encoder_row,
+                                                      **self._cross_feeds(encoded)}, candidates)
+            return step if candidates else step.logits
         R = cache.rows
         new_mask = np.ones((R, 1), np.int64)
         feeds = {
@@ -145,39 +161,41 @@ class TranslationEngine:
             schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1),
             schema.ENCODER_ATTENTION_MASK: encoded.mask,
             schema.ENCODER_ROW: cache.encoder_row,
+            schema.CANDIDATES_K: np.array([candidates], np.int64),
             **cache.feeds(),
             **self._cross_feeds(encoded),
         }
-        logits, *presents = self._one_thread.pick(R, self.decoder).run(None, feeds)
+        logits, *presents, top_logprobs, top_ids = self._one_thread.pick(R, self.decoder).run(self._outputs, feeds)
         cache.append(presents, new_mask, cache.positions + 1)
-        return logits[:, -1]
-
-    def _run_in_place(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray) -> np.ndarray:
-        """One token per row (R,) written into the cache buffers by the in-place graph; returns logits (R, V)."""
-        inputs = {schema.ENCODER_ATTENTION_MASK: encoded.mask, schema.ENCODER_ROW: cache.encoder_row,
-                  **self._cross_feeds(encoded)}
-        return self._in_place.run(cache, tokens, inputs)
+        if not candidates:
+            return logits[:, -1]
+        return StepLogits(logits[:, -1], top_logprobs[:, -1], top_ids[:, -1])
 
     def _cross_feeds(self, encoded: EncodedSources) -> dict[str, np.ndarray]:
         """The decoder's cross-attention inputs: every layer's keys and values of the encoded sources."""
         return {name: array for i in range(self.n_layers)
                 for name, array in zip(schema.cross_names(i), encoded.cross[2 * i : 2 * i + 2])}
 
-    def start(self, encoded: EncodedSources) -> tuple[np.ndarray, DecoderBatch]:
-        """Feed the decoder start token for every source -> first logits (N, V) and a batch of one row each."""
+    def start(self, encoded: EncodedSources, candidates: int = 0) -> tuple[np.ndarray | StepLogits, DecoderBatch]:
+        """Feed the decoder start token for every source -> first logits (N, V) (with ``candidates``, a
+        `StepLogits` with each row's that many most likely tokens), and a batch of one row each."""
         cache = KVCache.empty(encoded.count, self.n_layers, self.n_heads, self.head_dim)
         cache.encoder_row = np.arange(encoded.count, dtype=np.int64)
-        return self._run(cache, encoded, np.full(encoded.count, self.bos_id, np.int64)), DecoderBatch(cache, encoded)
+        tokens = np.full(encoded.count, self.bos_id, np.int64)
+        return self._run(cache, encoded, tokens, candidates), DecoderBatch(cache, encoded)
 
-    def prefill(self, sources: Sequence[Sequence[int]]) -> tuple[np.ndarray, DecoderBatch]:
+    def prefill(self, sources: Sequence[Sequence[int]], candidates: int = 0
+                ) -> tuple[np.ndarray | StepLogits, DecoderBatch]:
         """Encoder pass + decoder start token: the prefill of the batching scheduler."""
-        return self.start(self.encode(sources))
+        return self.start(self.encode(sources), candidates)
 
-    def step(self, batch: DecoderBatch, tokens: np.ndarray) -> np.ndarray:
-        """Append one token per row (R,) and return the next-token logits (R, V)."""
+    def step(self, batch: DecoderBatch, tokens: np.ndarray, candidates: int = 0) -> np.ndarray | StepLogits:
+        """Append one token per row (R,) -> the next-token logits (R, V), or with ``candidates`` a `StepLogits`
+        that also holds each row's that many most likely tokens (what the beam searches choose among,
+        `Search.row_candidates`)."""
         if int(batch.cache.positions.max(initial=0)) >= self.max_target_length:
             raise ValueError(f"a row reached the longest target the model embeds ({self.max_target_length})")
-        return self._run(batch.cache, batch.encoded, tokens)
+        return self._run(batch.cache, batch.encoded, tokens, candidates)
 
     @staticmethod
     def select(batch: DecoderBatch, rows: np.ndarray) -> DecoderBatch:
@@ -207,13 +225,13 @@ class TranslationEngine:
 
     def translate_ids(self, sources: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
         """Decode a batch offline: encode once, start, then steps until every search is done."""
-        logits, batch = self.prefill(sources)
         searches = [make_search(i) for i in range(len(sources))]
+        logits, batch = self.prefill(sources, row_candidates(searches))
 
-        def step_fn(tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
-            return self.step(self.select(batch, parents), tokens)
+        def step_fn(tokens: np.ndarray, parents: np.ndarray) -> np.ndarray | StepLogits:
+            return self.step(self.select(batch, parents), tokens, row_candidates(searches))
 
-        run_search(searches, list(logits), step_fn)
+        run_search(searches, logits, step_fn)
         return searches
 
     def score_ids(self, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],

@@ -26,6 +26,7 @@ import numpy as np
 from onnxruntime.capi._pybind_state import quantize_matmul_8bits
 
 from service.engines.onnx_graph import ModelProto, TensorProto, attribute, from_array, load, make_node, to_array
+from service.engines.row_candidates import add_row_candidates, has_row_candidates
 
 FP32, INT8 = "fp32", "int8"
 WEIGHTS = (FP32, INT8)
@@ -51,23 +52,28 @@ def graph_weights(model: ModelProto) -> str:
 
 
 @functools.lru_cache(maxsize=DERIVED_GRAPHS_KEPT)
-def _derived(path: str, mtime_ns: int, size: int, weights: str) -> bytes | None:
+def _derived(path: str, mtime_ns: int, size: int, weights: str | None, row_candidates: bool) -> bytes | None:
     model = load(path)
-    if graph_weights(model) == weights:
-        return None
-    rewritten = to_fp32(model) if weights == FP32 else to_int8(model)
-    if weights == INT8 and rewritten == 0:
-        raise ValueError(f"{path}: no MatMul with a constant 2-D float weight to quantise")
-    return model.SerializeToString()
+    changed = False
+    if weights is not None and graph_weights(model) != weights:
+        rewritten = to_fp32(model) if weights == FP32 else to_int8(model)
+        if weights == INT8 and rewritten == 0:
+            raise ValueError(f"{path}: no MatMul with a constant 2-D float weight to quantise")
+        changed = True
+    if row_candidates and not has_row_candidates(model):
+        add_row_candidates(model)
+        changed = True
+    return model.SerializeToString() if changed else None
 
 
-def derive(path: str | Path, weights: str) -> bytes | None:
-    """The graph at `path` serialized in the `weights` variant, or None when it is stored in that variant already.
-    A graph derived once is kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
-    if weights not in WEIGHTS:
+def derive(path: str | Path, weights: str | None, row_candidates: bool = False) -> bytes | None:
+    """The graph at `path` serialized in the `weights` variant (None: as stored), with the decoder's row candidates
+    added when asked (`service.engines.row_candidates`), or None when the stored graph is that already. A graph
+    derived once is kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
+    if weights is not None and weights not in WEIGHTS:
         raise ValueError(f"weights variant must be one of {WEIGHTS}, got {weights!r}")
     stat = Path(path).stat()
-    return _derived(str(path), stat.st_mtime_ns, stat.st_size, weights)
+    return _derived(str(path), stat.st_mtime_ns, stat.st_size, weights, row_candidates)
 
 
 # --- int8 -> fp32 ---------------------------------------------------------------------------------------------

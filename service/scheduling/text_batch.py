@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.decoding import StepResult, TokenLogprob, step_searches
+from service.decoding.types import StepLogits, row_candidates
 from service.decoding.distributions import log_normaliser, top_logprobs
 from service.engines.onnx_schema import PAD_ID
 from service.scheduling.jobs import Generation, PromptLogprobs, TextJob
@@ -41,6 +42,8 @@ class DecodingBackend(Protocol):
 
     # A backend that can score prompts (the GPT) also has `prefill_positions(inputs, rows) -> (logits, state,
     # {row: logits at every position of inputs[row]})`, the same pass; the batch calls it only for such jobs.
+    # A backend whose graphs compute each row's most likely tokens (the translator) sets `returns_row_candidates`:
+    # its `prefill` and `step` take `candidates=` (`service.decoding.row_candidates`) and return `StepLogits`.
 
     def step(self, state: Any, tokens: np.ndarray) -> np.ndarray: ...
 
@@ -78,6 +81,8 @@ class TextBatch:
             logits, state, every = backend.prefill_positions(inputs, scored)
             for row in scored:
                 jobs[row].prompt_scores = score_prompt(inputs[row], every[row], jobs[row].prompt_logprobs)
+        elif getattr(backend, "returns_row_candidates", False):
+            logits, state = backend.prefill(inputs, candidates=row_candidates([job.search for job in jobs]))
         else:
             logits, state = backend.prefill(inputs)
         batch = cls(backend, state, len(jobs), list(jobs), {job: (row, 1) for row, job in enumerate(jobs)}, {},
@@ -127,9 +132,14 @@ class TextBatch:
         `Generation` per job, in order. Raises if the engine step fails (the state is unusable then)."""
         parents, tokens = self._plan()
         self.state = self.backend.select(self.state, parents)
-        logits = self.backend.step(self.state, tokens)  # (rows, V)
+        if getattr(self.backend, "returns_row_candidates", False):
+            candidates = row_candidates([job.search for job in self.jobs])
+            logits = self.backend.step(self.state, tokens, candidates=candidates)  # StepLogits of the rows
+        else:
+            logits = self.backend.step(self.state, tokens)  # (rows, V)
         if self.live_rows < self.rows:
-            logits = logits[self.row_indices()]
+            rows = self.row_indices()
+            logits = logits.take(rows) if isinstance(logits, StepLogits) else logits[rows]
         return self._step_searches(logits)
 
     def _plan(self) -> tuple[np.ndarray, np.ndarray]:
@@ -155,8 +165,9 @@ class TextBatch:
         self.rows = row
         return parents, tokens
 
-    def _step_searches(self, logits: np.ndarray) -> list[Generation]:
-        """Step every search on its rows of `logits` (rows, V), in job order; one `Generation` per job."""
+    def _step_searches(self, logits: np.ndarray | StepLogits) -> list[Generation]:
+        """Step every search on its rows of `logits` (rows, V) or `StepLogits`, in job order; one `Generation` per
+        job."""
         fed = [self.spans[job][1] for job in self.jobs]  # the rows each job was stepped on
         outcomes = step_searches([job.search for job in self.jobs], logits, isolate=True)
         generations = []
