@@ -15,7 +15,7 @@ from itertools import accumulate
 import numpy as np
 
 from .beam import BeamSearch
-from .beam_candidates import CANDIDATE_BLOCK, top_candidates, top_k_rows
+from .beam_candidates import CANDIDATE_BLOCK, top_candidates
 from .distributions import block_maxima, log_normaliser
 from .sampling import step_single_rows
 from .types import Search, StepLogits, StepResult, isolated
@@ -83,12 +83,12 @@ def _step_beam_candidates(beams: list[int], searches: Sequence[Search], step: St
         logprobs = step.top_logprobs[rows].astype(np.float64)  # (S, R, k)
         ids = step.top_ids[rows]
         for s, i in enumerate(members):
-            _into(results, i, isolate, searches[i].mask_candidates, logprobs[s], ids[s])
-        scores = np.stack([searches[i].beam_scores for i in members])[..., None] + logprobs  # (S, R, k)
-        flat = (np.arange(R)[:, None] * vocab + ids).reshape(len(members), R * k)
-        top = top_k_rows(scores.reshape(len(members), R * k), K, flat)
-        tops = np.take_along_axis(flat, top, axis=-1)
-        top_scores = np.take_along_axis(scores.reshape(len(members), R * k), top, axis=-1)
+            if searches[i].masks:
+                _into(results, i, isolate, searches[i].mask_candidates, logprobs[s], ids[s])
+        scores = (np.stack([searches[i].beam_scores for i in members])[..., None] + logprobs).reshape(-1, R * k)
+        flat = (np.arange(R)[:, None] * vocab + ids).reshape(-1, R * k)
+        top = np.lexsort((flat, -scores), axis=-1)[:, :K]  # R x k entries a search: a sort is cheapest
+        tops, top_scores = np.take_along_axis(flat, top, axis=-1), np.take_along_axis(scores, top, axis=-1)
         for s, i in enumerate(members):
             if results[i] is None:  # its masking did not raise
                 _into(results, i, isolate, searches[i].advance, tops[s], top_scores[s], vocab)

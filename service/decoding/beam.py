@@ -155,6 +155,11 @@ class BeamSearch(Search):
             banned += self.eos.size
         return self._k + banned
 
+    @property
+    def masks(self) -> bool:
+        """Whether its processors ban any token at the next step (n-gram bans, or EOS before min_new_tokens)."""
+        return self._ngrams is not None or (self._t < self.min_new_tokens and self.eos.size > 0)
+
     def mask_candidates(self, logprobs: np.ndarray, ids: np.ndarray) -> None:
         """`mask` on each row's most likely tokens instead of its logits: ``logprobs`` (num_rows, k) float64 of
         the tokens ``ids`` (num_rows, k) go to -inf, in place, where the processors ban the token."""
