@@ -1,11 +1,14 @@
 """Where a batch of beam-search translations spends its time: the release translator (or any translation version)
-on the first test_2016_flickr sentences, under cProfile, with ONNX Runtime's share of the wall time and a digest of
-the outputs (equal digests: the same translations, e.g. before and after a change to the search loop).
+on the first test_2016_flickr sentences, with ONNX Runtime's share of the wall time and a digest of the outputs
+(equal digests: the same translations, e.g. before and after a change to the search loop).
 
     .venv/bin/python bench/profile_translation.py [--repository model_repository] [--version N] [--batch 32]
-        [--sentences 96] [--beams 4] [--data-dir ../shared/data]
+        [--sentences 96] [--beams 4] [--data-dir ../shared/data] [--repeats 5]
 
-cProfile over-counts Python a little; the figure is the share outside ONNX Runtime's `run` calls.
+First `--repeats` timed passes without a profiler: each ONNX Runtime call timed around it (`perf_counter`), the
+medians of the wall time, of the time in ONNX Runtime and of the share outside it (the figure issue 23 sets a goal
+for), with the CPU model and ISA; then one pass under cProfile for the functions that take the time outside (cProfile
+over-counts Python a little, so its share is higher).
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ import cProfile
 import gzip
 import hashlib
 import pstats
+import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+from cpuinfo import describe as describe_cpu  # noqa: E402
 from service.decoding import BeamSearch  # noqa: E402
 from service.engines.translation import TranslationEngine  # noqa: E402
 from service.models.repository import ModelRepository  # noqa: E402
@@ -38,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sentences", type=int, default=96)
     parser.add_argument("--beams", type=int, default=4)
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes without a profiler (0: none)")
     args = parser.parse_args(argv)
     engine = TranslationEngine(ModelRepository(args.repository).get("translation", args.version))
     path = args.data_dir / "multi30k" / "test_2016_flickr.de.gz"
@@ -55,6 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     translate()  # warm-up
+    print(describe_cpu())
+    if args.repeats:
+        walls, in_ort = [], []
+        with _timed_runs(engine) as ort_seconds:
+            for _ in range(args.repeats):
+                ort_seconds.clear()
+                started = time.perf_counter()
+                translate()
+                walls.append(time.perf_counter() - started)
+                in_ort.append(sum(ort_seconds))
+        shares = [1 - o / w for o, w in zip(in_ort, walls)]
+        print(f"timed, {args.repeats} passes (medians): wall {statistics.median(walls):.3f} s "
+              f"({len(sources) / statistics.median(walls):.1f} sentences/s), ONNX Runtime "
+              f"{statistics.median(in_ort):.3f} s, outside it {100 * statistics.median(shares):.1f}% "
+              f"(passes: {', '.join(f'{100 * x:.1f}' for x in shares)})")
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()
@@ -63,11 +86,39 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     stats = pstats.Stats(profile)
     ort = sum(row[2] for key, row in stats.stats.items() if ORT_RUN in key[2])
-    print(f"{len(sources)} sentences, batch {args.batch}, beam {args.beams}: wall {wall:.3f} s, ONNX Runtime "
+    print(f"cProfile, {len(sources)} sentences, batch {args.batch}, beam {args.beams}: wall {wall:.3f} s, ONNX Runtime "
           f"{ort:.3f} s, outside it {100 * (1 - ort / wall):.0f}%")
     print("outputs", hashlib.sha1(repr(outputs).encode()).hexdigest())
     stats.sort_stats("tottime").print_stats(TOP_FUNCTIONS)
     return 0
+
+
+@contextmanager
+def _timed_runs(engine: TranslationEngine):
+    """While inside: every ONNX Runtime call of the engine's sessions (`run`, `run_with_iobinding`) appends its
+    seconds to the yielded list."""
+    seconds: list[float] = []
+    sessions = {id(s): s for s in (engine.encoder, engine.decoder, getattr(engine._one_thread, "session", None),
+                                   getattr(engine._in_place, "session", None)) if s is not None}
+    originals = []
+    for session in sessions.values():
+        for name in ("run", "run_with_iobinding"):
+            original = getattr(session, name)
+
+            def timed(*args, _original=original, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    seconds.append(time.perf_counter() - started)
+
+            setattr(session, name, timed)
+            originals.append((session, name))
+    try:
+        yield seconds
+    finally:
+        for session, name in originals:
+            delattr(session, name)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,11 @@ TARGET_SLACK_TOKENS = 10
 # returns, 64 MiB: 32 targets of 64 tokens at the released vocabulary of 8,000 in one pass; a batch of longer
 # targets is scored in as many passes (of fewer rows each) as this takes.
 SCORE_PASS_LOGITS = 2**24
+# Sources that no row attends to any more (their searches are done) are dropped from a batch's encoded sources once
+# they are at least this fraction of them: the decoder gathers each row's source by index, so an unused source
+# costs memory, not time, while dropping copies every kept source's cross-attention keys and values (a beam batch
+# loses a source at most steps near its end).
+UNUSED_SOURCES_DROPPED = 0.5
 
 
 @dataclass
@@ -199,10 +204,11 @@ class TranslationEngine:
 
     @staticmethod
     def select(batch: DecoderBatch, rows: np.ndarray) -> DecoderBatch:
-        """Keep rows `rows`; sources no row attends to any more are dropped and the rows re-pointed."""
+        """Keep rows `rows`; once the sources no row attends to any more are `UNUSED_SOURCES_DROPPED` of them,
+        they are dropped and the rows re-pointed."""
         batch.cache.select(rows)
         used = np.unique(batch.cache.encoder_row)
-        if len(used) < batch.encoded.count:
+        if batch.encoded.count - len(used) >= UNUSED_SOURCES_DROPPED * batch.encoded.count:
             batch.encoded = batch.encoded.select(used)
             batch.cache.encoder_row = np.searchsorted(used, batch.cache.encoder_row).astype(np.int64)
         return batch

@@ -7,6 +7,7 @@ and the autouse fixture that prints, when a test fails, what its servers wrote.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,11 @@ import pytest
 from service.client.launcher import ServiceProcess, ServiceStartError
 
 READY_TIMEOUT_S = 90.0  # loading the tiny models and warming them up on a busy 2-core machine
+# The settings a server takes from the suite's environment (tests/conftest.py), unless a knob sets them: the launcher
+# hands a server no TSERVE_* variable of its parent, so without this a server would calibrate its weights variant
+# (the fastest on this CPU: int8 on one, float32 on another) where every in-process app runs the stored one, and
+# outputs compared with a reference graph would depend on the CPU.
+SUITE_SETTINGS = ("variant", "calibration_cache")
 # When a failing test got nothing new from a server that is still running (a shared one), the last lines it wrote
 # before the test are shown instead: enough to see what it was doing.
 LAST_LINES_SHOWN = 60
@@ -25,11 +31,14 @@ _SERVERS: list[ServerProcess] = []  # every server the session made, for the out
 
 class ServerProcess(ServiceProcess):
     """`ServiceProcess` as the tests use it: `(name, repository, workdir, **knobs)`, no drain delay unless a knob
-    says so, idle threads that sleep; a server that does not start fails the test with its output, and
+    says so, the suite's `SUITE_SETTINGS`, idle threads that sleep; a server that does not start fails the test with its output, and
     `output_on_failure` prints what the servers wrote during a failing test."""
 
     def __init__(self, name: str, repository: Path, workdir: Path, **knobs):
         knobs.setdefault("drain_delay_s", 0)  # a test stops its servers at once unless it tests the drain
+        for name in SUITE_SETTINGS:
+            if f"TSERVE_{name.upper()}" in os.environ:
+                knobs.setdefault(name, os.environ[f"TSERVE_{name.upper()}"])
         super().__init__(name, repository, workdir, env={"OMP_WAIT_POLICY": "PASSIVE"}, ready_timeout=READY_TIMEOUT_S,
                          **knobs)
         _SERVERS.append(self)

@@ -135,6 +135,22 @@ def test_translation_does_not_depend_on_its_batch(translation_engine, num_beams)
         assert np.allclose([h.score for h in alone], [h.score for h in together], atol=1e-5)
 
 
+def test_translation_drops_sources_once_half_are_unused(translation_engine):
+    """A finished source stays (its rows gather theirs by index) until half the sources are unused; then they are
+    dropped, the rows re-pointed, and each row's next logits are what they would have been."""
+    engine = translation_engine
+    sources = [engine.source_ids(s) for s in GERMAN[:4]]
+    tokens = np.array([5, 6], np.int64)
+    _, alone = engine.prefill([sources[0], sources[2]])
+    expected = engine.step(alone, tokens)
+    _, batch = engine.prefill(sources)  # one row per source
+    engine.select(batch, np.array([0, 1, 2]))
+    assert batch.encoded.count == 4 and batch.cache.encoder_row.tolist() == [0, 1, 2]
+    engine.select(batch, np.array([0, 2]))
+    assert batch.encoded.count == 2 and batch.cache.encoder_row.tolist() == [0, 1]
+    np.testing.assert_allclose(engine.step(batch, tokens), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam", "sample"])
 def test_generation_does_not_depend_on_its_batch(gpt_engine, search):
     engine = gpt_engine
