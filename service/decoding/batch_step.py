@@ -88,7 +88,8 @@ def _step_beam_candidates(beams: list[int], searches: Sequence[Search], step: St
         scores = (np.stack([searches[i].beam_scores for i in members])[..., None] + logprobs).reshape(-1, R * k)
         flat = (np.arange(R)[:, None] * vocab + ids).reshape(-1, R * k)
         top = np.lexsort((flat, -scores), axis=-1)[:, :K]  # R x k entries a search: a sort is cheapest
-        tops, top_scores = np.take_along_axis(flat, top, axis=-1), np.take_along_axis(scores, top, axis=-1)
+        search = np.arange(len(members))[:, None]
+        tops, top_scores = flat[search, top], scores[search, top]
         for s, i in enumerate(members):
             if results[i] is None:  # its masking did not raise
                 _into(results, i, isolate, searches[i].advance, tops[s], top_scores[s], vocab)

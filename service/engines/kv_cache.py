@@ -160,6 +160,15 @@ class KVCache:
                 if self.encoder_row is not None:
                     self.encoder_row[moved] = self.encoder_row[sources]
                 return
+        if not self.buffered:  # `concatenate` of this cache alone, without its bookkeeping for several
+            _check_rows(rows, self.rows)
+            first = self.first_used_slot(rows) if len(rows) else self.length
+            self.keys = [np.take(k[:, :, first:], rows, axis=0) for k in self.keys]
+            self.values = [np.take(v[:, :, first:], rows, axis=0) for v in self.values]
+            self.mask, self.positions = np.take(self.mask[:, first:], rows, axis=0), self.positions[rows]
+            if self.encoder_row is not None:
+                self.encoder_row = self.encoder_row[rows]
+            return
         merged = KVCache.concatenate([self], rows=[rows])
         self.keys, self.values, self.mask, self.positions = merged.keys, merged.values, merged.mask, merged.positions
         self.lengths = merged.lengths
@@ -193,8 +202,7 @@ class KVCache:
         rows = [np.arange(c.rows) if r is None else np.asarray(r, dtype=np.int64)
                 for c, r in zip(caches, rows or [None] * len(caches))]
         for cache, kept in zip(caches, rows):
-            if len(kept) and (kept.min() < 0 or kept.max() >= cache.rows):
-                raise IndexError(f"row index out of range for a cache of {cache.rows} rows")
+            _check_rows(kept, cache.rows)
         buffered = any(c.buffered for c in caches)
         # (keys, values, mask, lengths or None, first slot to copy, slots to copy) per cache
         sources = []
@@ -213,21 +221,23 @@ class KVCache:
         n_heads, head_dim = reference.keys[0].shape[1], reference.keys[0].shape[3]
 
         def gather(layer: int | None, values: bool = False) -> np.ndarray:
-            """Layer `layer`'s keys (or values), or the mask (None), of every kept row."""
+            """Layer `layer`'s keys (or values), or the mask (None), of every kept row: each slot written once,
+            the copied ones by the gather, the padding ones (masked, zero as in a fresh cache) by a fill."""
             if layer is None:
-                out = np.zeros((total, capacity), np.int64)
+                out, axis = np.empty((total, capacity), np.int64), 1
             else:
-                out = np.zeros((total, n_heads, capacity, head_dim), np.float32)
+                out, axis = np.empty((total, n_heads, capacity, head_dim), np.float32), 2
             start = 0
             for (keys, values_, mask, _, first, width), kept in zip(sources, rows):
+                target = out[start : start + len(kept)]
+                at = slice(0, width) if buffered else slice(length - width, length)  # aligned / left-padded
                 if len(kept) and width:
-                    at = slice(0, width) if buffered else slice(length - width, length)  # aligned / left-padded
-                    if layer is None:
-                        source, target = mask[:, first : first + width], out[start : start + len(kept), at]
-                    else:
-                        source = (values_ if values else keys)[layer][:, :, first : first + width]
-                        target = out[start : start + len(kept), :, at]
-                    np.take(source, kept, axis=0, out=target, mode="clip")
+                    source = mask if layer is None else (values_ if values else keys)[layer]
+                    np.take(source[(slice(None),) * axis + (slice(first, first + width),)], kept, axis=0,
+                            out=target[(slice(None),) * axis + (at,)], mode="clip")
+                for padding in (slice(0, at.start), slice(at.stop, capacity)):
+                    if padding.stop > padding.start:
+                        target[(slice(None),) * axis + (padding,)] = 0
                 start += len(kept)
             return out
 
@@ -246,6 +256,12 @@ class KVCache:
             encoder_row,
             lengths,
         )
+
+
+def _check_rows(rows: np.ndarray, count: int) -> None:
+    """Raise IndexError unless every index of `rows` is a row of a cache of `count` rows."""
+    if len(rows) and (rows.min() < 0 or rows.max() >= count):
+        raise IndexError(f"row index out of range for a cache of {count} rows")
 
 
 def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray
