@@ -274,6 +274,15 @@ def _choose(searches: Sequence[SamplingSearch], x: np.ndarray) -> list[tuple[int
     peak, log_z = log_normaliser(x)
     processed = [i for i, s in enumerate(searches) if s.needs_processing()]
     tokens = np.argmax(x, axis=1) if len(processed) < len(searches) else np.empty(len(searches), np.int64)
+    # greedy rows whose only processing is a ban (min_new_tokens' EOS, the n-gram ban): the argmax of the logits
+    # with the banned tokens at -inf, what the sampler would choose, without its arrays of every parameter
+    banned_only = [i for i in processed if not searches[i].always_processed]
+    if banned_only:
+        banned = np.zeros((len(banned_only), x.shape[1]), dtype=bool)
+        for row, i in enumerate(banned_only):
+            searches[i].mask_banned(banned[row])
+        tokens[banned_only] = np.argmax(np.where(banned, -np.inf, x[banned_only]), axis=1)
+        processed = [i for i in processed if searches[i].always_processed]
     if processed:
         tokens[processed] = sampler.choose(x[processed].astype(np.float64, copy=False),
                                            row_params([searches[i] for i in processed], x.shape[1]))

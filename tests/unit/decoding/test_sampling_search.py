@@ -151,3 +151,40 @@ def test_float32_logits_decode_exactly_as_their_float64_values():
                          for s in searches for h in s.results()])
     assert outcomes[0] == outcomes[1]
     assert all(isinstance(lp, float) for _, _, records in outcomes[0] for _, lp, _ in records)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_greedy_rows_with_only_bans_choose_what_the_sampler_chooses(dtype):
+    """Greedy rows whose only processing is a ban (min_new_tokens' EOS, the n-gram ban) take a shortcut around the
+    batched sampler: the same tokens, steps and scores as through it, beside rows that go through it."""
+    from service.decoding import sampler
+    from service.decoding.sampling import row_params
+
+    rng = np.random.default_rng(7)
+    vocab, steps = 24, 12
+
+    def make():
+        return [SamplingSearch(steps, 3, temperature=0.0, min_new_tokens=6),
+                SamplingSearch(steps, [3, 5], temperature=0.0, no_repeat_ngram_size=2, prefix=[1, 2, 1]),
+                SamplingSearch(steps, 3, temperature=0.0, repetition_penalty=1.3, min_new_tokens=4),
+                SamplingSearch(steps, 3, temperature=0.0)]
+
+    fast, reference = make(), make()
+    for _ in range(steps):
+        live = [i for i, s in enumerate(fast) if not s.done]
+        if not live:
+            break
+        logits = rng.normal(size=(len(live), vocab)).astype(dtype)
+        logits[:, 3] += 2.0  # EOS often the most likely: the ban decides
+        logits[:, 7] = logits[:, 8]  # a tie, taken by the lower id
+        step_single_rows([fast[i] for i in live], logits)
+        for row, i in enumerate(live):  # the reference: every row through the sampler, one at a time
+            search = reference[i]
+            x = logits[row : row + 1].astype(np.float64)
+            token = int(sampler.choose(x.copy(), row_params([search], vocab))[0])
+            log_probs = x[0] - x[0].max() - np.log(np.exp(x[0] - x[0].max()).sum())
+            search.accept(token, float(log_probs[token]), [])
+    for got, want in zip(fast, reference):
+        assert got.done and want.done
+        assert got.results()[0].tokens == want.results()[0].tokens
+        assert got.results()[0].score == pytest.approx(want.results()[0].score, abs=1e-9)
