@@ -76,7 +76,9 @@ def log_normaliser(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     float64, and the subtraction is done in float64). A large ``x`` is done in row chunks on several threads
     (`PARALLEL_CHUNK_ENTRIES`), with the same numbers."""
     rows = x.shape[0] if x.ndim == 2 else 1
-    chunks = min(rows, x.size // PARALLEL_CHUNK_ENTRIES, _normaliser_threads())
+    chunks = min(rows, x.size // PARALLEL_CHUNK_ENTRIES)
+    if chunks >= 2:  # only then the cores are counted (a system call)
+        chunks = min(chunks, _normaliser_threads())
     if chunks < 2:
         return _log_normaliser(x)
     bounds = np.linspace(0, rows, chunks + 1).astype(int).tolist()
