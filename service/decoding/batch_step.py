@@ -34,6 +34,10 @@ def step_searches(searches: Sequence[Search], logits: np.ndarray | StepLogits, i
     that request only); otherwise the first exception propagates."""
     step = logits if isinstance(logits, StepLogits) else None
     logits = logits.logits if step is not None else logits
+    if all(s.single_row for s in searches):  # greedy and sampling only: the batched sampler alone
+        if logits.shape[0] != len(searches):
+            raise ValueError(f"expected logits for {len(searches)} rows, got {logits.shape[0]}")
+        return step_single_rows(searches, logits, isolate)
     sizes = [s.num_rows for s in searches]
     if logits.shape[0] != sum(sizes):
         raise ValueError(f"expected logits for {sum(sizes)} rows, got {logits.shape[0]}")

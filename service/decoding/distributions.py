@@ -24,8 +24,8 @@ __all__ = ["block_maxima", "log_normaliser", "log_softmax", "softmax", "top_k_in
 
 def _finite_max(x: np.ndarray) -> np.ndarray:
     """The max over the last axis, kept as (..., 1); 0 where it is not finite (all -inf, or +inf)."""
-    m = np.max(x, axis=-1, keepdims=True)
-    return np.where(np.isfinite(m), m, 0.0)
+    m = x.max(axis=-1, keepdims=True)
+    return m if np.isfinite(m).all() else np.where(np.isfinite(m), m, 0.0)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -94,7 +94,7 @@ def _log_normaliser(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     e = np.subtract(x, m, dtype=np.float64)
     np.exp(e, out=e)  # in place: a fresh temporary of this size costs more than the exp (page faults)
     with np.errstate(divide="ignore"):
-        log_z = np.log(np.sum(e, axis=-1))
+        log_z = np.log(e.sum(axis=-1))
     return m[..., 0], log_z
 
 
