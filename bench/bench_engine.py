@@ -116,9 +116,10 @@ def bench_gpt(args, systems: list[str]) -> list[dict]:
     results = []
     for batch in args.gpt_batches:
         prompts = make_prompts(spec, batch)
-        times, outputs = measure(built, [prompts], spec.new_tokens, args.warmup, args.repeats)
+        case_skipped = dict(skipped)  # and the systems that cannot run this batch
+        times, outputs = measure(built, [prompts], spec.new_tokens, args.warmup, args.repeats, case_skipped)
         results.append(summarise(f"gpt greedy batch {batch}", "tokens/s", batch * spec.new_tokens, times, outputs,
-                                 skipped))
+                                 case_skipped))
         results[-1]["batch"] = batch
         if "llama.cpp" in built:  # llama.cpp's own benchmark on the same GGUF: a row of its own, after the case
             add_batched_bench(results[-1], spec, args.runtime, args.workdir, batch, args.repeats)
@@ -134,10 +135,11 @@ def bench_translation(args, systems: list[str]) -> list[dict]:
     for batch in args.translation_batches:
         # batch 1: --sentences sentences one at a time; batch B: one call of B sentences, right-padded
         inputs = make_sources(spec, args.sentences) if batch == 1 else [make_source_batch(spec, batch)]
-        times, outputs = measure(built, inputs, spec.new_tokens, args.warmup, args.repeats)
+        case_skipped = dict(skipped)  # and the systems that cannot run this batch
+        times, outputs = measure(built, inputs, spec.new_tokens, args.warmup, args.repeats, case_skipped)
         work = sum(x.shape[0] for x in inputs)
         result = summarise(f"translation beam {spec.num_beams} batch {batch}", "sentences/s", work, times, outputs,
-                           skipped)
+                           case_skipped)
         result["source_lengths"] = [int((row != 0).sum()) for x in inputs for row in x]
         print_result(result)
         results.append(result)

@@ -13,13 +13,25 @@ from .llama_cpp import agreement as llama_cpp_agreement
 from .workloads import GenerateFn
 
 def measure(systems: dict[str, GenerateFn], inputs: list[np.ndarray], expected_new: int, warmup: int,
-            repeats: int) -> tuple[dict[str, list[float]], dict[str, list[np.ndarray]]]:
+            repeats: int, skipped: dict[str, str] | None = None
+            ) -> tuple[dict[str, list[float]], dict[str, list[np.ndarray]]]:
     """Seconds to run every input through each system, per repeat, repeats interleaved across systems.
-    Also checks that each system produced exactly `expected_new` tokens per row."""
+    Also checks that each system produced exactly `expected_new` tokens per row. With `skipped`, a system that
+    cannot run this case (its untimed pass raises: e.g. ONNX Runtime GenAI refuses batches above 32) is left out
+    of it and its reason recorded there; without, the error propagates."""
     outputs: dict[str, list[np.ndarray]] = {}
-    for name, generate in systems.items():
-        for _ in range(max(warmup, 1)):  # at least one untimed pass: it also yields the outputs checked below
-            outputs[name] = [np.asarray(generate(x)) for x in inputs]
+    for name, generate in list(systems.items()):
+        try:
+            for _ in range(max(warmup, 1)):  # at least one untimed pass: it also yields the outputs checked below
+                outputs[name] = [np.asarray(generate(x)) for x in inputs]
+        except Exception as error:
+            if skipped is None:
+                raise
+            skipped[name] = f"{type(error).__name__}: {error}"
+            print(f"    {name}: skipped in this case ({skipped[name]})", flush=True)
+            systems = {other: fn for other, fn in systems.items() if other != name}
+            outputs.pop(name, None)
+            continue
         for x, y in zip(inputs, outputs[name]):
             if y.shape != (x.shape[0], expected_new):
                 raise RuntimeError(f"{name} returned shape {y.shape}, expected {(x.shape[0], expected_new)}: "

@@ -77,3 +77,17 @@ def test_ours_runs_each_model_as_the_service_does_without_the_web_stack():
             "print(rows, heavy)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[1, 0, 0, 0, 3, 3] []"
+
+
+def test_a_system_that_cannot_run_a_case_is_skipped_in_it_with_its_reason():
+    """ONNX Runtime GenAI refuses batches above 32: the case goes on without it, and says why."""
+    def refuses(prompts: np.ndarray) -> np.ndarray:
+        raise RuntimeError("batch_size (64) must be in [1, 32]")
+
+    prompts = make_prompts(GptSpec(), 2)
+    skipped: dict[str, str] = {}
+    times, outputs = measure({"genai": refuses, "ours": fake_system(4, 7)}, [prompts], 4, 0, 2, skipped)
+    assert set(times) == set(outputs) == {"ours"} and len(times["ours"]) == 2
+    assert skipped == {"genai": "RuntimeError: batch_size (64) must be in [1, 32]"}
+    with pytest.raises(RuntimeError, match="must be in"):  # without a place for the reason, the error stands
+        measure({"genai": refuses}, [prompts], 4, 0, 1)
