@@ -31,8 +31,8 @@ _SERVERS: list[ServerProcess] = []  # every server the session made, for the out
 
 class ServerProcess(ServiceProcess):
     """`ServiceProcess` as the tests use it: `(name, repository, workdir, **knobs)`, no drain delay unless a knob
-    says so, the suite's `SUITE_SETTINGS`, idle threads that sleep; a server that does not start fails the test with its output, and
-    `output_on_failure` prints what the servers wrote during a failing test."""
+    says so, the suite's `SUITE_SETTINGS`, idle threads that sleep; a server that does not start fails the test
+    with its output, and `output_on_failure` prints what the servers wrote during a failing test."""
 
     def __init__(self, name: str, repository: Path, workdir: Path, **knobs):
         knobs.setdefault("drain_delay_s", 0)  # a test stops its servers at once unless it tests the drain
