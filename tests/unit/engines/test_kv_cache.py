@@ -67,9 +67,29 @@ def test_a_same_size_reordering_moves_only_the_changed_rows_in_place():
     assert c.encoder_row.tolist() == [0, 0, 1, 1]
 
 
-def test_bad_row_indices_are_an_error():
+@pytest.mark.parametrize("rows", [[0, 5, 1], [-1], [0, -2, 1]])
+def test_bad_row_indices_are_an_error(rows):
     with pytest.raises(IndexError):
-        cache(2, 2).select(np.array([0, 5, 1]))
+        cache(2, 2).select(np.array(rows))
+    with pytest.raises(IndexError):
+        KVCache.concatenate([cache(2, 2)], rows=[np.array(rows)])
+
+
+def test_padding_slots_are_zero_whatever_memory_the_allocator_hands_back(monkeypatch):
+    """`concatenate` writes each slot once: the gathered ones, and zeros in the padding (masked slots, left of a
+    shorter exact cache's rows, right of a buffered one's), never what was in the memory before."""
+    import service.engines.kv_cache as kv_cache
+
+    def dirty(shape, dtype=float):
+        return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 7, dtype)
+
+    monkeypatch.setattr(kv_cache.np, "empty", dirty)
+    merged = KVCache.concatenate([cache(1, 2), cache(2, 4)])  # exact: the short cache left-padded
+    assert merged.keys[0][0, 0, :, 0].tolist() == [0, 0, 0, 1] and merged.mask[0].tolist() == [0, 0, 1, 1]
+    grown = KVCache.concatenate([buffered(1, 2), cache(1, 3)])  # buffers: every row from slot 0, zeros after
+    assert not np.isnan(grown.keys[0]).any() and not np.isnan(grown.values[0]).any()
+    assert grown.keys[0][0, 0, 2:, 0].tolist() == [0] * (grown.capacity - 2)
+    assert grown.mask.tolist() == [[1, 1] + [0] * (grown.capacity - 2), [1, 1, 1] + [0] * (grown.capacity - 3)]
 
 
 # --- capacity buffers (in-place step graphs) -----------------------------------------------------------------
