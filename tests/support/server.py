@@ -36,9 +36,9 @@ class ServerProcess(ServiceProcess):
 
     def __init__(self, name: str, repository: Path, workdir: Path, **knobs):
         knobs.setdefault("drain_delay_s", 0)  # a test stops its servers at once unless it tests the drain
-        for name in SUITE_SETTINGS:
-            if f"TSERVE_{name.upper()}" in os.environ:
-                knobs.setdefault(name, os.environ[f"TSERVE_{name.upper()}"])
+        for setting in SUITE_SETTINGS:
+            if f"TSERVE_{setting.upper()}" in os.environ:
+                knobs.setdefault(setting, os.environ[f"TSERVE_{setting.upper()}"])
         super().__init__(name, repository, workdir, env={"OMP_WAIT_POLICY": "PASSIVE"}, ready_timeout=READY_TIMEOUT_S,
                          **knobs)
         _SERVERS.append(self)
