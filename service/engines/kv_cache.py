@@ -160,15 +160,6 @@ class KVCache:
                 if self.encoder_row is not None:
                     self.encoder_row[moved] = self.encoder_row[sources]
                 return
-        if not self.buffered:  # `concatenate` of this cache alone, without its bookkeeping for several
-            _check_rows(rows, self.rows)
-            first = self.first_used_slot(rows) if len(rows) else self.length
-            self.keys = [np.take(k[:, :, first:], rows, axis=0) for k in self.keys]
-            self.values = [np.take(v[:, :, first:], rows, axis=0) for v in self.values]
-            self.mask, self.positions = np.take(self.mask[:, first:], rows, axis=0), self.positions[rows]
-            if self.encoder_row is not None:
-                self.encoder_row = self.encoder_row[rows]
-            return
         merged = KVCache.concatenate([self], rows=[rows])
         self.keys, self.values, self.mask, self.positions = merged.keys, merged.values, merged.mask, merged.positions
         self.lengths = merged.lengths
@@ -202,7 +193,8 @@ class KVCache:
         rows = [np.arange(c.rows) if r is None else np.asarray(r, dtype=np.int64)
                 for c, r in zip(caches, rows or [None] * len(caches))]
         for cache, kept in zip(caches, rows):
-            _check_rows(kept, cache.rows)
+            if len(kept) and (kept.min() < 0 or kept.max() >= cache.rows):
+                raise IndexError(f"row index out of range for a cache of {cache.rows} rows")
         buffered = any(c.buffered for c in caches)
         # (keys, values, mask, lengths or None, first slot to copy, slots to copy) per cache
         sources = []
@@ -256,12 +248,6 @@ class KVCache:
             encoder_row,
             lengths,
         )
-
-
-def _check_rows(rows: np.ndarray, count: int) -> None:
-    """Raise IndexError unless every index of `rows` is a row of a cache of `count` rows."""
-    if len(rows) and (rows.min() < 0 or rows.max() >= count):
-        raise IndexError(f"row index out of range for a cache of {count} rows")
 
 
 def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray
