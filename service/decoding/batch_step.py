@@ -138,8 +138,8 @@ def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray] | 
     builds its new row ``r`` from its previous row ``parents[r]`` (a global index into the rows of the previous
     call, or into the prefill rows on the first call) extended by ``tokens[r]``, and returns the next-token
     logits of the new rows, shape (R, V), or a `StepLogits` of them. Rows are grouped per still-active search, in
-    the order of ``searches``, each group in the order of that search's `StepResult`. ``step_fn`` is not called once every
-    search is done (a search may finish on its prefill logits).
+    the order of ``searches``, each group in the order of that search's `StepResult`. ``step_fn`` is not called
+    once every search is done (a search may finish on its prefill logits).
     """
     first_rows = first_logits.logits if isinstance(first_logits, StepLogits) else first_logits
     if len(searches) != len(first_rows):

@@ -48,8 +48,7 @@ class RuntimeOptions:
 # Each model kind's `single_thread_rows` unless TSERVE_SINGLE_THREAD_ROWS sets one for all (service.models.kinds;
 # `OneThreadSession`): the GPT's one-row steps ran 1.24x faster on one thread, translation's four-row beam steps
 # 0.62x, and no faster than two threads once its candidates came from the graph (AMD EPYC, 2 cores;
-# docs/benchmarks.md). Here, not in the kinds table, so that bench-engine's venv (no web
-# stack) can read it.
+# docs/benchmarks.md). Here, not in the kinds table, so that bench-engine's venv (no web stack) can read it.
 DEFAULT_SINGLE_THREAD_ROWS = {"translation": 0, "gpt": 1}
 
 
