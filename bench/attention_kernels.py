@@ -9,26 +9,25 @@ that use `--used` of `--capacity` slots (the new one included); the CPU first.
 
     .venv/bin/python bench/attention_kernels.py --batch 16 --used 228 --capacity 288
 
-`--step-graph` measures the same swap in a served GPT's real step graph instead: a copy of the version's in-place
-`decoder_step.onnx` with each layer's two ScatterND and its MultiHeadAttention replaced by one GroupQueryAttention
-(`step_graph_with_gqa`: `seqlens_k` = `cache_slot` as int32, the total length = its max + 1; the engine's feeds are
-unchanged), driven by `GPTEngine.generate` (greedy, 128 tokens, tinyshakespeare prompts of 16 characters, or of 8 to
+`--step-graph` measures the same swap in a served GPT's real step graph instead: the version as stored against its
+`+gqa` variant (`service.engines.step_attention`: each layer's two ScatterND and its MultiHeadAttention replaced by
+one GroupQueryAttention when the graph loads; the engine's feeds are unchanged), driven by `GPTEngine.generate` (greedy, 128 tokens, tinyshakespeare prompts of 16 characters, or of 8 to
 100 with `--varied`), interleaved with the version as stored: tokens/s of both, how many greedy sequences are
 identical, and whether each row decodes alone as in its batch on the rewritten graph (batch invariance):
 
     .venv/bin/python bench/attention_kernels.py --step-graph --batches 1,16,64 [--varied]
 
-The lead for issue 23's GPT goals at batch 16 and 64 (docs/benchmarks.md); not yet a graph variant.
+Measured for issue 23's GPT goals at batch 16 and 64 (docs/benchmarks.md); the `+gqa` variants are offered where
+`export.variants` checked them, and chosen by the service where faster (`TSERVE_VARIANT=auto`).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -80,112 +79,55 @@ def _bind(binding, name: str, array: np.ndarray, output: bool = False) -> None:
                                                             array.ctypes.data)
 
 
-def step_graph_with_gqa(source: Path, target: Path) -> int:
-    """Write `source` (an in-place step graph, `export.kv_inplace` over fused attention) to `target` with each
-    layer's ScatterND x 2 + MultiHeadAttention replaced by one GroupQueryAttention over the shared buffers; returns
-    how many layers it rewrote."""
-    import onnx
-
-    model = onnx.load(source)
-    graph = model.graph
-    producer = {output: node for node in graph.node for output in node.output}
-    added = [
-        helper.make_node("Cast", ["cache_slot"], ["gqa/seqlens_k"], to=TensorProto.INT32),
-        helper.make_node("ReduceMax", ["cache_slot"], ["gqa/last_slot"], keepdims=1),
-        helper.make_node("Constant", [], ["gqa/one"], value=helper.make_tensor("one", TensorProto.INT64, [1], [1])),
-        helper.make_node("Add", ["gqa/last_slot", "gqa/one"], ["gqa/total64"]),
-        helper.make_node("Cast", ["gqa/total64"], ["gqa/total"], to=TensorProto.INT32),
-    ]
-
-    def new_tokens(scatter) -> str:  # the (B, 1, D) keys or values that ScatterND writes after splitting the heads
-        transpose = producer[scatter.input[2]]
-        reshape = producer[transpose.input[0]]
-        if (transpose.op_type, reshape.op_type) != ("Transpose", "Reshape"):
-            raise ValueError(f"{source}: unexpected step graph around {scatter.name}")
-        return reshape.input[0]
-
-    dropped = set()
-    for node in graph.node:
-        if node.op_type != "MultiHeadAttention":
-            continue
-        keys, values = producer[node.input[1]], producer[node.input[2]]
-        if keys.op_type != "ScatterND" or values.op_type != "ScatterND":
-            raise ValueError(f"{source}: {node.name} does not read an in-place buffer")
-        heads = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "num_heads")
-        scale = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "scale"), 0.0)
-        added.append(helper.make_node(
-            "GroupQueryAttention", [node.input[0], new_tokens(keys), new_tokens(values), keys.input[0],
-                                    values.input[0], "gqa/seqlens_k", "gqa/total"],
-            [node.output[0], keys.output[0], values.output[0]], domain="com.microsoft", name=f"{node.name}/gqa",
-            num_heads=heads, kv_num_heads=heads, scale=scale))
-        dropped |= {id(node), id(keys), id(values)}
-    nodes = [node for node in graph.node if id(node) not in dropped] + added
-    outputs = {output.name for output in graph.output}
-    while True:  # what nothing reads any more (the slot indices, the attention bias) goes
-        read = {name for node in nodes for name in node.input} | outputs
-        kept = [node for node in nodes if any(output in read for output in node.output)]
-        if len(kept) == len(nodes):
-            break
-        nodes = kept
-    del graph.node[:]
-    graph.node.extend(nodes)
-    onnx.save(model, target)
-    return len(dropped) // 3
-
-
 def compare_step_graphs(args) -> int:
-    """`--step-graph`: the version's step graph as stored against its GroupQueryAttention copy (module docstring)."""
+    """`--step-graph`: the version's step graph as stored against its `+gqa` variant (module docstring)."""
     from service.decoding import GreedySearch
     from service.engines.gpt import GPTEngine
     from service.engines.runtime import RuntimeOptions
+    from service.engines.step_attention import GQA
+    from service.engines.weights import compute_weights
     from service.models.repository import ModelRepository
 
     stored = ModelRepository(args.repository).get("gpt", args.version)
-    copy = Path(tempfile.mkdtemp(prefix="attention-kernels-"))
-    try:
-        folder = copy / "gpt" / str(stored.version)
-        shutil.copytree(stored.path, folder)
-        layers = step_graph_with_gqa(stored.path / stored.config["files"]["decoder_step"],
-                                     folder / stored.config["files"]["decoder_step"])
-        options = RuntimeOptions(intra_op_threads=args.threads, single_thread_rows=1)
-        engines = {"mha": GPTEngine(stored, options), "gqa": GPTEngine(ModelRepository(copy).get("gpt"), options)}
-        print(f"gpt/{stored.version}: {layers} layers rewritten to GroupQueryAttention")
-        text = (args.data_dir / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
-        rng = np.random.default_rng(0)
+    weights = compute_weights(stored.config.get("weights", "fp32"))
+    options = RuntimeOptions(intra_op_threads=args.threads, single_thread_rows=1)
+    engines = {"mha": GPTEngine(stored, replace(options, weights=weights)),
+               "gqa": GPTEngine(stored, replace(options, weights=f"{weights}+{GQA}"))}
+    print(f"gpt/{stored.version}: {weights} weights, its step graph as stored and as the {weights}+{GQA} variant")
+    text = (args.data_dir / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+    rng = np.random.default_rng(0)
 
-        def prompts(count: int) -> list[list[int]]:
-            out = []
-            for _ in range(count):
-                chars = int(rng.integers(*VARIED_CHARS)) if args.varied else PROMPT_CHARS
-                start = int(rng.integers(0, len(text) - chars))
-                out.append(engines["mha"].tokenizer.encode(text[start : start + chars]).ids)
-            return out
+    def prompts(count: int) -> list[list[int]]:
+        out = []
+        for _ in range(count):
+            chars = int(rng.integers(*VARIED_CHARS)) if args.varied else PROMPT_CHARS
+            start = int(rng.integers(0, len(text) - chars))
+            out.append(engines["mha"].tokenizer.encode(text[start : start + chars]).ids)
+        return out
 
-        def generate(name: str, rows: list[list[int]]):
-            engine = engines[name]
-            return [s.results()[0] for s in engine.generate(rows, lambda _: GreedySearch(
-                NEW_TOKENS, engine.eos_id, min_new_tokens=NEW_TOKENS))]
+    def generate(name: str, rows: list[list[int]]):
+        engine = engines[name]
+        return [s.results()[0] for s in engine.generate(rows, lambda _: GreedySearch(
+            NEW_TOKENS, engine.eos_id, min_new_tokens=NEW_TOKENS))]
 
-        for batch in args.batches:
-            rows = prompts(batch)
-            same = sum(a.tokens == b.tokens for a, b in zip(generate("mha", rows), generate("gqa", rows)))
-            seconds: dict[str, list[float]] = {"mha": [], "gqa": []}
-            for _ in range(GENERATE_SAMPLES):
-                for name in seconds:
-                    started = time.perf_counter()
-                    generate(name, rows)
-                    seconds[name].append(time.perf_counter() - started)
-            mha, gqa = (batch * NEW_TOKENS / statistics.median(seconds[name]) for name in ("mha", "gqa"))
-            print(f"batch {batch}: MultiHeadAttention {mha:,.0f} tokens/s, GroupQueryAttention {gqa:,.0f} tokens/s, "
-                  f"gqa/mha = {gqa / mha:.2f}; identical greedy sequences {same}/{batch}")
-        rows = prompts(INVARIANCE_ROWS)
-        together = generate("gqa", rows)
-        alone = [generate("gqa", [row])[0] for row in rows]
-        invariant = sum(a.tokens == b.tokens and a.score == b.score for a, b in zip(together, alone))
-        print(f"GroupQueryAttention step graph, each row alone as in its batch of {INVARIANCE_ROWS}: "
-              f"{invariant}/{INVARIANCE_ROWS} (tokens and scores)")
-    finally:
-        shutil.rmtree(copy, ignore_errors=True)
+    for batch in args.batches:
+        rows = prompts(batch)
+        same = sum(a.tokens == b.tokens for a, b in zip(generate("mha", rows), generate("gqa", rows)))
+        seconds: dict[str, list[float]] = {"mha": [], "gqa": []}
+        for _ in range(GENERATE_SAMPLES):
+            for name in seconds:
+                started = time.perf_counter()
+                generate(name, rows)
+                seconds[name].append(time.perf_counter() - started)
+        mha, gqa = (batch * NEW_TOKENS / statistics.median(seconds[name]) for name in ("mha", "gqa"))
+        print(f"batch {batch}: MultiHeadAttention {mha:,.0f} tokens/s, GroupQueryAttention {gqa:,.0f} tokens/s, "
+              f"gqa/mha = {gqa / mha:.2f}; identical greedy sequences {same}/{batch}")
+    rows = prompts(INVARIANCE_ROWS)
+    together = generate("gqa", rows)
+    alone = [generate("gqa", [row])[0] for row in rows]
+    invariant = sum(a.tokens == b.tokens and a.score == b.score for a, b in zip(together, alone))
+    print(f"GroupQueryAttention step graph, each row alone as in its batch of {INVARIANCE_ROWS}: "
+          f"{invariant}/{INVARIANCE_ROWS} (tokens and scores)")
     return 0
 
 

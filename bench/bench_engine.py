@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-thread-rows", type=int, default=None,
                         help="ours/shipped: steps of at most this many rows on a one-thread session (default: as the "
                              "service runs each model, service.models.kinds; 0: never)")
+    parser.add_argument("--shipped-variant", default=None,
+                        help="shipped: the variant it runs (fp32, int8, fp32+gqa, int8+gqa; service.engines.weights), "
+                             "as TSERVE_VARIANT pins one (default: as stored)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 7; quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed passes per system (default 2; quick 1)")
     parser.add_argument("--sentences", type=int, default=None,
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
-    args.runtime = Runtime(threads=args.threads, spin=args.spin, single_thread_rows=args.single_thread_rows)
+    args.runtime = Runtime(threads=args.threads, spin=args.spin, single_thread_rows=args.single_thread_rows,
+                           shipped_variant=args.shipped_variant)
     if "torch" in sys.modules:
         print("warning: torch was imported before main(); OMP_WAIT_POLICY may not apply", file=sys.stderr)
     if not args.spin:
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.runtime)
     print(describe_cpu(), flush=True)
     print(f"threads={args.threads} spin={args.spin} repeats={args.repeats} warmup={args.warmup} "
-          f"load average={env['load_average']}")
+          f"shipped variant={args.shipped_variant or 'as stored'} load average={env['load_average']}")
     print(f"versions: {env['versions']}", flush=True)
 
     results = []
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "environment": env,
               "settings": {"repeats": args.repeats, "warmup": args.warmup, "sentences": args.sentences,
+                           "shipped_variant": args.shipped_variant,
                            "gpt_batches": args.gpt_batches,
                            "translation_batches": args.translation_batches, "scaling_batches": args.scaling_batches,
                            "gpt": asdict(GptSpec()), "translation": asdict(TranslationSpec())},

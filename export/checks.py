@@ -164,25 +164,52 @@ def check_vit(model, engine: ViTEngine, images: np.ndarray) -> dict[str, Any]:
         return {"logits_max_abs_diff": diff, "argmax_identical": f"{same}/{len(images)}"}
 
 
+def _windows(ids: np.ndarray, length: int, batch_size: int):
+    """Consecutive windows of `length` tokens of `ids` and their next tokens, `batch_size` windows at a time:
+    (inputs, targets), each (rows, length)."""
+    n_windows = (len(ids) - 1) // length
+    inputs = ids[: n_windows * length].reshape(n_windows, length)
+    targets = ids[1 : n_windows * length + 1].reshape(n_windows, length)
+    for start in range(0, n_windows, batch_size):
+        yield inputs[start : start + batch_size], targets[start : start + batch_size]
+
+
 def gpt_validation_loss(engine: GPTEngine, ids: np.ndarray, batch_size: int = 32) -> float:
     """Mean next-token loss (nats) of the ONNX graph over consecutive context-length windows of `ids`: the same
     windows `GPTTask.validation_loss` scores in PyTorch, so the two numbers compare directly."""
     T = engine.context_length
-    n_windows = (len(ids) - 1) // T
-    inputs = ids[: n_windows * T].reshape(n_windows, T)
-    targets = ids[1 : n_windows * T + 1].reshape(n_windows, T)
-    total = 0.0
-    for start in range(0, n_windows, batch_size):
-        x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
+    total, scored = 0.0, 0
+    for x, y in _windows(ids, T, batch_size):
         rows = len(x)
         feeds = {schema.INPUT_IDS: x, schema.POSITION_IDS: np.tile(np.arange(T, dtype=np.int64), (rows, 1)),
                  schema.ATTENTION_MASK: np.ones((rows, T), np.int64),
                  **KVCache.empty(rows, engine.n_layers, engine.n_heads, engine.head_dim).feeds()}
-        logits = engine.session.run([schema.LOGITS], feeds)[0].astype(np.float64)  # (rows, T, V)
-        peak = logits.max(axis=-1, keepdims=True)
-        log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[..., 0]
-        total += float((log_norm - np.take_along_axis(logits, y[..., None], axis=-1)[..., 0]).sum())
-    return total / targets.size
+        total += _next_token_loss(engine.session.run([schema.LOGITS], feeds)[0], y)  # logits (rows, T, V)
+        scored += y.size
+    return total / scored
+
+
+def _next_token_loss(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Summed -log p(target) of float logits (..., V), in float64."""
+    logits = logits.astype(np.float64)
+    peak = logits.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[..., 0]
+    return float((log_norm - np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]).sum())
+
+
+def gpt_step_validation_loss(engine: GPTEngine, ids: np.ndarray, batch_size: int = 64) -> float:
+    """`gpt_validation_loss` through the decoding steps instead of one prompt pass: each window's first token is
+    the prompt, every later one is fed by `GPTEngine.step` (the in-place step graph where the version has one), and
+    the logits of each step are scored against the next token. The same windows and targets, so the figure
+    compares with the prompt pass's and the card's; it measures what generation runs."""
+    total, scored = 0.0, 0
+    for x, y in _windows(ids, engine.context_length, batch_size):
+        logits, cache = engine.prefill(x[:, :1].tolist())
+        total += _next_token_loss(logits, y[:, 0])
+        for t in range(1, x.shape[1]):
+            total += _next_token_loss(engine.step(cache, x[:, t]), y[:, t])
+        scored += y.size
+    return total / scored
 
 
 def vit_test_accuracy(engine: ViTEngine, images: np.ndarray, labels: np.ndarray) -> float:

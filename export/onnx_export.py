@@ -87,7 +87,9 @@ def export_vit(model, config: ViTConfig, out_dir: Path) -> dict[str, Any]:
         "kind": "vit",
         "files": {"model": schema.VIT_FILE},
         "architecture": {"d_model": config.d_model, "n_heads": config.n_heads, "n_layers": config.n_layers,
-                         "d_ff": config.d_ff, "patch_size": config.patch_size, "num_classes": config.num_classes,
+                         "d_ff": config.d_ff, "num_classes": config.num_classes, "tokens": config.num_patches,
+                         **({"stem_widths": list(config.stem_widths)} if config.stem_widths
+                            else {"patch_size": config.patch_size}),
                          "distillation_token": config.distillation},
         "image": {"size": config.image_size, "channels": config.channels, "mode": "L" if config.channels == 1
                   else "RGB", "mean": config.mean, "std": config.std,

@@ -3,11 +3,12 @@ when the graphs load (`service.engines.weights`), and offered only once checked 
 
     python -m export.variants --repository DIR --name NAME [--version N] [--data-dir DIR]
 
-For each weights variant other than the stored one (`service.engines.weights.WEIGHTS`: int8 <-> fp32), the version
-is measured in that variant, derived exactly as the service derives it, on the data its card was measured on
-(`export.repository.check_quality`: GPT validation loss, ViT test accuracy, translation sacreBLEU with beam 4
-through the service with the variant pinned) and held to `export.tolerances` of the card's float32 (PyTorch)
-figure, as an exported int8 graph is. A variant within it is written into config.json `variants` (variant -> what
+For each variant other than the stored one (`service.engines.weights.VARIANTS`: int8 <-> fp32 weights, and with an
+in-place step graph each of them with its attention as GroupQueryAttention, `+gqa`), the version is measured in that
+variant, derived exactly as the service derives it, on the data its card was measured on
+(`export.repository.check_quality`: GPT validation loss, through the decoding steps for a `+gqa` variant, ViT test
+accuracy, translation sacreBLEU with beam 4 through the service with the variant pinned) and held to
+`export.tolerances` of the card's float32 (PyTorch) figure, as an exported int8 graph is. A variant within it is written into config.json `variants` (variant -> what
 was measured), the list the service chooses from; every result, passed or not, goes into metrics.json
 (`export_checks`, `<variant>_weights_variant`) and the model card's "Weights variants" section. Nothing is
 stored twice: the graphs on disk are not touched. `python -m export` runs this after every export.
@@ -27,11 +28,22 @@ from typing import Any
 from export.checks import ExportCheckError
 from export.repository import check_quality, version_tokenizer
 from models.datasets import DataError
-from service.engines.weights import WEIGHTS, compute_weights
+from service.engines.onnx_graph import load
+from service.engines.step_attention import has_masked_step_attention
+from service.engines.weights import VARIANTS, compute_weights, split_variant
 from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 METRICS_FILE, CARD_FILE = "metrics.json", "README.md"
 CARD_SECTION = "## Weights variants"
+
+
+def candidate_variants(version: ModelVersion) -> list[str]:
+    """The variants `version` may run besides its stored one: the other weights, and the `+gqa` ones only where it
+    has an in-place step graph with masked attention to rewrite."""
+    stored = compute_weights(version.config.get("weights", "fp32"))
+    step = version.config["files"].get("decoder_step")
+    rewritable = step is not None and has_masked_step_attention(load(version.path / step))
+    return [v for v in VARIANTS if v != stored and (split_variant(v)[1] is None or rewritable)]
 
 
 def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[str, dict[str, Any]]:
@@ -42,9 +54,7 @@ def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[s
     card = json.loads((version.path / METRICS_FILE).read_text())
     tokenizer = version_tokenizer(version)
     results: dict[str, dict[str, Any]] = {}
-    for weights in WEIGHTS:
-        if weights == stored:
-            continue
+    for weights in candidate_variants(version):
         try:
             result = {**check_quality(version.kind, version, tokenizer, card, data_dir, weights=weights),
                       "passed": True}

@@ -1,7 +1,8 @@
 """Vision Transformer (Dosovitskiy et al., 2021), laid out like timm's `vision_transformer.py`.
 
-Patch embedding as `Conv2d(kernel=stride=patch)` (equal to "cut into patches, flatten, one linear layer"),
-a learned [CLS] token, learned position embeddings, a Pre-LN encoder with a final LayerNorm;
+Patch embedding as `Conv2d(kernel=stride=patch)` (equal to "cut into patches, flatten, one linear layer") or, with
+`config.stem_widths`, a convolutional stem (Xiao et al., 2021: 3x3 stride-2 convolutions with BatchNorm and ReLU,
+then a 1x1 convolution to d_model; timm's `ConvStem`), a learned [CLS] token, learned position embeddings, a Pre-LN encoder with a final LayerNorm;
 `forward_features` (all tokens) -> the [CLS] token -> `head` (class logits).
 With `config.distillation`, DeiT's distillation token (Touvron et al., 2021; timm's
 `VisionTransformerDistilled`): a second learned token after [CLS] with its own head, trained to predict a
@@ -17,14 +18,29 @@ from models.config import ViTConfig
 from models.layers import TransformerBlock
 
 
+def conv_stem(channels: int, widths: tuple[int, ...], d_model: int) -> nn.Sequential:
+    """Xiao et al.'s stem: per width a 3x3 stride-2 convolution (no bias), BatchNorm and ReLU; then a 1x1
+    convolution to d_model (the token embedding)."""
+    layers: list[nn.Module] = []
+    previous = channels
+    for width in widths:
+        layers += [nn.Conv2d(previous, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width),
+                   nn.ReLU(inplace=True)]
+        previous = width
+    return nn.Sequential(*layers, nn.Conv2d(previous, d_model, 1))
+
+
 class ViT(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
-        if config.image_size % config.patch_size:
+        if not config.stem_widths and config.image_size % config.patch_size:
             raise ValueError(f"image_size={config.image_size} is not a multiple of patch_size={config.patch_size}")
         self.config = config
         d = config.d_model
-        self.patch_embed = nn.Conv2d(config.channels, d, kernel_size=config.patch_size, stride=config.patch_size)
+        if config.stem_widths:
+            self.patch_embed = conv_stem(config.channels, config.stem_widths, d)
+        else:
+            self.patch_embed = nn.Conv2d(config.channels, d, kernel_size=config.patch_size, stride=config.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.dist_token = nn.Parameter(torch.zeros(1, 1, d)) if config.distillation else None
         self.pos_embed = nn.Parameter(torch.zeros(1, config.num_prefix_tokens + config.num_patches, d))
@@ -51,7 +67,7 @@ class ViT(nn.Module):
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (B, C, H, W), already normalised -> tokens (B, P + N, d) after the final LayerNorm, P prefix
         tokens ([CLS], then the distillation token if any)."""
-        x = self.patch_embed(pixels)  # (B, d, H/p, W/p)
+        x = self.patch_embed(pixels)  # (B, d, grid, grid)
         x = x.flatten(2).transpose(1, 2)  # (B, N, d)
         prefix = [self.cls_token] + ([self.dist_token] if self.dist_token is not None else [])
         prefix = [token.expand(x.shape[0], -1, -1) for token in prefix]  # P x (B, 1, d)

@@ -35,9 +35,10 @@ class Settings(BaseSettings):
     # waking a second thread for each small op costs more than it saves (service.engines.runtime.OneThreadSession);
     # unset: each kind's own (service.models.kinds: the GPT's one-row steps, no translation steps)
     single_thread_rows: int | None = Field(None, ge=0)
-    # the weights variant each model runs (service.models.variants): auto = the fastest on this host of those its
-    # version offers, timed at start-up (cached in calibration_cache per CPU); stored = as the repository holds it;
-    # fp32 or int8 for every model; or per model: gpt=fp32,translation=stored (the others: auto)
+    # the variant each model runs (service.models.variants): auto = the fastest on this host of those its version
+    # offers, timed at start-up (cached in calibration_cache per CPU); stored = as the repository holds it; fp32,
+    # int8, fp32+gqa or int8+gqa (the step graph's attention as GroupQueryAttention) for every model; or per model:
+    # gpt=int8+gqa,translation=stored (the others: auto)
     variant: str = "auto"
     # the calibration timings, kept between starts ("" = none kept: every start measures)
     calibration_cache: str = str(Path("~/.cache/tserve/calibration.json"))

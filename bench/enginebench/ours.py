@@ -32,30 +32,32 @@ def run_shipped_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateF
     (bench/shipped.py: fused attention, int8 weights, in-place KV cache, ...)."""
     from shipped import shipped_variant
 
-    return run_ours_gpt(spec, runtime, workdir, shipped_variant("gpt"))
+    return run_ours_gpt(spec, runtime, workdir, shipped_variant("gpt"), runtime.shipped_variant)
 
 
 def run_shipped_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     """OUR ENGINE on the SHIPPED VARIANT of our translation graphs (see `run_shipped_gpt`)."""
     from shipped import shipped_variant
 
-    return run_ours_translation(spec, runtime, workdir, shipped_variant("translation"))
+    return run_ours_translation(spec, runtime, workdir, shipped_variant("translation"), runtime.shipped_variant)
 
 
-def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[str, str] | None = None
-                 ) -> GenerateFn:
+def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[str, str] | None = None,
+                 runs_as: str | None = None) -> GenerateFn:
     """OUR ENGINE, GPT: `service.engines.gpt.GPTEngine` + `service.decoding.GreedySearch`.
 
     Our from-scratch GPT (`models.gpt.GPT`) with random weights and the same sizes, exported by
     `export.onnx_export.export_gpt` (untimed, cached). `generate(prompts)`: prompts (B, spec.prompt_tokens) int64,
     no padding -> (B, spec.new_tokens) int64, the generated tokens only; greedy with
-    `min_new_tokens == max_new_tokens == spec.new_tokens`, all B rows decoded together in one batch.
+    `min_new_tokens == max_new_tokens == spec.new_tokens`, all B rows decoded together in one batch. `variant`: the
+    export's rewrite (`export.repository.rewrite_graphs`), `runs_as`: the variant the engine derives from it when
+    the graphs load (`service.engines.weights.VARIANTS`; None: as stored).
     """
     from service.decoding import GreedySearch
     from service.engines.gpt import GPTEngine
 
     version = ours_gpt_version(spec, workdir, variant)
-    engine = GPTEngine(version, _ours_runtime_options(runtime, "gpt"))
+    engine = GPTEngine(version, _ours_runtime_options(runtime, "gpt", runs_as))
 
     def generate(prompts: np.ndarray) -> np.ndarray:
         searches = engine.generate(prompts.tolist(), lambda _: GreedySearch(spec.new_tokens, EOS_ID,
@@ -84,7 +86,7 @@ def gpt_config(spec: GptSpec):
 
 
 def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
-                         variant: dict[str, str] | None = None) -> GenerateFn:
+                         variant: dict[str, str] | None = None, runs_as: str | None = None) -> GenerateFn:
     """OUR ENGINE, TRANSLATION: `service.engines.translation.TranslationEngine` + `service.decoding.BeamSearch`.
 
     Our from-scratch encoder-decoder (`models.transformer.EncoderDecoderTransformer`) with random weights and the
@@ -100,7 +102,7 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
     config = translation_config(spec)
     version = _ours_export("translation", lambda: EncoderDecoderTransformer(config), config,
                            spec_dir(workdir, _variant_name("ours-translation", variant), spec), variant)
-    engine = TranslationEngine(version, _ours_runtime_options(runtime, "translation"))
+    engine = TranslationEngine(version, _ours_runtime_options(runtime, "translation", runs_as))
 
     def generate(source: np.ndarray) -> np.ndarray:
         searches = engine.translate_ids(source_rows(source), lambda _: BeamSearch(
@@ -153,11 +155,13 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
     return ModelVersion(f"bench-{kind}", 1, folder, json.loads((folder / CONFIG_FILE).read_text()))
 
 
-def _ours_runtime_options(runtime: Runtime, kind: str):
+def _ours_runtime_options(runtime: Runtime, kind: str, runs_as: str | None = None):
     """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`; one-thread
-    steps as the service runs the model `kind` unless `runtime.single_thread_rows` says otherwise."""
+    steps as the service runs the model `kind` unless `runtime.single_thread_rows` says otherwise; the variant
+    `runs_as` (None: as stored)."""
     from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS, RuntimeOptions
 
     rows = runtime.single_thread_rows
     return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin,
-                          single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[kind] if rows is None else rows)
+                          single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[kind] if rows is None else rows,
+                          weights=runs_as)

@@ -105,6 +105,9 @@ class Runtime:
     # ours and shipped only: steps of at most this many rows on a one-thread session (the service's
     # TSERVE_SINGLE_THREAD_ROWS, `service.engines.runtime.OneThreadSession`); 0 = never, None = as the service
     single_thread_rows: int | None = None
+    # shipped only: the variant it runs (`service.engines.weights.VARIANTS`, e.g. int8+gqa); None = as stored, as
+    # the service runs it with TSERVE_VARIANT=stored
+    shipped_variant: str | None = None
 
     def session_options(self):
         """The `onnxruntime.SessionOptions` every ONNX Runtime system must use (ours included)."""

@@ -40,8 +40,9 @@ class RuntimeOptions:
     # decoder calls of at most this many rows run on a second session with one intra-op thread (`OneThreadSession`);
     # 0 = never
     single_thread_rows: int = 0
-    # the MatMul weights the sessions compute with (`service.engines.weights.WEIGHTS`), derived from the stored
-    # graph when it holds the other kind; None = as stored
+    # the variant the sessions run (`service.engines.weights.VARIANTS`: the MatMul weights, fp32 or int8, and with
+    # `+gqa` the step graph's attention as GroupQueryAttention), derived from the stored graph where it differs;
+    # None = as stored
     weights: str | None = None
 
 
@@ -92,7 +93,7 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(),
     if options.device == "cuda" and active != CUDA:
         log.warning("CUDA provider did not start for %s (no GPU visible?); falling back to %s", path, active)
     extra = ", with row candidates" if row_candidates else ""
-    note = "" if derived is None else f" (derived: {options.weights or 'stored'} weights{extra})"
+    note = "" if derived is None else f" (derived: {options.weights or 'stored'} variant{extra})"
     log.info("loaded %s on %s%s", path, active, note)
     return session
 

@@ -14,7 +14,12 @@ The derivations (`derive`):
   (`quantize_matmul_8bits`, the one its `MatMulNBitsQuantizer` calls for `export.quantize`), so the blocks and
   scales are those the exporter would store from the same weights.
 Either way only the MatMuls change; the rest of the graph (float16 storage of embeddings, fused attention, the
-in-place cache) is kept. Each variant's quality is measured at export time (`export.variants`), not here.
+in-place cache) is kept.
+
+A variant is its weights, optionally with `+gqa` (`VARIANTS`: fp32, int8, fp32+gqa, int8+gqa): the in-place step
+graph's attention then runs as ONNX Runtime's GroupQueryAttention (`service.engines.step_attention`); the graphs
+without one (a prompt pass, an encoder, an image model) are the weights variant's. Each variant's quality is
+measured at export time (`export.variants`), not here.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ from onnxruntime.capi._pybind_state import quantize_matmul_8bits
 
 from service.engines.onnx_graph import ModelProto, TensorProto, attribute, from_array, load, make_node, to_array
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
+from service.engines.step_attention import GQA, has_masked_step_attention, to_group_query_attention
 
 FP32, INT8 = "fp32", "int8"
 WEIGHTS = (FP32, INT8)
+VARIANT_SEPARATOR = "+"
+VARIANTS = (*WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{GQA}" for weights in WEIGHTS))
 MICROSOFT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators, MatMulNBits among them
 MATMUL_NBITS = "MatMulNBits"
 BITS = 8
@@ -46,15 +54,27 @@ def compute_weights(stored: str) -> str:
     return INT8 if stored == INT8 else FP32
 
 
+def split_variant(variant: str) -> tuple[str, str | None]:
+    """'int8+gqa' -> ('int8', 'gqa'); 'fp32' -> ('fp32', None); ValueError for a name not in `VARIANTS`."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    weights, _, attention = variant.partition(VARIANT_SEPARATOR)
+    return weights, attention or None
+
+
 def graph_weights(model: ModelProto) -> str:
     """`int8` if any MatMul of the graph is a MatMulNBits, else `fp32`."""
     return INT8 if any(node.op_type == MATMUL_NBITS for node in model.graph.node) else FP32
 
 
 @functools.lru_cache(maxsize=DERIVED_GRAPHS_KEPT)
-def _derived(path: str, mtime_ns: int, size: int, weights: str | None, row_candidates: bool) -> bytes | None:
+def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candidates: bool) -> bytes | None:
     model = load(path)
     changed = False
+    weights, attention = split_variant(variant) if variant is not None else (None, None)
+    if attention == GQA and has_masked_step_attention(model):
+        to_group_query_attention(model)
+        changed = True
     if weights is not None and graph_weights(model) != weights:
         rewritten = to_fp32(model) if weights == FP32 else to_int8(model)
         if weights == INT8 and rewritten == 0:
@@ -66,14 +86,14 @@ def _derived(path: str, mtime_ns: int, size: int, weights: str | None, row_candi
     return model.SerializeToString() if changed else None
 
 
-def derive(path: str | Path, weights: str | None, row_candidates: bool = False) -> bytes | None:
-    """The graph at `path` serialized in the `weights` variant (None: as stored), with the decoder's row candidates
-    added when asked (`service.engines.row_candidates`), or None when the stored graph is that already. A graph
-    derived once is kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
-    if weights is not None and weights not in WEIGHTS:
-        raise ValueError(f"weights variant must be one of {WEIGHTS}, got {weights!r}")
+def derive(path: str | Path, variant: str | None, row_candidates: bool = False) -> bytes | None:
+    """The graph at `path` serialized in `variant` (`VARIANTS`; None: as stored), with the decoder's row
+    candidates added when asked (`service.engines.row_candidates`), or None when the stored graph is that already.
+    A graph derived once is kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
+    if variant is not None:
+        split_variant(variant)  # a clear error for an unknown name
     stat = Path(path).stat()
-    return _derived(str(path), stat.st_mtime_ns, stat.st_size, weights, row_candidates)
+    return _derived(str(path), stat.st_mtime_ns, stat.st_size, variant, row_candidates)
 
 
 # --- int8 -> fp32 ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Which weights variant each model version runs (`load_engine`): the one `TSERVE_VARIANT` pins, else the fastest on
+"""Which variant each model version runs (`load_engine`): the one `TSERVE_VARIANT` pins, else the fastest on
 this host of those the version offers, as `service.models.calibration` measures them (or cached them).
 
 A version offers (`offered`) the variant it is stored in (config.json `weights`; float16 storage computes in
@@ -15,7 +15,7 @@ between two equal variants does not flip the choice from one start to the next.
 `python -m service.models.calibrate` is the explicit calibration step (the same choice, ahead of a start).
 
 `TSERVE_VARIANT` (`parse_pins`): `auto` (the default: calibrate), `stored` (no calibration), a variant for every
-model (`fp32`, `int8`), or per model: `gpt=fp32,translation=stored` (the models it does not name: auto). A pinned
+model (`fp32`, `int8`, `fp32+gqa`, `int8+gqa`: `service.engines.weights.VARIANTS`), or per model: `gpt=fp32,translation=stored` (the models it does not name: auto). A pinned
 variant the version does not offer (no quality check recorded) still runs, as an operator's explicit override
 (and as `export.variants` measures one before it is offered): logged as a warning, and its reason says so.
 """
@@ -29,14 +29,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.engines.runtime import RuntimeOptions
-from service.engines.weights import WEIGHTS, compute_weights
+from service.engines.weights import VARIANTS, compute_weights
 from service.models.calibration import CalibrationCache, calibration_key, measure
 from service.models.repository import ModelVersion
 
 log = logging.getLogger(__name__)
 
 AUTO, STORED = "auto", "stored"
-PIN_VALUES = (AUTO, STORED, *WEIGHTS)
+PIN_VALUES = (AUTO, STORED, *VARIANTS)
 ALL_MODELS = "*"  # the pin of a value without a model name
 MARGIN = 0.05  # a derived variant must be this much faster than the stored one to replace it
 # how the variant was chosen (the `chosen_by` of /v1/models and the model info metric)
@@ -81,7 +81,7 @@ def offered(model: ModelVersion) -> tuple[str, ...]:
     """The stored variant first, then those config.json `variants` records as derived and checked."""
     stored = compute_weights(model.config.get("weights", "fp32"))
     checked = model.config.get("variants") or {}
-    return (stored, *(v for v in WEIGHTS if v != stored and isinstance(checked.get(v), dict)))
+    return (stored, *(v for v in VARIANTS if v != stored and isinstance(checked.get(v), dict)))
 
 
 def fastest(timings: Mapping[str, Mapping[int, float]], stored: str, margin: float = MARGIN) -> str:

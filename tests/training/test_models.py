@@ -175,6 +175,47 @@ def test_conv_patch_embedding_equals_flatten_and_linear():
         assert vit(images).shape == (2, 10)
 
 
+@pytest.mark.parametrize("image_size, widths, grid", [(28, (8, 16, 32), 4), (28, (8, 16), 7), (32, (8, 8), 8)])
+def test_a_conv_stem_halves_the_grid_per_convolution(image_size, widths, grid):
+    config = ViTConfig(image_size=image_size, stem_widths=widths, d_model=32, n_heads=4, n_layers=1, d_ff=64,
+                       dropout=0.0)
+    vit = ViT(config).eval()
+    images = torch.randn(2, 1, image_size, image_size)
+    with torch.no_grad():
+        assert vit.patch_embed(images).shape == (2, 32, grid, grid)
+        assert vit.forward_features(images).shape == (2, 1 + grid * grid, 32)
+        assert vit(images).shape == (2, 10)
+    assert (config.grid_size, config.num_patches) == (grid, grid * grid)
+    convolutions = [m for m in vit.patch_embed if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.out_channels, c.stride) for c in convolutions] == [*((w, (2, 2)) for w in widths), (32, (1, 1))]
+
+
+def test_a_conv_stem_vit_exports_with_its_batchnorm_statistics(tmp_path):
+    """The exported graph computes the eval-mode stem (BatchNorm's running statistics, not the batch's)."""
+    import onnxruntime as ort
+
+    from export.onnx_export import export_vit
+    from service.engines import onnx_schema as schema
+
+    torch.manual_seed(0)
+    config = ViTConfig(stem_widths=(8, 16, 32), d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0)
+    vit = ViT(config).train()
+    with torch.no_grad():
+        for _ in range(5):  # running statistics away from their initial 0 / 1
+            vit(torch.randn(16, 1, 28, 28) * 3 + 1)
+    vit.eval()
+    info = export_vit(vit, config, tmp_path)
+    assert info["architecture"]["stem_widths"] == [8, 16, 32] and info["architecture"]["tokens"] == 16
+    images = torch.randn(5, 1, 28, 28)
+    session = ort.InferenceSession(str(tmp_path / schema.VIT_FILE), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {schema.PIXEL_VALUES: images.numpy()})[0]
+    with torch.no_grad():
+        expected = vit(images).numpy()
+        in_batch_statistics = vit.train()(images).numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
+    assert np.abs(in_batch_statistics - expected).max() > 1e-2  # the statistics matter: the check would see them
+
+
 def test_fused_training_attention_equals_written_out_attention(translator):
     """Training runs PyTorch's fused attention, evaluation and export the written-out form: same numbers."""
     torch.manual_seed(0)

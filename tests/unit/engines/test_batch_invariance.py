@@ -1,7 +1,8 @@
 """Batch invariance: a request's output is the same alone and among 15 others (greedy, beam and seeded sampling),
 bit for bit, for every version whose decoder steps in place (`service.engines.kv_cache`: every row's slots from 0, so no
 masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny GPT
-converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV).
+converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV); the GPTs' logits
+also in their `+gqa` variants (GroupQueryAttention steps).
 
 The released translator steps by concatenation (the in-place option costs it 4-13% of its throughput, README);
 its weights with the in-place step graph are checked per step here. Versions that step by concatenation are not
@@ -197,15 +198,19 @@ def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_
         np.testing.assert_array_equal(a, b, err_msg=f"source {source}")
 
 
+@pytest.mark.parametrize("variant", [None, "int8+gqa", "fp32+gqa"])
 @pytest.mark.parametrize("version", ["tiny-int8-mha-inplace", "release-served"])
-def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(variant_repository, version):
+def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(variant_repository, version, variant):
+    """As stored, and in the variants whose step attention is GroupQueryAttention over each row's own slots
+    (`service.engines.step_attention`)."""
     from service.engines.gpt import GPTEngine
+    from service.engines.runtime import RuntimeOptions
     from service.models.repository import ModelRepository
 
     repository, made = variant_repository
     model = ModelRepository(RELEASE_REPOSITORY).get("gpt") if version == "release-served" else \
         ModelRepository(repository).get("gpt", made[0][1])
-    engine = GPTEngine(model)
+    engine = GPTEngine(model, RuntimeOptions(weights=variant))
     prompts = [engine.tokenizer.encode(text).ids[: engine.context_length // 2] for text in GPT_PROMPTS]
     alone, batched = _logits_alone_and_batched(engine, prompts, steps=12)
     for prompt, (a, b) in enumerate(zip(alone, batched)):

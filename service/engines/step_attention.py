@@ -1,0 +1,127 @@
+"""The in-place step graph's attention as ONNX Runtime's `GroupQueryAttention`: the load-time rewrite of the `gqa`
+variants (`service.engines.weights`).
+
+The in-place step graph (`export.kv_inplace`) writes each row's new keys/values into slot `cache_slot[row]` of the
+shared buffers with two ScatterND per layer, then runs `com.microsoft.MultiHeadAttention` over the whole
+fixed-capacity buffer with the unused slots masked. `com.microsoft.GroupQueryAttention` (here with as many key/value
+heads as query heads) does both in one kernel: it takes the new token's keys/values and the buffers as its past,
+writes the new slot itself (with the buffer bound as both past and present, in place) and attends over each row's
+own length only, `seqlens_k[row] + 1` slots, where the masked kernel reads the whole capacity. This is how
+onnxruntime-genai runs its CPU decoders over a shared KV buffer.
+
+It relies on the buffers' layout (`service.engines.kv_cache`): every row's tokens sit in slots [0, cache_slot[row]),
+so the slots before the new one are exactly the row's, and `seqlens_k` = `cache_slot` (the past length), the total
+length = max(cache_slot) + 1. The attention mask is then not read. Another kernel sums in another order: outputs
+may differ from the masked kernel's in the last bits (and a greedy choice between near-equal tokens with them), so
+the variant is quality-checked at export like a weights variant (`export.variants`), on the steps it changes.
+Rows stay batch-invariant: each row's attention reads its own slots only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.engines import onnx_schema as schema
+from service.engines.onnx_graph import ModelProto, NodeProto, TensorProto, attribute, from_array, make_node
+
+__all__ = ["GQA", "has_masked_step_attention", "to_group_query_attention"]
+
+GQA = "gqa"  # the variant suffix (`service.engines.weights`)
+MICROSOFT_DOMAIN = "com.microsoft"
+MASKED_ATTENTION, GROUP_QUERY_ATTENTION, SCATTER = "MultiHeadAttention", "GroupQueryAttention", "ScatterND"
+MHA_QUERY, MHA_KEY, MHA_VALUE = 0, 1, 2  # MultiHeadAttention's inputs
+SCATTER_DATA, SCATTER_UPDATES = 0, 2  # ScatterND's
+PREFIX = "step_attention"
+SEQLENS_K, TOTAL_LENGTH = f"{PREFIX}/seqlens_k", f"{PREFIX}/total_sequence_length"
+COPIED_ATTRIBUTES = ("num_heads", "scale")  # what GroupQueryAttention takes over from the masked node
+
+
+def _masked_layers(model: ModelProto) -> list[tuple[NodeProto, NodeProto, NodeProto]]:
+    """(MultiHeadAttention, keys' ScatterND, values' ScatterND) of every layer whose attention reads buffers that
+    a ScatterND wrote: the in-place step graph's layers."""
+    producer = {output: node for node in model.graph.node for output in node.output}
+    layers = []
+    for node in model.graph.node:
+        if node.op_type != MASKED_ATTENTION or node.domain != MICROSOFT_DOMAIN or len(node.input) <= MHA_VALUE:
+            continue
+        keys, values = producer.get(node.input[MHA_KEY]), producer.get(node.input[MHA_VALUE])
+        if keys is not None and values is not None and keys.op_type == values.op_type == SCATTER:
+            layers.append((node, keys, values))
+    return layers
+
+
+def has_masked_step_attention(model: ModelProto) -> bool:
+    """Whether the graph is an in-place step graph with masked attention that `to_group_query_attention` rewrites."""
+    return any(i.name == schema.CACHE_SLOT for i in model.graph.input) and bool(_masked_layers(model))
+
+
+def _new_tokens(producer: dict[str, NodeProto], scatter: NodeProto) -> str:
+    """The (rows, 1, heads x head_dim) keys or values that `scatter` writes, before the graph split their heads
+    into the (rows, heads, 1, head_dim) updates: a Reshape, after or without a Transpose (`export.kv_inplace` has
+    written both)."""
+    node = producer.get(scatter.input[SCATTER_UPDATES])
+    if node is not None and node.op_type == "Transpose":
+        node = producer.get(node.input[0])
+    if node is None or node.op_type != "Reshape":
+        raise ValueError(f"unexpected step graph: {scatter.name}'s updates are not the heads of a (rows, 1, width) "
+                         "projection (Reshape, or Reshape then Transpose)")
+    return node.input[0]
+
+
+def to_group_query_attention(model: ModelProto) -> int:
+    """In place: each layer's ScatterND x 2 + MultiHeadAttention becomes one GroupQueryAttention over the same
+    buffers, whose present outputs keep the ScatterNDs' names (so the graph's presents are unchanged); what nothing
+    reads any more (the slot indices, the mask's bias) is removed. Returns how many layers were rewritten; raises
+    ValueError when the graph is not an in-place step graph."""
+    if not has_masked_step_attention(model):
+        raise ValueError(f"not an in-place step graph with {MASKED_ATTENTION} over ScatterND-written buffers "
+                         f"(`export.kv_inplace`): nothing to rewrite to {GROUP_QUERY_ATTENTION}")
+    graph = model.graph
+    producer = {output: node for node in graph.node for output in node.output}
+    added = [make_node("Cast", [schema.CACHE_SLOT], [SEQLENS_K], f"{PREFIX}/seqlens", to=TensorProto.INT32),
+             make_node("ReduceMax", [schema.CACHE_SLOT], [f"{PREFIX}/last_slot"], f"{PREFIX}/last_slot", keepdims=1),
+             make_node("Add", [f"{PREFIX}/last_slot", f"{PREFIX}/one"], [f"{PREFIX}/total64"], f"{PREFIX}/total"),
+             make_node("Cast", [f"{PREFIX}/total64"], [TOTAL_LENGTH], f"{PREFIX}/total32", to=TensorProto.INT32)]
+    graph.initializer.append(from_array(np.ones(1, np.int64), f"{PREFIX}/one"))
+    dropped: set[int] = set()
+    for attention, keys, values in _masked_layers(model):
+        inputs = [attention.input[MHA_QUERY], _new_tokens(producer, keys), _new_tokens(producer, values),
+                  keys.input[SCATTER_DATA], values.input[SCATTER_DATA], SEQLENS_K, TOTAL_LENGTH]
+        outputs = [attention.output[0], keys.output[0], values.output[0]]
+        node = make_node(GROUP_QUERY_ATTENTION, inputs, outputs, f"{attention.name}/{GQA}", MICROSOFT_DOMAIN,
+                         kv_num_heads=attribute(attention, "num_heads"))  # as many key/value heads as queries
+        for copied in (a for a in attention.attribute if a.name in COPIED_ATTRIBUTES):
+            node.attribute.add().CopyFrom(copied)
+        added.append(node)
+        dropped |= {id(attention), id(keys), id(values)}
+    nodes = [node for node in graph.node if id(node) not in dropped] + added
+    outputs = {output.name for output in graph.output}
+    while True:  # what nothing reads any more (the slot indices, the attention bias) goes
+        read = {name for node in nodes for name in node.input} | outputs
+        kept = [node for node in nodes if any(output in read for output in node.output)]
+        if len(kept) == len(nodes):
+            break
+        nodes = kept
+    read = {name for node in nodes for name in node.input} | outputs
+    initializers = [t for t in graph.initializer if t.name in read]
+    del graph.node[:]
+    graph.node.extend(_topological(nodes, {i.name for i in graph.input} | {t.name for t in initializers}))
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    return len(dropped) // 3
+
+
+def _topological(nodes: list[NodeProto], available: set[str]) -> list[NodeProto]:
+    """`nodes` in an order where each comes after the producers of its inputs (ONNX requires it; the new nodes were
+    appended at the end)."""
+    ordered, pending, known = [], list(nodes), set(available) | {""}
+    while pending:
+        ready = [node for node in pending if all(name in known for name in node.input)]
+        if not ready:
+            raise ValueError("the rewritten step graph has a cycle or an input nothing produces")
+        for node in ready:
+            ordered.append(node)
+            known.update(node.output)
+        ready_ids = {id(node) for node in ready}
+        pending = [node for node in pending if id(node) not in ready_ids]
+    return ordered

@@ -1,0 +1,124 @@
+"""The `+gqa` variants (`service.engines.step_attention`): the in-place step graph's ScatterND x 2 +
+MultiHeadAttention per layer rewritten into one GroupQueryAttention when the graph loads, against the graph as
+stored (ONNX Runtime's own masked kernel is the oracle), and their quality check at export (`export.variants`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from export.convert import main as convert_main
+from service.engines.gpt import GPTEngine
+from service.engines.onnx_graph import load
+from service.engines.runtime import RuntimeOptions
+from service.engines.step_attention import has_masked_step_attention, to_group_query_attention
+from service.engines.weights import VARIANTS, derive, split_variant
+from service.models.repository import ModelRepository
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["ROMEO:\nWhat", "A", "First Citizen:\nBefore we proceed", "KING HENRY", "O"]
+STEPS = 24
+# |GroupQueryAttention logit - MultiHeadAttention logit|, tiny GPT, float32 weights, teacher-forced: another
+# summation order of the same float32 products (measured up to ~2e-6; logits' std ~2.5)
+LOGITS_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def step_repository(tiny_repository, data_dir, tmp_path_factory):
+    """The tiny GPT (version 1: no step graph) and its fused-attention in-place conversion (version 2)."""
+    repository = tmp_path_factory.mktemp("step-attention")
+    shutil.copytree(tiny_repository / "gpt" / "1", repository / "gpt" / "1")
+    assert convert_main(["--repository", str(repository), "--name", "gpt", "--from-version", "1", "--to-version",
+                         "2", "--data-dir", str(data_dir), "--attention", "mha", "--kv-cache", "inplace"]) == 0
+    return repository
+
+
+def _teacher_forced_logits(engine: GPTEngine, prompts: list[list[int]], tokens: np.ndarray) -> np.ndarray:
+    """(steps + 1, rows, V): the prompt pass's last logits, then each step's, feeding `tokens` (steps, rows)."""
+    logits, cache = engine.prefill(prompts)
+    out = [logits]
+    for step_tokens in tokens:
+        out.append(engine.step(cache, step_tokens))
+    return np.stack(out)
+
+
+def test_each_layer_becomes_one_group_query_attention_with_the_same_interface(step_repository):
+    version = ModelRepository(step_repository).get("gpt", 2)
+    model = load(version.path / version.config["files"]["decoder_step"])
+    interface = ([i.name for i in model.graph.input], [o.name for o in model.graph.output])
+    assert has_masked_step_attention(model)
+    layers = to_group_query_attention(model)
+    ops = [node.op_type for node in model.graph.node]
+    assert layers == version.config["architecture"]["n_layers"] == ops.count("GroupQueryAttention")
+    assert "MultiHeadAttention" not in ops and "ScatterND" not in ops
+    assert ([i.name for i in model.graph.input], [o.name for o in model.graph.output]) == interface
+    onnx.checker.check_model(onnx.load_from_string(model.SerializeToString()))  # valid, nodes in order
+    assert not has_masked_step_attention(model)
+    with pytest.raises(ValueError, match="not an in-place step graph"):
+        to_group_query_attention(model)  # nothing left to rewrite
+    prompt_pass = load(version.path / version.config["files"]["decoder"])
+    assert not has_masked_step_attention(prompt_pass)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_the_steps_compute_what_the_masked_kernel_computes(step_repository, weights):
+    version = ModelRepository(step_repository).get("gpt", 2)
+    masked, grouped = (GPTEngine(version, RuntimeOptions(weights=variant)) for variant in (weights, f"{weights}+gqa"))
+    prompts = [masked.tokenizer.encode(text).ids for text in PROMPTS]
+    tokens = np.random.default_rng(0).integers(0, masked.vocab_size, (STEPS, len(prompts)))
+    expected = _teacher_forced_logits(masked, prompts, tokens)
+    actual = _teacher_forced_logits(grouped, prompts, tokens)
+    np.testing.assert_array_equal(actual[0], expected[0])  # the prompt pass is not rewritten
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=LOGITS_ATOL)
+    assert np.abs(actual - expected).max() > 0 or weights == "int8"  # another kernel ran (float32: other sums)
+
+
+def test_variant_names_and_graphs_without_step_attention(step_repository):
+    assert VARIANTS == ("fp32", "int8", "fp32+gqa", "int8+gqa")
+    assert split_variant("int8+gqa") == ("int8", "gqa") and split_variant("fp32") == ("fp32", None)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        split_variant("int4+gqa")
+    version = ModelRepository(step_repository).get("gpt", 2)
+    stored = version.config["weights"]
+    assert derive(version.path / version.config["files"]["decoder"], f"{stored}+gqa") is None  # the prompt pass
+    assert derive(version.path / version.config["files"]["decoder_step"], f"{stored}+gqa") is not None
+
+
+def test_export_checks_the_gqa_variants_through_the_steps_only_where_there_is_a_step_graph(step_repository, data_dir):
+    from export.variants import candidate_variants, check_variants
+
+    repository = ModelRepository(step_repository)
+    assert candidate_variants(repository.get("gpt", 1)) == ["int8"]  # no step graph: no attention to rewrite
+    version = repository.get("gpt", 2)
+    assert candidate_variants(version) == ["int8", "fp32+gqa", "int8+gqa"]
+    results = check_variants(version, str(data_dir))
+    assert set(results) == {"int8", "fp32+gqa", "int8+gqa"}
+    card = json.loads((version.path / "metrics.json").read_text())
+    for variant in ("fp32+gqa", "int8+gqa"):
+        result = results[variant]
+        assert result["passed"], result
+        assert result["data"].endswith("scored through the decoding steps")
+        assert result["reference"] == card["val_loss"]
+        assert abs(result["measured"] - card["val_loss"]) <= result["tolerance"]
+    offered = ModelRepository(step_repository).get("gpt", 2).config["variants"]
+    assert {"fp32+gqa", "int8+gqa"} <= set(offered)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_step_validation_loss_equals_the_prompt_pass_loss(step_repository, data_dir, version):
+    """The check a `+gqa` variant is held to scores the same windows through the steps (version 1 steps by
+    concatenation, version 2 in place): as stored, it must give the prompt pass's figure."""
+    from export import checks
+    from models.data import load_shakespeare
+
+    engine = GPTEngine(ModelRepository(step_repository).get("gpt", version))
+    _, text = load_shakespeare(data_dir)
+    ids = np.asarray(engine.tokenizer.encode(text[:20_000]).ids, np.int64)
+    steps, prompt_pass = checks.gpt_step_validation_loss(engine, ids), checks.gpt_validation_loss(engine, ids)
+    assert steps == pytest.approx(prompt_pass, abs=1e-5)
+    assert checks.gpt_step_validation_loss(engine, ids[::-1].copy()) != pytest.approx(steps, abs=1e-3)  # not a constant
