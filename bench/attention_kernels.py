@@ -11,8 +11,8 @@ that use `--used` of `--capacity` slots (the new one included); the CPU first.
 
 `--step-graph` measures the same swap in a served GPT's real step graph instead: the version as stored against its
 `+gqa` variant (`service.engines.step_attention`: each layer's two ScatterND and its MultiHeadAttention replaced by
-one GroupQueryAttention when the graph loads; the engine's feeds are unchanged), driven by `GPTEngine.generate` (greedy, 128 tokens, tinyshakespeare prompts of 16 characters, or of 8 to
-100 with `--varied`), interleaved with the version as stored: tokens/s of both, how many greedy sequences are
+one GroupQueryAttention when the graph loads; the engine's feeds are unchanged), driven by `GPTEngine.generate`
+(greedy, 128 tokens, tinyshakespeare prompts of 16 characters, or of 8 to 100 with `--varied`), interleaved with the version as stored: tokens/s of both, how many greedy sequences are
 identical, and whether each row decodes alone as in its batch on the rewritten graph (batch invariance):
 
     .venv/bin/python bench/attention_kernels.py --step-graph --batches 1,16,64 [--varied]

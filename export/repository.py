@@ -31,7 +31,7 @@ from export.quantize import quantize_int8
 from export.tolerances import TOLERANCES, quality_tolerance, within
 from models import data
 from service.decoding import GreedySearch
-from service.engines.weights import split_variant
+from service.engines.weights import changes_step_attention
 from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
 
 DATA_NOTES = {
@@ -143,14 +143,13 @@ def measure_quality(kind: str, version: ModelVersion, tokenizer, card: dict, dat
     from service.engines.vit import ViTEngine
 
     options = RuntimeOptions(weights=weights)
-    step_attention = weights is not None and split_variant(weights)[1] is not None
 
     root = data.resolve_data_dir(data_dir)
     count = _quality_count(kind, card)
     if kind == "gpt":
         _, val_text = data.load_shakespeare(root)
         ids = np.asarray(tokenizer.encode(val_text).ids, dtype=np.int64)[:count]
-        if step_attention:  # a variant of the step graph's attention: scored through the steps it changes
+        if changes_step_attention(weights):  # a variant of the step graph's attention: scored through the steps it changes
             return round(checks.gpt_step_validation_loss(GPTEngine(version, options), ids), 4)
         return round(checks.gpt_validation_loss(GPTEngine(version, options), ids), 4)
     if kind == "vit":
@@ -175,7 +174,7 @@ def check_quality(kind: str, version: ModelVersion, tokenizer, card: dict, data_
         count = len(data.load_fashion_mnist(data.resolve_data_dir(data_dir), "test")[1])
     tolerance = quality_tolerance(metric, reference, count or 0, tolerances)
     described = QUALITY_DATA[metric].format(f"{count:,}" if count else "all")
-    if kind == "gpt" and weights is not None and split_variant(weights)[1] is not None:
+    if kind == "gpt" and changes_step_attention(weights):
         described += ", scored through the decoding steps"  # `measure_quality`
     result = {"metric": metric, "data": described,
               "measured": measured, "reference": reference, "delta": delta, "tolerance": tolerance}

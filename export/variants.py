@@ -8,8 +8,8 @@ in-place step graph each of them with its attention as GroupQueryAttention, `+gq
 variant, derived exactly as the service derives it, on the data its card was measured on
 (`export.repository.check_quality`: GPT validation loss, through the decoding steps for a `+gqa` variant, ViT test
 accuracy, translation sacreBLEU with beam 4 through the service with the variant pinned) and held to
-`export.tolerances` of the card's float32 (PyTorch) figure, as an exported int8 graph is. A variant within it is written into config.json `variants` (variant -> what
-was measured), the list the service chooses from; every result, passed or not, goes into metrics.json
+`export.tolerances` of the card's float32 (PyTorch) figure, as an exported int8 graph is. A variant within it is
+written into config.json `variants` (variant -> what was measured), the list the service chooses from; every result, passed or not, goes into metrics.json
 (`export_checks`, `<variant>_weights_variant`) and the model card's "Weights variants" section. Nothing is
 stored twice: the graphs on disk are not touched. `python -m export` runs this after every export.
 
@@ -30,7 +30,7 @@ from export.repository import check_quality, version_tokenizer
 from models.datasets import DataError
 from service.engines.onnx_graph import load
 from service.engines.step_attention import has_masked_step_attention
-from service.engines.weights import VARIANTS, compute_weights, split_variant
+from service.engines.weights import VARIANTS, changes_step_attention, compute_weights
 from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 METRICS_FILE, CARD_FILE = "metrics.json", "README.md"
@@ -43,11 +43,11 @@ def candidate_variants(version: ModelVersion) -> list[str]:
     stored = compute_weights(version.config.get("weights", "fp32"))
     step = version.config["files"].get("decoder_step")
     rewritable = step is not None and has_masked_step_attention(load(version.path / step))
-    return [v for v in VARIANTS if v != stored and (split_variant(v)[1] is None or rewritable)]
+    return [v for v in VARIANTS if v != stored and (rewritable or not changes_step_attention(v))]
 
 
 def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[str, dict[str, Any]]:
-    """Measure every weights variant `version` does not store, and record the results in its folder (config.json,
+    """Measure every variant `version` does not store (`candidate_variants`), and record the results in its folder (config.json,
     metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the failure's
     message where it failed)."""
     stored = compute_weights(version.config.get("weights", "fp32"))

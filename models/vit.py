@@ -2,7 +2,8 @@
 
 Patch embedding as `Conv2d(kernel=stride=patch)` (equal to "cut into patches, flatten, one linear layer") or, with
 `config.stem_widths`, a convolutional stem (Xiao et al., 2021: 3x3 stride-2 convolutions with BatchNorm and ReLU,
-then a 1x1 convolution to d_model; timm's `ConvStem`), a learned [CLS] token, learned position embeddings, a Pre-LN encoder with a final LayerNorm;
+then a 1x1 convolution to d_model; timm's `ConvStem`), a learned [CLS] token, learned position embeddings, a
+Pre-LN encoder with a final LayerNorm;
 `forward_features` (all tokens) -> the [CLS] token -> `head` (class logits).
 With `config.distillation`, DeiT's distillation token (Touvron et al., 2021; timm's
 `VisionTransformerDistilled`): a second learned token after [CLS] with its own head, trained to predict a

@@ -62,6 +62,11 @@ def split_variant(variant: str) -> tuple[str, str | None]:
     return weights, attention or None
 
 
+def changes_step_attention(variant: str | None) -> bool:
+    """Whether `variant` (None: as stored) runs the step graph's attention as GroupQueryAttention (`+gqa`)."""
+    return variant is not None and split_variant(variant)[1] == GQA
+
+
 def graph_weights(model: ModelProto) -> str:
     """`int8` if any MatMul of the graph is a MatMulNBits, else `fp32`."""
     return INT8 if any(node.op_type == MATMUL_NBITS for node in model.graph.node) else FP32

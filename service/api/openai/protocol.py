@@ -372,10 +372,11 @@ class OpenAIModel(BaseModel):
     loaded_versions: list[int]
     provider: str | None
     variant: dict[str, str] | None = Field(..., description="How the active version's graphs compute: `weights` "
-                                           "(fp32, int8, fp32+gqa, int8+gqa: the variant that runs; `+gqa`: the in-place "
-                                           "step graph's attention as GroupQueryAttention), `stored_weights` (fp32, fp16, "
-                                           "int8: as the repository holds it), `offered_weights` (the variants "
-                                           "the version offers, comma-separated), `chosen_by` (pinned, only "
+                                           "(fp32, int8, fp32+gqa, int8+gqa: the variant that runs; `+gqa`: the "
+                                           "in-place step graph's attention as GroupQueryAttention), "
+                                           "`stored_weights` (fp32, fp16, int8: as the repository holds it), "
+                                           "`offered_weights` (the variants the version offers, comma-separated), "
+                                           "`chosen_by` (pinned, only "
                                            "variant, measured, cached measurement) and `reason`; `attention` "
                                            "(plain, mha) and, for the text models, `kv_cache` (concat, inplace), "
                                            "as its config.json says; null when no version is loaded.")
