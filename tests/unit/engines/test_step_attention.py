@@ -75,7 +75,9 @@ def test_the_steps_compute_what_the_masked_kernel_computes(step_repository, weig
     actual = _teacher_forced_logits(grouped, prompts, tokens)
     np.testing.assert_array_equal(actual[0], expected[0])  # the prompt pass is not rewritten
     np.testing.assert_allclose(actual, expected, rtol=0, atol=LOGITS_ATOL)
-    assert np.abs(actual - expected).max() > 0 or weights == "int8"  # another kernel ran (float32: other sums)
+    derived = onnx.load_from_string(derive(version.path / version.config["files"]["decoder_step"], f"{weights}+gqa"))
+    assert any(node.op_type == "GroupQueryAttention" for node in derived.graph.node)  # another kernel ran: the
+    # logits alone cannot show it on every CPU (its sums may happen to round as the masked kernel's)
 
 
 def test_variant_names_and_graphs_without_step_attention(step_repository):
