@@ -90,7 +90,7 @@ def export_vit(model, config: ViTConfig, out_dir: Path) -> dict[str, Any]:
                          "d_ff": config.d_ff, "num_classes": config.num_classes, "tokens": config.num_patches,
                          **({"stem_widths": list(config.stem_widths)} if config.stem_widths
                             else {"patch_size": config.patch_size}),
-                         "distillation_token": config.distillation},
+                         "distillation_token": config.distillation, "flip_average": config.flip_average},
         "image": {"size": config.image_size, "channels": config.channels, "mode": "L" if config.channels == 1
                   else "RGB", "mean": config.mean, "std": config.std,
                   "preprocessing": "convert to mode, resize (bilinear) to size x size, /255, (x - mean) / std"},

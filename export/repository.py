@@ -253,8 +253,9 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
         data += f" This run trained on the first {train_limit:,} training examples only."
     held_out = training.get("validation_size")
     if held_out:  # the ViT: choices on a validation split, the test set measured once
+        choices = "the kept epoch" + (", test-time flip averaging" if "flip_average" in metrics else "")
         data += (f" The last {held_out:,} of those training images were held out as the validation split: every "
-                 "choice (the kept epoch) was made on them, and the test set was measured once, at the end.")
+                 f"choice ({choices}) was made on them, and the test set was measured once, at the end.")
     lines = [f"# {name} version {version}", "", f"Kind: `{config['kind']}`. Data: {data}", ""]
     command = f"python -m models.train {run_config['task']} --preset {run_config['preset']}"
     lines += ["## Training", "", f"Command: `{command}` (run folder `{run_dir.name}`)", ""]
@@ -281,6 +282,11 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
                      f"{teacher['parameters']:,} parameters, {teacher['epochs_completed']} epochs on the same "
                      f"training split; validation accuracy {teacher['val_accuracy']}%, test accuracy "
                      f"{teacher['test_accuracy']}%")
+    by_flip = metrics.get("val_accuracy_by_flip_average")
+    if metrics.get("flip_average"):  # a ViT: models.evaluate chose test-time flip averaging on validation
+        lines.append("- test-time flip averaging: the logits are the mean of the image's and its mirror image's (one "
+                     "batch of twice the images through the graph), chosen on the validation split"
+                     + (f" ({by_flip['true']}% with it, {by_flip['false']}% without)" if by_flip else ""))
     if "weights_storage" in config:
         lines.append(f"- weights stored as {config['weights_storage']}")
     if config.get("attention") == "mha":

@@ -12,7 +12,7 @@ A run folder holds everything export and evaluation need, so nothing is re-deriv
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,8 @@ def write_config(out_dir: Path, task_name: str, preset: str, config: Any, train_
 
 
 def load_trained(run_dir: str | Path) -> tuple[str, nn.Module, Any, Tokenizer | None, dict]:
-    """(task name, model in eval mode, model config, tokenizer or None, the run's config.json) of a run folder."""
+    """(task name, model in eval mode, model config, tokenizer or None, the run's config.json) of a run folder; a
+    ViT as its evaluation chose (metrics.json's `flip_average`)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         run_dir = run_dir.parent
@@ -140,6 +141,11 @@ def load_trained(run_dir: str | Path) -> tuple[str, nn.Module, Any, Tokenizer | 
     saved = json.loads(config_path.read_text())
     task_name = saved["task"]
     config = config_from_dict(task_name, saved["model"])
+    metrics_path = run_dir / "metrics.json"
+    if task_name == "vit" and metrics_path.exists():  # test-time flip averaging as models.evaluate chose it
+        chosen = json.loads(metrics_path.read_text()).get("flip_average", config.flip_average)
+        config = replace(config, flip_average=chosen)
+        saved["model"]["flip_average"] = chosen  # the card's architecture shows the model as served
     model = MODEL_CLASSES[task_name](config)
     model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
     model.eval()

@@ -8,6 +8,8 @@ Pre-LN encoder with a final LayerNorm;
 With `config.distillation`, DeiT's distillation token (Touvron et al., 2021; timm's
 `VisionTransformerDistilled`): a second learned token after [CLS] with its own head, trained to predict a
 teacher's labels (`forward_heads`); the model's logits are the mean of the two heads' logits in every mode.
+With `config.flip_average`, eval mode averages the logits of each image and its horizontal mirror (test-time
+augmentation, as in the ten-crop evaluation of Krizhevsky et al., 2012, reduced to the flip).
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ class ViT(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (B, C, H, W) -> logits (B, num_classes): the [CLS] head's, averaged with the distillation
-        head's when there is one (DeiT's inference rule)."""
+        head's when there is one (DeiT's inference rule); in eval mode with `config.flip_average`, averaged over the
+        image and its mirror image, run as one batch."""
+        if self.training or not self.config.flip_average:
+            return self._head_logits(pixels)
+        both = self._head_logits(torch.cat([pixels, pixels.flip(-1)]))  # (2B, num_classes)
+        return both.view(2, -1, self.config.num_classes).mean(0)
+
+    def _head_logits(self, pixels: torch.Tensor) -> torch.Tensor:
         logits, dist = self.forward_heads(pixels)
         return logits if dist is None else (logits + dist) / 2

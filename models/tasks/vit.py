@@ -105,13 +105,21 @@ class ViTTask:
     def validation_loss(self, model: nn.Module) -> float:
         return F.cross_entropy(self._logits(model, self.val_x), self.val_y).item()
 
+    def validation_accuracy(self, model: nn.Module) -> float:
+        """Top-1 accuracy (percent, 2 places) on the validation split (the test set's when there is none)."""
+        return _accuracy(self._logits(model, self.val_x), self.val_y)
+
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Validation and test accuracy and loss of `model` (the test set's only use)."""
         metrics: dict[str, float] = {}
         splits = [("val", self.val_x, self.val_y)] if self.held_out else []
         for split, images, labels in splits + [("test", self.test_x, self.test_y)]:
             logits = self._logits(model, images)
-            metrics[f"{split}_accuracy"] = round(100.0 * (logits.argmax(-1) == labels).float().mean().item(), 2)
+            metrics[f"{split}_accuracy"] = _accuracy(logits, labels)
             metrics[f"{split}_loss"] = round(F.cross_entropy(logits, labels).item(), 4)
             metrics[f"{split}_images"] = len(labels)
         return metrics
+
+
+def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return round(100.0 * (logits.argmax(-1) == labels).float().mean().item(), 2)

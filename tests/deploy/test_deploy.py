@@ -502,7 +502,8 @@ def test_replicas_ready_stat_is_red_below_the_expected_count():
 
 
 def test_dashboard_and_alerts_use_only_exported_metrics(tiny_repository, tmp_path):
-    service = ServiceProcess("service", tiny_repository, tmp_path, ready_timeout=180, intra_op_threads=1)
+    service = ServiceProcess("service", tiny_repository, tmp_path, ready_timeout=180, intra_op_threads=1,
+                             calibration_cache="")
     try:
         with service, httpx.Client(base_url=service.url, timeout=30) as client:
             # one request of each kind, so every labelled family has samples too

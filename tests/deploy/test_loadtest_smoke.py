@@ -52,7 +52,7 @@ def test_locust_smoke_against_a_live_service(tiny_repository, data_dir, tmp_path
     (tmp_path / ".env").write_text(f"TSERVE_API_KEYS={json.dumps([API_KEY])}\n")
     grpc_port = free_port()
     service = ServiceProcess("service", tiny_repository, tmp_path, ready_timeout=180, intra_op_threads=1,
-                             grpc_port=grpc_port)
+                             grpc_port=grpc_port, calibration_cache="")
     locust_log = tmp_path / "locust.log"
     prefix = tmp_path / "loadtest"
     try:

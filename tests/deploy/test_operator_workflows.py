@@ -215,7 +215,7 @@ def test_the_readme_rolling_example_runs_as_written(tmp_path, tiny_runs, data_di
     # the session's tiny GPT run: the README's training command then resumes a finished run (seconds)
     shutil.copytree(tiny_runs["gpt"], work / "runs" / "gpt-tiny")
     service = ServiceProcess("service", work / "model_repository", work, ready_timeout=180, intra_op_threads=1,
-                             model_control="true")
+                             model_control="true", calibration_cache="")
     try:
         service.start()
         env = clean_environment()

@@ -36,9 +36,9 @@ VERSIONS = [(kind, version) for kind in KINDS for version in ModelRepository(REP
 FLOORS = {"bleu": 35, "val_loss": 1.55, "test_accuracy": 91.5}
 # The served (highest) versions, issue 16's release v2: GPT <= 1.50 nats/char (version 3: 1.4709). BLEU: 37.9, the
 # target of 38.0 missed by 0.01 (version 3: 37.99 for PyTorch and through the service; length penalty chosen on
-# val). The ViT's: 91.5%, since its choices are made on a validation split held out of the training images
-# (version 3: 91.69% test, chosen on validation; the 93% target was missed; version 1's 92.15% was chosen on test).
-TARGETS = {"bleu": 37.9, "val_loss": 1.50, "test_accuracy": 91.5}
+# val). The ViT's: issue 26's 93.0%, every choice on a validation split held out of the training images (version 4:
+# 93.06% test with its convolutional stem and test-time flip averaging, both chosen on validation).
+TARGETS = {"bleu": 37.9, "val_loss": 1.50, "test_accuracy": 93.0}
 
 
 def _version_dir(kind: str, version: int) -> Path:
@@ -268,6 +268,14 @@ def test_served_versions_meet_the_release_v2_targets(kind, version):
     assert _meets(metric, card[metric], TARGETS) and _meets(metric, measured, TARGETS), (card[metric], measured)
 
 
+# Architecture fields the run's evaluation chose on validation (models.evaluate), not the preset.
+CHOSEN_AT_EVALUATION = {"flip_average"}
+
+
+def _as_json(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
 @pytest.mark.parametrize("kind, version", SERVED)
 def test_served_models_are_what_the_release_preset_trains(kind, version):
     """The card says `--preset release`: the served (highest) version's architecture and epoch count must be that
@@ -276,8 +284,9 @@ def test_served_models_are_what_the_release_preset_trains(kind, version):
 
     architecture = json.loads((_version_dir(kind, version) / "config.json").read_text())["architecture"]
     model_config, train_config = get_preset(kind, "release")
-    shared = {name: value for name, value in architecture.items() if hasattr(model_config, name)}
-    assert shared and shared == {name: getattr(model_config, name) for name in shared}
+    shared = {name: value for name, value in architecture.items()
+              if hasattr(model_config, name) and name not in CHOSEN_AT_EVALUATION}
+    assert shared and shared == {name: _as_json(getattr(model_config, name)) for name in shared}
     card = _card(kind, version)
     if train_config.max_steps is not None:  # a step budget (the GPT) ends before the epoch count
         assert card["steps"] == train_config.max_steps

@@ -1,5 +1,7 @@
 """The seed's measured facts about the architecture, checked against the project's own modules."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -214,6 +216,40 @@ def test_a_conv_stem_vit_exports_with_its_batchnorm_statistics(tmp_path):
         in_batch_statistics = vit.train()(images).numpy()
     np.testing.assert_allclose(logits, expected, atol=1e-4)
     assert np.abs(in_batch_statistics - expected).max() > 1e-2  # the statistics matter: the check would see them
+
+
+def test_flip_averaging_averages_the_image_and_its_mirror_in_eval_mode_only():
+    torch.manual_seed(0)
+    plain_config = ViTConfig(patch_size=7, d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0)
+    plain = ViT(plain_config).eval()
+    flipping = ViT(replace(plain_config, flip_average=True))
+    flipping.load_state_dict(plain.state_dict())
+    images = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        expected = (plain(images) + plain(images.flip(-1))) / 2
+        torch.testing.assert_close(flipping.eval()(images), expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(flipping(images.flip(-1)), flipping(images), atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(plain(images), expected, atol=1e-4)  # the mirror image changes the logits
+        torch.testing.assert_close(flipping.train()(images), plain(images))  # training sees one image
+
+
+def test_a_flip_averaging_vit_exports_its_averaging(tmp_path):
+    import onnxruntime as ort
+
+    from export.onnx_export import export_vit
+    from service.engines import onnx_schema as schema
+
+    torch.manual_seed(0)
+    config = ViTConfig(patch_size=7, d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0, flip_average=True)
+    vit = ViT(config).eval()
+    info = export_vit(vit, config, tmp_path)
+    assert info["architecture"]["flip_average"] is True
+    session = ort.InferenceSession(str(tmp_path / schema.VIT_FILE), providers=["CPUExecutionProvider"])
+    for rows in (1, 5):  # the batch axis stays dynamic through the concatenation and the averaging
+        images = torch.randn(rows, 1, 28, 28)
+        logits = session.run(None, {schema.PIXEL_VALUES: images.numpy()})[0]
+        with torch.no_grad():
+            np.testing.assert_allclose(logits, vit(images).numpy(), atol=1e-4)
 
 
 def test_fused_training_attention_equals_written_out_attention(translator):

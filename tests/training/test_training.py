@@ -75,6 +75,45 @@ def test_evaluate_cli_reproduces_metrics(tiny_runs, data_dir, task, capsys):
         assert printed[key] == pytest.approx(saved[key], abs=1e-3)
 
 
+class _ScriptedValidation:
+    """A ViT task whose validation accuracy depends only on the model's flip averaging."""
+
+    held_out = 100
+
+    def __init__(self, by_flip: dict[bool, float]):
+        self.by_flip, self.tested_with = by_flip, []
+
+    def validation_accuracy(self, model) -> float:
+        return self.by_flip[model.config.flip_average]
+
+    def evaluate(self, model) -> dict:
+        self.tested_with.append(model.config.flip_average)
+        return {"test_accuracy": 0.0}
+
+
+@pytest.mark.parametrize("by_flip, chosen", [({False: 90.0, True: 90.2}, True), ({False: 90.2, True: 90.2}, False),
+                                             ({False: 90.2, True: 90.0}, False)])
+def test_vit_flip_averaging_is_chosen_on_validation_and_tested_once(by_flip, chosen):
+    from models.config import ViTConfig
+    from models.vit import ViT
+
+    model = ViT(ViTConfig(patch_size=7, d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0))
+    task = _ScriptedValidation(by_flip)
+    metrics = evaluate.evaluate_vit(model, task)
+    assert metrics["flip_average"] is chosen and model.config.flip_average is chosen
+    assert task.tested_with == [chosen]  # the test set: once, with the choice
+    assert metrics["val_accuracy_by_flip_average"] == {"false": by_flip[False], "true": by_flip[True]}
+
+
+def test_a_trained_vit_loads_as_its_evaluation_chose(tiny_runs):
+    metrics = read_metrics(tiny_runs["vit"])
+    by_flip = metrics["val_accuracy_by_flip_average"]
+    assert metrics["flip_average"] is (by_flip["true"] > by_flip["false"])
+    _, model, config, _, saved = load_trained(tiny_runs["vit"])
+    assert model.config.flip_average is config.flip_average is metrics["flip_average"]
+    assert saved["model"]["flip_average"] is metrics["flip_average"]
+
+
 def test_missing_data_is_a_clear_error(tmp_path, capsys):
     from models.train import main
 
