@@ -29,10 +29,12 @@ def _source_digest(extra: dict) -> str:
 
 def random_model(kind: str):
     """The repository's model of `kind` ("gpt", "translation", "vit") in PyTorch, as `build_repository` exports it:
-    the release preset's size, no dropout, random weights (seed 0); its config is `model.config`."""
+    the release preset's size, no dropout, the shipped model's evaluation-time choices (`shipped_choices`), random
+    weights (seed 0); its config is `model.config`."""
     import dataclasses
 
     import torch
+    from shipped import shipped_choices
 
     from models.config import get_preset
     from models.gpt import GPT
@@ -40,7 +42,7 @@ def random_model(kind: str):
     from models.vit import ViT
 
     builders = {"gpt": GPT, "translation": EncoderDecoderTransformer, "vit": ViT}
-    config = dataclasses.replace(get_preset(kind, PRESET)[0], dropout=0.0)
+    config = dataclasses.replace(get_preset(kind, PRESET)[0], dropout=0.0, **shipped_choices(kind))
     torch.manual_seed(SEED)
     return builders[kind](config).eval()
 
@@ -49,14 +51,15 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
     """A repository with gpt/1, translation/1 and vit/1 (release sizes, random weights, the shipped graph variant),
     built once per source digest into workdir/repository-<digest>; built in a staging folder and renamed into place
     when complete."""
-    from shipped import shipped_variant
+    from shipped import shipped_choices, shipped_variant
 
     from models.config import get_preset
 
     presets = {kind: get_preset(kind, PRESET)[0] for kind in ("gpt", "translation", "vit")}
     variants = {kind: shipped_variant(kind) for kind in presets}
+    choices = {kind: shipped_choices(kind) for kind in presets}
     key = _source_digest({"presets": {k: repr(v) for k, v in presets.items()}, "seed": SEED,
-                          "tokenizer_pairs": TRANSLATION_TOKENIZER_PAIRS, "variants": variants})
+                          "tokenizer_pairs": TRANSLATION_TOKENIZER_PAIRS, "variants": variants, "choices": choices})
     final = workdir / f"repository-{key}"
     if final.is_dir():
         return final

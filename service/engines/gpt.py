@@ -54,10 +54,11 @@ class GPTEngine:
         """Feed ids (R, T) at positions (R, T) after the cache; returns logits of the last column (R, V)."""
         feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions,
                  schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1), **cache.feeds()}
-        session = self.session
         if self._one_thread is not None and ids.shape[1] == 1:  # a step (prompts keep every thread)
-            session = self._one_thread.pick(ids.shape[0], session)
-        logits, *presents = session.run(None, feeds)
+            with self._one_thread.call(ids.shape[0], self.session) as session:
+                logits, *presents = session.run(None, feeds)
+        else:
+            logits, *presents = self.session.run(None, feeds)
         cache.append(presents, new_mask, positions[:, -1] + 1)
         return logits[:, -1]
 

@@ -3,13 +3,16 @@
 An in-place step graph (`export.kv_inplace`) takes the cache buffers as its past and writes each row's new
 keys/values into slot `cache_slot[row]` of the same buffers, its present: binding both to one array by address
 (ONNX Runtime's IO binding, as onnxruntime-genai binds its KV buffers) lets a step write its slot without copying
-the past. `InPlaceStep` keeps one binding for as long as the arrays it points into live (`KVCache.step_binding`),
-so a step costs no binding calls and no allocation until the buffers are replaced (growth, compaction, a join).
+the past. `InPlaceStep` keeps one binding per session (the wide one and the one-thread one, `OneThreadSession`) for
+as long as the arrays they point into live (`KVCache.step_binding`), so a step costs no binding calls and no
+allocation until the buffers are replaced (growth, compaction, a join).
 The buffers themselves, their layout and their growth are `service.engines.kv_cache`'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +49,11 @@ def bind_cache(binding, cache: KVCache) -> list[np.ndarray]:
 
 @dataclass
 class StepBinding:
-    """An IO binding of the in-place step graph and the arrays it points into (`InPlaceStep`); `key` says which
-    cache buffers and inputs it was made for."""
+    """The arrays an in-place step graph's IO bindings point into, and a binding per session over them
+    (`InPlaceStep`); `key` says which cache buffers and inputs they were made for."""
 
     key: tuple
-    binding: object
+    bindings: dict[int, object]  # id(session) -> its IO binding over these arrays
     ids: np.ndarray  # (R, 1) int64, written each step
     slot: np.ndarray  # (R,) int64: each row's slot, written each step
     logits: np.ndarray  # (R, 1, V) float32, the graph's output
@@ -87,42 +90,62 @@ class InPlaceStep:
         inputs = inputs or {}
         k = max(1, candidates) if self.row_candidates else 0
         slots = cache.open_slot()
-        session = self.session if self.one_thread is None else self.one_thread.pick(cache.rows, self.session)
         arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
-        # which arrays, by identity (cheaper than reading each one's address): the binding holds them (`_bind`)
-        key = (id(session), cache.rows, cache.capacity, k, *map(id, arrays), *(a.shape for a in inputs.values()))
+        # which arrays, by identity (cheaper than reading each one's address): the bindings hold them (`_bind`)
+        key = (cache.rows, cache.capacity, k, *map(id, arrays), *(a.shape for a in inputs.values()))
         bound = cache.step_binding
         if bound is None or bound.key != key:
-            bound = cache.step_binding = self._bind(session, key, cache, inputs, arrays, k)
+            bound = cache.step_binding = self._bind(key, cache, inputs, arrays, k)
         bound.ids[:, 0] = tokens
         bound.slot[:] = slots
-        session.run_with_iobinding(bound.binding)
+        with self._session(cache.rows) as session:
+            binding = bound.bindings.get(id(session))
+            if binding is None:
+                binding = bound.bindings[id(session)] = self._session_binding(session, bound, cache, inputs)
+            session.run_with_iobinding(binding)
         cache.advance()
         logits = bound.logits[:, -1].copy()
         if not k:
             return logits
         return StepLogits(logits, bound.top_logprobs[:, -1].copy(), bound.top_ids[:, -1].copy())
 
-    def _bind(self, session, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray],
-              keyed: tuple[np.ndarray, ...], k: int) -> StepBinding:
-        """A new binding for `key`; it holds the `keyed` arrays themselves besides what it points into (a copy, for
-        an input that was not contiguous), so that no id in `key` can be reused while it lives."""
+    @contextmanager
+    def _session(self, rows: int) -> Iterator:
+        if self.one_thread is None:
+            yield self.session
+        else:
+            with self.one_thread.call(rows, self.session) as session:
+                yield session
+
+    def _bind(self, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray], keyed: tuple[np.ndarray, ...],
+              k: int) -> StepBinding:
+        """The arrays the sessions' bindings for `key` point into (bound per session by `_session_binding`); it holds
+        the `keyed` arrays themselves too (a copy, for an input that was not contiguous), so that no id in `key` can
+        be reused while it lives."""
+        R, V = cache.rows, self.vocab_size
+        bound = StepBinding(key, {}, np.zeros((R, 1), np.int64), np.zeros(R, np.int64),
+                            np.empty((R, 1, V), np.float32), list(keyed))  # logits (R, 1, V): one new token a row
+        if k:
+            bound.candidates = np.array([k], np.int64)
+            bound.top_logprobs = np.empty((R, 1, k), np.float32)
+            bound.top_ids = np.empty((R, 1, k), np.int64)
+        return bound
+
+    @staticmethod
+    def _session_binding(session, bound: StepBinding, cache: KVCache, inputs: dict[str, np.ndarray]):
+        """`session`'s IO binding over `bound`'s arrays and the cache's buffers."""
         binding = session.io_binding()
-        ids, slot = np.zeros((cache.rows, 1), np.int64), np.zeros(cache.rows, np.int64)
-        logits = np.empty((cache.rows, 1, self.vocab_size), np.float32)  # (R, 1, V): one new token per row
-        held = [bind_array(binding, schema.INPUT_IDS, ids),
-                bind_array(binding, schema.POSITION_IDS, cache.positions.reshape(-1, 1)),
-                bind_array(binding, schema.ATTENTION_MASK, cache.mask),
-                bind_array(binding, schema.CACHE_SLOT, slot),
-                bind_array(binding, schema.LOGITS, logits, output=True), *bind_cache(binding, cache)]
-        held += [bind_array(binding, name, array) for name, array in inputs.items()]
-        held += keyed
-        if not k:
-            return StepBinding(key, binding, ids, slot, logits, held)
-        candidates = bind_array(binding, schema.CANDIDATES_K, np.array([k], np.int64))
-        top_logprobs = bind_array(binding, schema.TOP_LOGPROBS, np.empty((cache.rows, 1, k), np.float32), output=True)
-        top_ids = bind_array(binding, schema.TOP_IDS, np.empty((cache.rows, 1, k), np.int64), output=True)
-        return StepBinding(key, binding, ids, slot, logits, held, candidates, top_logprobs, top_ids)
+        bound.held += [bind_array(binding, schema.INPUT_IDS, bound.ids),
+                       bind_array(binding, schema.POSITION_IDS, cache.positions.reshape(-1, 1)),
+                       bind_array(binding, schema.ATTENTION_MASK, cache.mask),
+                       bind_array(binding, schema.CACHE_SLOT, bound.slot),
+                       bind_array(binding, schema.LOGITS, bound.logits, output=True), *bind_cache(binding, cache)]
+        bound.held += [bind_array(binding, name, array) for name, array in inputs.items()]
+        if bound.candidates is not None:
+            bound.held += [bind_array(binding, schema.CANDIDATES_K, bound.candidates),
+                           bind_array(binding, schema.TOP_LOGPROBS, bound.top_logprobs, output=True),
+                           bind_array(binding, schema.TOP_IDS, bound.top_ids, output=True)]
+        return binding
 
 
 def step_runners(folder: Path, step_file: str | None, decoder_file: str | None, decoder,

@@ -8,6 +8,9 @@ cannot start) and logged, so `/v1/models` and the metrics report what really run
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,6 +43,9 @@ class RuntimeOptions:
     # decoder calls of at most this many rows run on a second session with one intra-op thread (`OneThreadSession`);
     # 0 = never
     single_thread_rows: int = 0
+    # several decoding workers share the engine (TSERVE_DECODING_WORKERS > 1): a decoder call made while another is
+    # in flight runs on the one-thread session too, whatever its rows (`OneThreadSession.call`)
+    one_thread_when_concurrent: bool = False
     # the variant the sessions run (`service.engines.weights.VARIANTS`: the MatMul weights, fp32 or int8, and with
     # `+gqa` the step graph's attention as GroupQueryAttention), derived from the stored graph where it differs;
     # None = as stored
@@ -108,15 +114,42 @@ class OneThreadSession:
     sets threads per session, not per run; a one-row step is ~100 small ops, and with non-spinning threads
     (`RuntimeOptions.spin`) waking a second thread for each costs more than it saves (the release GPT at batch 1
     on an AMD EPYC, 2 cores: 1,111 tokens/s on one thread, 890 on two; from batch 16 two threads win by
-    1.3-1.4x; `bench/bench_engine.py --threads`)."""
+    1.3-1.4x; `bench/bench_engine.py --threads`).
+
+    With ``one_thread_when_concurrent`` (several decoding workers on one engine), a call made while another of
+    this engine's calls is in flight (`call`) runs on the one-thread session whatever its rows: two calls on one
+    session share its intra-op pool and take more threads than there are cores, where two one-thread calls each
+    keep a core. A lone call keeps every thread: a worker alone with a large batch loses up to a quarter of its
+    speed on one thread. Measured over HTTP on 2 cores, 2 workers, against the same checkout without the rule
+    (docs/benchmarks.md): 5 of 6 interleaved pairs in its favour, +4-5% on the means (translation, 16 clients;
+    the GPT, 32 streams); each session's outputs are bit-identical (tests/unit/engines/test_one_thread_session.py)."""
 
     def __init__(self, path: str | Path, options: RuntimeOptions, wide: ort.InferenceSession,
                  row_candidates: bool = False):
         self.max_rows = options.single_thread_rows
-        needed = self.max_rows > 0 and options.intra_op_threads != 1 and active_provider(wide) == CPU
+        self.when_concurrent = options.one_thread_when_concurrent
+        needed = ((self.max_rows > 0 or self.when_concurrent) and options.intra_op_threads != 1
+                  and active_provider(wide) == CPU)
         self.session = (create_session(path, replace(options, intra_op_threads=1), row_candidates) if needed
                         else None)
+        self._in_flight = 0  # this engine's calls now running (`call`)
+        self._lock = threading.Lock()
 
-    def pick(self, rows: int, wide: ort.InferenceSession) -> ort.InferenceSession:
-        """The session a call of ``rows`` rows runs on: this one for small calls, else ``wide``."""
-        return self.session if self.session is not None and rows <= self.max_rows else wide
+    def pick(self, rows: int, wide: ort.InferenceSession, concurrent: bool = False) -> ort.InferenceSession:
+        """The session a call of ``rows`` rows runs on: this one for small calls (and, with
+        ``one_thread_when_concurrent``, for a call beside another), else ``wide``."""
+        if self.session is None:
+            return wide
+        return self.session if rows <= self.max_rows or (concurrent and self.when_concurrent) else wide
+
+    @contextmanager
+    def call(self, rows: int, wide: ort.InferenceSession) -> Iterator[ort.InferenceSession]:
+        """`pick` for a call about to run, counted as in flight until the block ends."""
+        with self._lock:
+            concurrent = self._in_flight > 0
+            self._in_flight += 1
+        try:
+            yield self.pick(rows, wide, concurrent)
+        finally:
+            with self._lock:
+                self._in_flight -= 1

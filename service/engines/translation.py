@@ -170,7 +170,8 @@ class TranslationEngine:
             **cache.feeds(),
             **self._cross_feeds(encoded),
         }
-        logits, *presents, top_logprobs, top_ids = self._one_thread.pick(R, self.decoder).run(self._outputs, feeds)
+        with self._one_thread.call(R, self.decoder) as session:
+            logits, *presents, top_logprobs, top_ids = session.run(self._outputs, feeds)
         cache.append(presents, new_mask, cache.positions + 1)
         if not candidates:
             return logits[:, -1]

@@ -250,3 +250,14 @@ def test_a_peer_is_recorded_like_a_server(tmp_path):
                                    "log": str(tmp_path / "llama-server.log"), "env": {"OMP_NUM_THREADS": "2"}}
     assert server_record(FakeWorker()) == {"name": "ctranslate2", "command": None, "ready_s": None, "log": None,
                                            "env": {}}
+
+
+def test_the_benchmark_models_carry_the_shipped_models_evaluation_choices():
+    """The random-weight ViT does what the served one does per image (vit/4: its flip averaging, chosen on
+    validation: twice the work), and a kind whose evaluation chose nothing builds as its preset says."""
+    from httpbench.repository import random_model
+    from shipped import shipped_choices
+
+    assert shipped_choices("vit") == {"flip_average": True}
+    assert shipped_choices("gpt") == shipped_choices("translation") == {}
+    assert random_model("vit").config.flip_average is True

@@ -1,6 +1,8 @@
 """Steps of few rows on a one-thread session (`TSERVE_SINGLE_THREAD_ROWS`, `OneThreadSession`): the small steps
 run there and the others on the configured session, for the concatenating decoder graph and the in-place step
-graph, in both engines; the decoded outputs are those of the engine without it."""
+graph, in both engines; the decoded outputs are those of the engine without it. With several decoding workers, a
+call beside another runs on the one-thread session too (`OneThreadSession.call`), and a decode whose steps move
+between the two sessions decodes what it would on either."""
 
 import json
 import shutil
@@ -13,6 +15,7 @@ from service.engines.gpt import GPTEngine
 from service.engines.runtime import OneThreadSession, RuntimeOptions, create_session
 from service.engines.translation import TranslationEngine
 from service.models.repository import ModelRepository
+from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +91,65 @@ def test_no_second_session_unless_asked_or_on_one_thread(tiny_repository):
     assert on.pick(4, wide) is on.session and on.pick(5, wide) is wide
 
 
+def test_a_call_beside_another_runs_on_one_thread_when_workers_share_the_engine(tiny_repository):
+    path = tiny_repository / "gpt" / "1" / "decoder.onnx"
+    wide = create_session(path, TWO_THREADS)
+    concurrent = RuntimeOptions(device="cpu", intra_op_threads=2, one_thread_when_concurrent=True)
+    on = OneThreadSession(path, concurrent, wide)
+    assert on.session is not None  # no small-row rule, but a second session for calls side by side
+    with on.call(64, wide) as first:
+        with on.call(64, wide) as second:
+            with on.call(64, wide) as third:
+                assert first is wide and second is on.session and third is on.session
+        with on.call(64, wide) as beside_first:
+            assert beside_first is on.session
+    with on.call(64, wide) as alone:
+        assert alone is wide  # nothing in flight any more: every thread
+    with pytest.raises(RuntimeError):
+        with on.call(64, wide):
+            raise RuntimeError("a failed run")
+    with on.call(64, wide) as after_a_failure:
+        assert after_a_failure is wide  # the failed call is not counted as in flight
+    apart = OneThreadSession(path, RuntimeOptions(device="cpu", intra_op_threads=2, single_thread_rows=1), wide)
+    with apart.call(64, wide) as first, apart.call(64, wide) as second:
+        assert first is wide and second is wide  # one worker: only the row rule
+
+
+@pytest.mark.parametrize("kind, engine_class", [("gpt", GPTEngine), ("translation", TranslationEngine)])
+@pytest.mark.parametrize("in_place", [False, True], ids=["concat", "in-place"])
+def test_steps_moving_between_the_sessions_decode_as_on_one(tiny_repository, tmp_path, kind, engine_class, in_place):
+    """What a busy server does to a decode (its steps on the wide session when alone, on the one-thread one beside
+    another worker's), forced to alternate every step: the outputs and scores of the engine without it, and each
+    in-place session keeps its own binding over the same buffers."""
+    repository = _with_step_graphs(tiny_repository, tmp_path) if in_place else ModelRepository(tiny_repository)
+    version = repository.get(kind)
+    plain = engine_class(version, TWO_THREADS)
+    engine = engine_class(version, RuntimeOptions(device="cpu", intra_op_threads=2, one_thread_when_concurrent=True))
+    holder = _one_thread(engine)
+    calls = []
+
+    def alternate(rows, wide, concurrent=False):
+        calls.append(len(calls) % 2 == 1)
+        return holder.session if calls[-1] else wide
+
+    holder.pick = alternate
+    if kind == "gpt":
+        batch = [plain.tokenizer.encode(p).ids for p in PROMPTS]
+
+        def decode(e):
+            searches = e.generate(batch, lambda _: GreedySearch(STEPS, e.eos_id, min_new_tokens=STEPS))
+            return [(r.tokens, r.score) for s in searches for r in s.results()]
+    else:
+        batch = [plain.source_ids(s) for s in GERMAN]
+
+        def decode(e):
+            searches = e.translate_ids(batch, lambda _: BeamSearch(4, STEPS, e.eos_id))
+            return [(r.tokens, r.score) for s in searches for r in s.results()]
+
+    assert decode(engine) == decode(plain)
+    assert True in calls and False in calls
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["concat", "in-place"])
 def test_gpt_steps_of_one_row_run_on_one_thread(tiny_repository, tmp_path, in_place):
     plain, engine, narrow, wide = _engines("gpt", GPTEngine, tiny_repository, tmp_path, in_place, rows=1)
@@ -120,3 +182,36 @@ def test_translation_beams_of_a_single_source_run_on_one_thread(tiny_repository,
     wide_runs = len(wide.rows)
     assert tokens(engine, sources) == tokens(plain, sources)  # 12 rows after the start: the configured session
     assert len(wide.rows) > wide_runs
+
+
+RELEASE_REPOSITORY = ROOT / "model_repository"
+
+
+@pytest.mark.parametrize("kind, variant", [("gpt", "int8+gqa"), ("gpt", "fp32"), ("translation", "int8"),
+                                           ("translation", "fp32")])
+def test_the_released_models_decode_bit_identically_on_either_session(kind, variant):
+    """A 16-source batch decoded with every step on the wide session, then on the one-thread one (what a call
+    beside another worker's gets): the same tokens and scores, bit for bit, so that which session a busy server
+    picks never shows in an answer."""
+    engine_class = GPTEngine if kind == "gpt" else TranslationEngine
+    engine = engine_class(ModelRepository(RELEASE_REPOSITORY).get(kind),
+                          RuntimeOptions(device="cpu", intra_op_threads=2, one_thread_when_concurrent=True,
+                                         weights=variant))
+    holder = _one_thread(engine)
+    if kind == "gpt":
+        batch = [engine.tokenizer.encode(p).ids for p in PROMPTS + ["KING"]] * 4
+
+        def decode():
+            searches = engine.generate(batch, lambda _: GreedySearch(48, engine.eos_id, min_new_tokens=48))
+            return [(r.tokens, r.score) for s in searches for r in s.results()]
+    else:
+        batch = [engine.source_ids(s) for s in GERMAN + ["Eine Frau singt auf einer Bühne."]] * 4
+
+        def decode():
+            searches = engine.translate_ids(batch, lambda _: BeamSearch(4, 40, engine.eos_id))
+            return [(r.tokens, r.score) for s in searches for r in s.results()]
+
+    holder.pick = lambda rows, wide, concurrent=False: wide
+    on_wide = decode()
+    holder.pick = lambda rows, wide, concurrent=False: holder.session
+    assert decode() == on_wide

@@ -75,16 +75,20 @@ def test_each_kind_loads_with_its_engine_scheduler_and_metric_series(tiny_reposi
 
 @pytest.mark.parametrize("setting, gpt_rows, translation_rows", [(None, 1, 0), (0, 0, 0), (4, 4, 4)],
                          ids=["each-kind's-own", "off", "set"])
+@pytest.mark.parametrize("workers", [1, 2])
 def test_one_thread_steps_follow_the_kind_unless_the_setting_says(tiny_repository, setting, gpt_rows,
-                                                                  translation_rows):
+                                                                  translation_rows, workers):
     """TSERVE_SINGLE_THREAD_ROWS unset: the GPT's one-row steps run on a one-thread session and translation's
-    steps never (service.models.kinds); set, the one value holds for both."""
-    settings = Settings(repository=tiny_repository, intra_op_threads=2, single_thread_rows=setting)
+    steps never (service.models.kinds); set, the one value holds for both. With several decoding workers a
+    one-thread session is there for the calls made beside another (`OneThreadSession.call`)."""
+    settings = Settings(repository=tiny_repository, intra_op_threads=2, single_thread_rows=setting,
+                        decoding_workers=workers)
     registry = ModelRegistry(settings, Metrics())
     try:
         for name, rows in (("gpt", gpt_rows), ("translation", translation_rows)):
             engine = registry.load(name).engine
             holder = engine._one_thread if engine._in_place is None else engine._in_place.one_thread
-            assert holder.max_rows == rows and (holder.session is not None) == (rows > 0), name
+            assert holder.max_rows == rows and holder.when_concurrent == (workers > 1), name
+            assert (holder.session is not None) == (rows > 0 or workers > 1), name
     finally:
         registry.stop(timeout=1)
