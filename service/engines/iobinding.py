@@ -1,4 +1,4 @@
-"""The in-place decoder step: a buffered `KVCache` bound to the step graph through one ONNX Runtime IO binding.
+"""The in-place decoder step: a buffered `KVCache` bound to the step graph through ONNX Runtime IO bindings.
 
 An in-place step graph (`export.kv_inplace`) takes the cache buffers as its past and writes each row's new
 keys/values into slot `cache_slot[row]` of the same buffers, its present: binding both to one array by address
@@ -64,11 +64,12 @@ class StepBinding:
 
 
 class InPlaceStep:
-    """Runs an in-place step graph (`export.kv_inplace`) over a buffered `KVCache`, through one ONNX Runtime IO
-    binding that lasts as long as the arrays it points into: a step writes the token ids and the slot into arrays
-    the binding already holds and runs, so it costs no binding calls and no allocation unless the cache's buffers
-    were replaced (growth, compaction, a join) or the other inputs changed. The binding lives on the cache, so
-    one engine may step several caches (from several threads)."""
+    """Runs an in-place step graph (`export.kv_inplace`) over a buffered `KVCache`, through an ONNX Runtime IO
+    binding per session (the step graph's, and its one-thread session's) that lasts as long as the arrays it points
+    into: a step writes the token ids and the slot into arrays the bindings already hold and runs, so it costs no
+    binding calls and no allocation unless the cache's buffers were replaced (growth, compaction, a join) or the
+    other inputs changed. The bindings live on the cache, so one engine may step several caches (from several
+    threads)."""
 
     def __init__(self, session, vocab_size: int, one_thread: OneThreadSession | None = None):
         slot = next((i for i in session.get_inputs() if i.name == schema.CACHE_SLOT), None)
