@@ -4,9 +4,10 @@
 
 Translation: sacreBLEU (cased, default 13a tokenisation) on val and test_2016_flickr, greedy and beam 4, plus the
 validation cross-entropy. Beam 4's length penalty is chosen on val (the highest BLEU of `LENGTH_PENALTIES`); the
-test set is translated with it, once, and the export makes it the served default. GPT: validation loss (nats per token) and perplexity. ViT: validation and test accuracy (percent); test-time
-flip averaging (`ViTConfig.flip_average`) is chosen on validation (on only if strictly more accurate there), the
-test set measured once with the choice, which `models.runs.load_trained` (and so the export) applies.
+test set is translated with it, once, and the export makes it the served default. GPT: validation loss (nats per
+token) and perplexity. ViT: validation and test accuracy (percent); test-time flip averaging
+(`ViTConfig.flip_average`) is chosen on validation (on only if strictly more accurate there), the test set measured
+once with the choice, which `models.runs.load_trained` (and so the export) applies.
 
 `--update` merges the recomputed figures into the run's metrics.json.
 """
