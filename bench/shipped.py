@@ -12,8 +12,6 @@ from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 VARIANT_OPTIONS = ("weights", "attention", "kv_cache")
-# model-config fields a trained run's evaluation chose (models.evaluate), recorded in the architecture on export
-CHOSEN_AT_EVALUATION = ("flip_average",)
 
 
 def shipped_variant(kind: str) -> dict[str, str]:
@@ -27,6 +25,7 @@ def shipped_variant(kind: str) -> dict[str, str]:
 def shipped_choices(kind: str) -> dict[str, object]:
     """The model-config fields the release model of `kind` was exported with that its evaluation chose (the ViT's
     `flip_average`), to build the benchmark's random-weight model alike."""
+    from models.config import CHOSEN_AT_EVALUATION
     from service.models.repository import ModelRepository
 
     architecture = ModelRepository(REPOSITORY).get(kind).config.get("architecture", {})

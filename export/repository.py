@@ -149,7 +149,7 @@ def measure_quality(kind: str, version: ModelVersion, tokenizer, card: dict, dat
     if kind == "gpt":
         _, val_text = data.load_shakespeare(root)
         ids = np.asarray(tokenizer.encode(val_text).ids, dtype=np.int64)[:count]
-        if changes_step_attention(weights):  # a variant of the step graph's attention: scored through the steps it changes
+        if changes_step_attention(weights):  # the step graph's attention changed: scored through the steps
             return round(checks.gpt_step_validation_loss(GPTEngine(version, options), ids), 4)
         return round(checks.gpt_validation_loss(GPTEngine(version, options), ids), 4)
     if kind == "vit":

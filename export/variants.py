@@ -9,9 +9,10 @@ variant, derived exactly as the service derives it, on the data its card was mea
 (`export.repository.check_quality`: GPT validation loss, through the decoding steps for a `+gqa` variant, ViT test
 accuracy, translation sacreBLEU with beam 4 through the service with the variant pinned) and held to
 `export.tolerances` of the card's float32 (PyTorch) figure, as an exported int8 graph is. A variant within it is
-written into config.json `variants` (variant -> what was measured), the list the service chooses from; every result, passed or not, goes into metrics.json
-(`export_checks`, `<variant>_weights_variant`) and the model card's "Weights variants" section. Nothing is
-stored twice: the graphs on disk are not touched. `python -m export` runs this after every export.
+written into config.json `variants` (variant -> what was measured), the list the service chooses from; every
+result, passed or not, goes into metrics.json (`export_checks`, `<variant>_weights_variant`) and the model card's
+"Weights variants" section. Nothing is stored twice: the graphs on disk are not touched. `python -m export` runs
+this after every export.
 
 Exit status: 0 every variant checked (passed or not, recorded), 2 bad arguments or missing data.
 """
@@ -47,9 +48,9 @@ def candidate_variants(version: ModelVersion) -> list[str]:
 
 
 def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[str, dict[str, Any]]:
-    """Measure every variant `version` does not store (`candidate_variants`), and record the results in its folder (config.json,
-    metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the failure's
-    message where it failed)."""
+    """Measure every variant `version` does not store (`candidate_variants`), and record the results in its folder
+    (config.json, metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the
+    failure's message where it failed)."""
     stored = compute_weights(version.config.get("weights", "fp32"))
     card = json.loads((version.path / METRICS_FILE).read_text())
     tokenizer = version_tokenizer(version)

@@ -73,6 +73,7 @@ class ViTConfig:
     # training is unchanged. `models.evaluate` chooses it on the validation split for a trained run.
     flip_average: bool = False
 
+
     @property
     def grid_size(self) -> int:
         """Tokens per side of the patch grid."""
@@ -91,6 +92,11 @@ class ViTConfig:
     def num_prefix_tokens(self) -> int:
         """Tokens before the patches: [CLS], and the distillation token when there is one."""
         return 2 if self.distillation else 1
+
+
+# Model-config fields a trained run's evaluation chooses on validation (`models.evaluate`, recorded in its
+# metrics.json), not its preset: `models.runs.load_trained` applies them, the export records them in the architecture.
+CHOSEN_AT_EVALUATION = ("flip_average",)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from models import data, tokenization
-from models.config import TEACHER_PRESETS, TrainConfig, TranslationConfig, config_from_dict
+from models.config import CHOSEN_AT_EVALUATION, TEACHER_PRESETS, TrainConfig, TranslationConfig, config_from_dict
 from models.convnet import ConvNet
 from models.gpt import GPT
 from models.tasks.gpt import GPTTask
@@ -130,7 +130,7 @@ def write_config(out_dir: Path, task_name: str, preset: str, config: Any, train_
 
 def load_trained(run_dir: str | Path) -> tuple[str, nn.Module, Any, Tokenizer | None, dict]:
     """(task name, model in eval mode, model config, tokenizer or None, the run's config.json) of a run folder; a
-    ViT as its evaluation chose (metrics.json's `flip_average`)."""
+    model as its evaluation chose (`models.config.CHOSEN_AT_EVALUATION`: a ViT's `flip_average`)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         run_dir = run_dir.parent
@@ -142,10 +142,10 @@ def load_trained(run_dir: str | Path) -> tuple[str, nn.Module, Any, Tokenizer | 
     task_name = saved["task"]
     config = config_from_dict(task_name, saved["model"])
     metrics_path = run_dir / "metrics.json"
-    if task_name == "vit" and metrics_path.exists():  # test-time flip averaging as models.evaluate chose it
-        chosen = json.loads(metrics_path.read_text()).get("flip_average", config.flip_average)
-        config = replace(config, flip_average=chosen)
-        saved["model"]["flip_average"] = chosen  # the card's architecture shows the model as served
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    chosen = {name: metrics[name] for name in CHOSEN_AT_EVALUATION if name in metrics and hasattr(config, name)}
+    config = replace(config, **chosen)  # as models.evaluate chose (a ViT's test-time flip averaging)
+    saved["model"].update(chosen)  # the card's architecture shows the model as served
     model = MODEL_CLASSES[task_name](config)
     model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
     model.eval()

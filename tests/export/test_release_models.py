@@ -268,10 +268,6 @@ def test_served_versions_meet_the_release_v2_targets(kind, version):
     assert _meets(metric, card[metric], TARGETS) and _meets(metric, measured, TARGETS), (card[metric], measured)
 
 
-# Architecture fields the run's evaluation chose on validation (models.evaluate), not the preset.
-CHOSEN_AT_EVALUATION = {"flip_average"}
-
-
 def _as_json(value):
     return list(value) if isinstance(value, tuple) else value
 
@@ -280,7 +276,7 @@ def _as_json(value):
 def test_served_models_are_what_the_release_preset_trains(kind, version):
     """The card says `--preset release`: the served (highest) version's architecture and epoch count must be that
     preset's (older versions were trained by earlier release presets, their cards say how)."""
-    from models.config import get_preset
+    from models.config import CHOSEN_AT_EVALUATION, get_preset
 
     architecture = json.loads((_version_dir(kind, version) / "config.json").read_text())["architecture"]
     model_config, train_config = get_preset(kind, "release")

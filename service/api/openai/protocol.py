@@ -376,8 +376,8 @@ class OpenAIModel(BaseModel):
                                            "in-place step graph's attention as GroupQueryAttention), "
                                            "`stored_weights` (fp32, fp16, int8: as the repository holds it), "
                                            "`offered_weights` (the variants the version offers, comma-separated), "
-                                           "`chosen_by` (pinned, only "
-                                           "variant, measured, cached measurement) and `reason`; `attention` "
+                                           "`chosen_by` (pinned, only variant, measured, cached measurement) and "
+                                           "`reason`; `attention` "
                                            "(plain, mha) and, for the text models, `kv_cache` (concat, inplace), "
                                            "as its config.json says; null when no version is loaded.")
     ready: bool
