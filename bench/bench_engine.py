@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shipped-variant", default=None,
                         help="shipped: the variant it runs (fp32, int8, fp32+gqa, int8+gqa; service.engines.weights), "
                              "as TSERVE_VARIANT pins one (default: as stored)")
+    parser.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",
+                        help="ours/shipped: run the graphs' sibling projections as separate MatMuls (the service "
+                             "fuses them at load unless TSERVE_FUSE_PROJECTIONS=false)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 7; quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed passes per system (default 2; quick 1)")
     parser.add_argument("--sentences", type=int, default=None,
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     args.runtime = Runtime(threads=args.threads, spin=args.spin, single_thread_rows=args.single_thread_rows,
-                           shipped_variant=args.shipped_variant)
+                           shipped_variant=args.shipped_variant, fuse_projections=args.fuse_projections)
     if "torch" in sys.modules:
         print("warning: torch was imported before main(); OMP_WAIT_POLICY may not apply", file=sys.stderr)
     if not args.spin:
@@ -206,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     env = environment(args.runtime)
     print(describe_cpu(), flush=True)
-    print(f"threads={args.threads} spin={args.spin} repeats={args.repeats} warmup={args.warmup} "
-          f"shipped variant={args.shipped_variant or 'as stored'} load average={env['load_average']}")
+    print(f"threads={args.threads} spin={args.spin} fuse_projections={args.fuse_projections} repeats={args.repeats} "
+          f"warmup={args.warmup} shipped variant={args.shipped_variant or 'as stored'} load average={env['load_average']}")
     print(f"versions: {env['versions']}", flush=True)
 
     results = []

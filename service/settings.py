@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # waking a second thread for each small op costs more than it saves (service.engines.runtime.OneThreadSession);
     # unset: each kind's own (service.models.kinds: the GPT's one-row steps, no translation steps)
     single_thread_rows: int | None = Field(None, ge=0)
+    # the MatMuls that read one input (an attention's Q/K/V projections) run as one, fused when the graphs load
+    # (service.engines.projection_fusion): the same outputs bit for bit, fewer kernel calls; false = as exported
+    fuse_projections: bool = True
     # the variant each model runs (service.models.variants): auto = the fastest on this host of those its version
     # offers, timed at start-up (cached in calibration_cache per CPU); stored = as the repository holds it; fp32,
     # int8, fp32+gqa or int8+gqa (the step graph's attention as GroupQueryAttention) for every model; or per model:

@@ -164,4 +164,4 @@ def _ours_runtime_options(runtime: Runtime, kind: str, runs_as: str | None = Non
     rows = runtime.single_thread_rows
     return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin,
                           single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[kind] if rows is None else rows,
-                          weights=runs_as)
+                          weights=runs_as, fuse_projections=runtime.fuse_projections)

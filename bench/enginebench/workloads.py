@@ -108,6 +108,9 @@ class Runtime:
     # shipped only: the variant it runs (`service.engines.weights.VARIANTS`, e.g. int8+gqa); None = as stored, as
     # the service runs it with TSERVE_VARIANT=stored
     shipped_variant: str | None = None
+    # ours and shipped only: sibling projections fused at load, as the service does (TSERVE_FUSE_PROJECTIONS,
+    # `service.engines.projection_fusion`); False: the graphs' MatMuls as exported
+    fuse_projections: bool = True
 
     def session_options(self):
         """The `onnxruntime.SessionOptions` every ONNX Runtime system must use (ours included)."""

@@ -50,6 +50,9 @@ class RuntimeOptions:
     # `+gqa` the step graph's attention as GroupQueryAttention), derived from the stored graph where it differs;
     # None = as stored
     weights: str | None = None
+    # the sibling projections (MatMuls reading one input: Q/K/V) run as one MatMul
+    # (`service.engines.projection_fusion`); the same outputs bit for bit, fewer kernel calls
+    fuse_projections: bool = True
 
 
 # Each model kind's `single_thread_rows` unless TSERVE_SINGLE_THREAD_ROWS sets one for all (service.models.kinds;
@@ -92,13 +95,15 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(),
     spin = "1" if options.spin else "0"
     settings.add_session_config_entry("session.intra_op.allow_spinning", spin)
     settings.add_session_config_entry("session.inter_op.allow_spinning", spin)
-    derived = derive(path, options.weights, row_candidates) if options.weights or row_candidates else None
+    derived = (derive(path, options.weights, row_candidates, options.fuse_projections)
+               if options.weights or row_candidates or options.fuse_projections else None)
     graph = str(path) if derived is None else derived
     session = ort.InferenceSession(graph, sess_options=settings, providers=preferred_providers(options.device))
     active = session.get_providers()[0]
     if options.device == "cuda" and active != CUDA:
         log.warning("CUDA provider did not start for %s (no GPU visible?); falling back to %s", path, active)
-    extra = ", with row candidates" if row_candidates else ""
+    extra = (", with row candidates" if row_candidates else "") + (
+        ", projections fused" if options.fuse_projections else "")
     note = "" if derived is None else f" (derived: {options.weights or 'stored'} variant{extra})"
     log.info("loaded %s on %s%s", path, active, note)
     return session

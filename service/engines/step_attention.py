@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 
 from service.engines import onnx_schema as schema
-from service.engines.onnx_graph import ModelProto, NodeProto, TensorProto, attribute, from_array, make_node
+from service.engines.onnx_graph import (MICROSOFT_DOMAIN, ModelProto, NodeProto, TensorProto, attribute, from_array,
+                                        make_node)
 
 __all__ = ["GQA", "has_masked_step_attention", "to_group_query_attention"]
 
 GQA = "gqa"  # the variant suffix (`service.engines.weights`)
-MICROSOFT_DOMAIN = "com.microsoft"
 MASKED_ATTENTION, GROUP_QUERY_ATTENTION, SCATTER = "MultiHeadAttention", "GroupQueryAttention", "ScatterND"
 MHA_QUERY, MHA_KEY, MHA_VALUE = 0, 1, 2  # MultiHeadAttention's inputs
 SCATTER_DATA, SCATTER_UPDATES = 0, 2  # ScatterND's

@@ -30,7 +30,11 @@ from pathlib import Path
 import numpy as np
 from onnxruntime.capi._pybind_state import quantize_matmul_8bits
 
-from service.engines.onnx_graph import ModelProto, TensorProto, attribute, from_array, load, make_node, to_array
+from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A, NBITS_B, NBITS_BIAS, NBITS_G_IDX,
+                                        NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, TensorProto, attribute,
+                                        drop_unread_initializers, float_constants, from_array, load, make_node,
+                                        to_array)
+from service.engines.projection_fusion import fuse_projections
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
 from service.engines.step_attention import GQA, has_masked_step_attention, to_group_query_attention
 
@@ -38,15 +42,11 @@ FP32, INT8 = "fp32", "int8"
 WEIGHTS = (FP32, INT8)
 VARIANT_SEPARATOR = "+"
 VARIANTS = (*WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{GQA}" for weights in WEIGHTS))
-MICROSOFT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators, MatMulNBits among them
-MATMUL_NBITS = "MatMulNBits"
 BITS = 8
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per row and block, int8 dot products
 # derived graphs kept in memory: an engine builds a wide and a one-thread session of one graph in a row
 DERIVED_GRAPHS_KEPT = 2
-# MatMulNBits' inputs, in order (the optional ones may be absent or named "")
-NBITS_A, NBITS_B, NBITS_SCALES, NBITS_ZERO_POINTS, NBITS_G_IDX, NBITS_BIAS = range(6)
 
 
 def compute_weights(stored: str) -> str:
@@ -73,7 +73,8 @@ def graph_weights(model: ModelProto) -> str:
 
 
 @functools.lru_cache(maxsize=DERIVED_GRAPHS_KEPT)
-def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candidates: bool) -> bytes | None:
+def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candidates: bool,
+             fuse: bool) -> bytes | None:
     model = load(path)
     changed = False
     weights, attention = split_variant(variant) if variant is not None else (None, None)
@@ -88,17 +89,20 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
     if row_candidates and not has_row_candidates(model):
         add_row_candidates(model)
         changed = True
+    if fuse and fuse_projections(model):
+        changed = True
     return model.SerializeToString() if changed else None
 
 
-def derive(path: str | Path, variant: str | None, row_candidates: bool = False) -> bytes | None:
+def derive(path: str | Path, variant: str | None, row_candidates: bool = False, fuse: bool = False) -> bytes | None:
     """The graph at `path` serialized in `variant` (`VARIANTS`; None: as stored), with the decoder's row
-    candidates added when asked (`service.engines.row_candidates`), or None when the stored graph is that already.
-    A graph derived once is kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
+    candidates added when asked (`service.engines.row_candidates`) and with `fuse` its sibling projections fused
+    (`service.engines.projection_fusion`), or None when the stored graph is that already. A graph derived once is
+    kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
     if variant is not None:
         split_variant(variant)  # a clear error for an unknown name
     stat = Path(path).stat()
-    return _derived(str(path), stat.st_mtime_ns, stat.st_size, variant, row_candidates)
+    return _derived(str(path), stat.st_mtime_ns, stat.st_size, variant, row_candidates, fuse)
 
 
 # --- int8 -> fp32 ---------------------------------------------------------------------------------------------
@@ -130,7 +134,7 @@ def to_fp32(model: ModelProto) -> int:
     returns how many were replaced."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    constants = _constants(model)
+    constants = float_constants(model)
     replaced = 0
     for index in range(len(graph.node) - 1, -1, -1):
         node = graph.node[index]
@@ -157,7 +161,7 @@ def to_fp32(model: ModelProto) -> int:
         for offset, added in enumerate(new):
             graph.node.insert(index + offset, added)
         replaced += 1
-    _drop_unread_initializers(model)
+    drop_unread_initializers(model)
     return replaced
 
 
@@ -178,19 +182,6 @@ def quantized_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, scales
 
 
-def _constants(model: ModelProto) -> dict[str, TensorProto]:
-    """Every constant float tensor of the graph by the name its readers use: the float initializers, and the float16
-    ones under the name of the Cast to float that reads them (`export.compress`'s storage). Read (`_as_float32`)
-    only where a rewrite needs one: the embeddings and the rest are never decoded."""
-    graph = model.graph
-    floats = {t.name: t for t in graph.initializer if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)}
-    named = dict(floats)
-    for node in graph.node:
-        if node.op_type == "Cast" and node.input[0] in floats and attribute(node, "to", -1) == TensorProto.FLOAT:
-            named[node.output[0]] = floats[node.input[0]]
-    return named
-
-
 def _as_float32(tensor: TensorProto | None) -> np.ndarray | None:
     return None if tensor is None else to_array(tensor).astype(np.float32)
 
@@ -199,7 +190,7 @@ def to_int8(model: ModelProto) -> int:
     """Replace every MatMul whose weight is a constant 2-D float matrix with a MatMulNBits on its 8-bit blocks, in
     place (what `export.quantize` does from float32 weights); returns how many were replaced."""
     graph = model.graph
-    constants = _constants(model)
+    constants = float_constants(model)
     replaced = 0
     for index, node in enumerate(graph.node):
         tensor = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
@@ -217,24 +208,5 @@ def to_int8(model: ModelProto) -> int:
         replaced += 1
     if replaced and not any(o.domain == MICROSOFT_DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=MICROSOFT_DOMAIN, version=1)
-    _drop_unread_initializers(model)
+    drop_unread_initializers(model)
     return replaced
-
-
-def _drop_unread_initializers(model: ModelProto) -> None:
-    """Remove the Casts nothing reads any more, then the initializers nothing reads (a graph output is read)."""
-    graph = model.graph
-    outputs = {o.name for o in graph.output}
-    while True:
-        read = {name for node in graph.node for name in node.input} | outputs
-        unread = [i for i, node in enumerate(graph.node)
-                  if node.op_type == "Cast" and not any(o in read for o in node.output)]
-        if not unread:
-            break
-        for i in reversed(unread):
-            del graph.node[i]
-    read = {name for node in graph.node for name in node.input} | outputs
-    kept = [t for t in graph.initializer if t.name in read]
-    if len(kept) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept)

@@ -68,7 +68,8 @@ def runtime_options(s: Settings, kind) -> RuntimeOptions:
     """How a version of `kind` (a `ModelKind`) builds its sessions under settings `s`."""
     single_thread_rows = kind.single_thread_rows if s.single_thread_rows is None else s.single_thread_rows
     return RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin,
-                          single_thread_rows=single_thread_rows, one_thread_when_concurrent=s.decoding_workers > 1)
+                          single_thread_rows=single_thread_rows, one_thread_when_concurrent=s.decoding_workers > 1,
+                          fuse_projections=s.fuse_projections)
 
 
 def parse_model_spec(spec: str) -> tuple[str, int | None]:

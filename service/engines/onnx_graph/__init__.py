@@ -13,8 +13,13 @@ import numpy as np
 
 from service.engines.onnx_graph.onnx_graph_pb2 import AttributeProto, ModelProto, NodeProto, TensorProto
 
-__all__ = ["AttributeProto", "ModelProto", "NodeProto", "TensorProto", "attribute", "from_array", "load",
-           "make_node", "to_array"]
+__all__ = ["AttributeProto", "ModelProto", "NodeProto", "TensorProto", "attribute", "drop_unread_initializers",
+           "float_constants", "from_array", "load", "make_node", "to_array"]
+
+MICROSOFT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators, MatMulNBits among them
+MATMUL_NBITS = "MatMulNBits"
+# MatMulNBits' inputs, in order (the optional ones may be absent or named "")
+NBITS_A, NBITS_B, NBITS_SCALES, NBITS_ZERO_POINTS, NBITS_G_IDX, NBITS_BIAS = range(6)
 
 # TensorProto.DataType -> numpy dtype, and the typed repeated field that holds the values when raw_data is empty
 _DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
@@ -73,3 +78,35 @@ def make_node(op_type: str, inputs: list[str], outputs: list[str], name: str, do
     for key, value in ints.items():
         node.attribute.append(AttributeProto(name=key, type=AttributeProto.INT, i=int(value)))
     return node
+
+
+def float_constants(model: ModelProto) -> dict[str, TensorProto]:
+    """Every constant float tensor of the graph by the name its readers use: the float initializers, and the float16
+    ones under the name of the Cast to float that reads them (`export.compress`'s storage). Decoded (`to_array`)
+    only where a rewrite needs one: the embeddings and the rest are never read."""
+    graph = model.graph
+    floats = {t.name: t for t in graph.initializer if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)}
+    named = dict(floats)
+    for node in graph.node:
+        if node.op_type == "Cast" and node.input[0] in floats and attribute(node, "to", -1) == TensorProto.FLOAT:
+            named[node.output[0]] = floats[node.input[0]]
+    return named
+
+
+def drop_unread_initializers(model: ModelProto) -> None:
+    """Remove the Casts nothing reads any more, then the initializers nothing reads (a graph output is read)."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {name for node in graph.node for name in node.input} | outputs
+        unread = [i for i, node in enumerate(graph.node)
+                  if node.op_type == "Cast" and not any(o in read for o in node.output)]
+        if not unread:
+            break
+        for i in reversed(unread):
+            del graph.node[i]
+    read = {name for node in graph.node for name in node.input} | outputs
+    kept = [t for t in graph.initializer if t.name in read]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
