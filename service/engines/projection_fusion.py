@@ -14,8 +14,10 @@ MatMul among threads by rows and columns of the output, never along the inner di
 MatMulNBits quantises its input per row and block of that dimension, whatever the width. So the outputs are the
 same bit for bit (tests/unit/engines/test_projection_fusion.py checks the release models), and only the number of
 kernel calls changes. Float MatMuls (float32 weights, or float16 stored + Cast, `export.compress`) fuse with
-float MatMuls, MatMulNBits with MatMulNBits of the same K, bits, block size and accuracy level; a group whose
-members differ otherwise (bias inputs on some only, zero points) is left as it is.
+float MatMuls, MatMulNBits with MatMulNBits of the same K, bits, block size and accuracy level and without zero
+points. The members' bias Adds become one Add before the Split (a MatMulNBits' bias input) when every member has
+one; ONNX Runtime folds a MatMulNBits' bias Add into its kernel, so MatMulNBits of which only some add a bias are
+left as they are (fusing them would change those members' rounding).
 """
 
 from __future__ import annotations
