@@ -80,10 +80,11 @@ def calibration_key(model: ModelVersion, provider: str, options: RuntimeOptions,
                     ) -> dict[str, Any]:
     """Everything the timings of `model`'s variants depend on; its hash (`key_hash`) names the cache entry. The
     session options that change a step's speed are in it (threads, spinning, the one-thread sessions of small
-    steps); the weights are what is measured."""
+    steps, the fused projections); the weights are what is measured."""
     return {**cpu_identity(), "onnxruntime": ort.__version__, "provider": provider,
             "threads": options.intra_op_threads, "spin": options.spin,
-            "single_thread_rows": options.single_thread_rows, "model": f"{model.name}:{model.version}",
+            "single_thread_rows": options.single_thread_rows, "fuse_projections": options.fuse_projections,
+            "model": f"{model.name}:{model.version}",
             "graphs": graph_digest(model), "rows": list(rows)}
 
 

@@ -139,8 +139,9 @@ def test_changed_graphs_are_measured_again(gpt_with_int8, tmp_path):
            "offered": ["fp32", "int8"]}
     assert cache.get(key) is not None
     assert cache.get({**key, "graphs": "0" * 64}) is None  # another graph (or CPU, threads, runtime): no entry
-    assert calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(single_thread_rows=4),
-                           ROWS) != key  # the session options that change the timings are part of the key
+    for options in (RuntimeOptions(single_thread_rows=4), RuntimeOptions(fuse_projections=False)):
+        # the session options that change the timings are part of the key
+        assert calibration_key(gpt_with_int8, "CPUExecutionProvider", options, ROWS) != key
 
 
 def test_a_pin_runs_its_variant_unmeasured_and_an_unchecked_pin_says_so(gpt_with_int8, tmp_path, caplog):
