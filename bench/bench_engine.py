@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.runtime)
     print(describe_cpu(), flush=True)
     print(f"threads={args.threads} spin={args.spin} fuse_projections={args.fuse_projections} repeats={args.repeats} "
-          f"warmup={args.warmup} shipped variant={args.shipped_variant or 'as stored'} load average={env['load_average']}")
+          f"warmup={args.warmup} shipped variant={args.shipped_variant or 'as stored'} "
+          f"load average={env['load_average']}")
     print(f"versions: {env['versions']}", flush=True)
 
     results = []
