@@ -29,7 +29,7 @@ import numpy as np
 from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A, NBITS_B, NBITS_BIAS, NBITS_G_IDX,
                                         NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, NodeProto, TensorProto,
                                         attribute, drop_unread_initializers, float_constants, from_array, make_node,
-                                        to_array)
+                                        to_array, to_float32)
 
 __all__ = ["fuse_projections", "fused_projection_count"]
 
@@ -70,16 +70,14 @@ def fuse_projections(model: ModelProto) -> int:
             continue
         nodes = [graph.node[i] for i in members]
         nbits = nodes[0].op_type == MATMUL_NBITS
-        adds = [_bias_add(graph, readers, outputs, constants, node) for node in nodes]
-        if nbits and _has_bias_input(nodes[0]):
-            adds = [None] * len(nodes)
-        if not all(adds):
-            if nbits and any(adds):
-                # ONNX Runtime folds a constant bias Add into the MatMulNBits before it (its bias input), which
-                # adds it within the kernel: fusing only some of the members would change their rounding
-                continue
-            adds = [None] * len(nodes)
-        absorbed = all(adds)
+        # members that already take a bias (MatMulNBits' input) keep whatever Adds follow them, after the Split
+        adds = ([] if nbits and _has_bias_input(nodes[0])
+                else [_bias_add(graph, readers, outputs, constants, node) for node in nodes])
+        absorbed = bool(adds) and all(adds)
+        if nbits and any(adds) and not absorbed:
+            # ONNX Runtime folds a constant bias Add into the MatMulNBits before it (its bias input), which adds it
+            # within the kernel: fusing only some of the members would change their rounding
+            continue
         results = [graph.node[a[0]].output[0] for a in adds] if absorbed else [n.output[0] for n in nodes]
         biases = [a[1] for a in adds] if absorbed else None
         fused = (_fuse_nbits(nodes, results, biases, constants, initializers, graph) if nbits
@@ -115,7 +113,7 @@ def _bias_add(graph, readers: dict[str, list[int]], outputs: set[str], constants
     bias = constants.get(other)
     if bias is None or len(bias.dims) != 1 or other == output:
         return None
-    return index, _float32(bias)
+    return index, to_float32(bias)
 
 
 def _has_bias_input(node: NodeProto) -> bool:
@@ -145,10 +143,6 @@ def _group_key(node: NodeProto, constants: dict[str, TensorProto], initializers:
     return None
 
 
-def _float32(tensor: TensorProto) -> np.ndarray:
-    return to_array(tensor).astype(np.float32)
-
-
 def _split(name: str, fused_output: str, results: list[str], widths: list[int], graph) -> NodeProto:
     """The Split of the fused output back into the members' results, under their names."""
     sizes = f"{name}/split"
@@ -158,7 +152,7 @@ def _split(name: str, fused_output: str, results: list[str], widths: list[int], 
 
 def _fuse_float(nodes: list[NodeProto], results: list[str], biases: list[np.ndarray] | None,
                 constants: dict[str, TensorProto], graph) -> list[NodeProto]:
-    weights = [_float32(constants[n.input[1]]) for n in nodes]
+    weights = [to_float32(constants[n.input[1]]) for n in nodes]
     name = nodes[0].name + FUSED_SUFFIX
     graph.initializer.append(from_array(np.concatenate(weights, axis=1), f"{name}/weight"))
     fused = [make_node("MatMul", [nodes[0].input[0], f"{name}/weight"], [f"{name}/output"], name)]
@@ -176,13 +170,13 @@ def _fuse_nbits(nodes: list[NodeProto], results: list[str], biases: list[np.ndar
     widths = [attribute(n, "N") for n in nodes]
     packed = np.concatenate([to_array(initializers[n.input[NBITS_B]]) for n in nodes], axis=0)
     blocks = packed.shape[1]
-    scales = np.concatenate([_float32(constants[n.input[NBITS_SCALES]]).reshape(width, blocks)
+    scales = np.concatenate([to_float32(constants[n.input[NBITS_SCALES]]).reshape(width, blocks)
                              for n, width in zip(nodes, widths)], axis=0)
     name = nodes[0].name + FUSED_SUFFIX
     graph.initializer.extend([from_array(packed, f"{name}/weight"), from_array(scales, f"{name}/scales")])
     inputs = [nodes[0].input[NBITS_A], f"{name}/weight", f"{name}/scales"]
     if _has_bias_input(nodes[0]):
-        biases = [_float32(constants[n.input[NBITS_BIAS]]) for n in nodes]
+        biases = [to_float32(constants[n.input[NBITS_BIAS]]) for n in nodes]
     if biases is not None:
         graph.initializer.append(from_array(np.concatenate(biases), f"{name}/bias"))
         inputs += ["", "", f"{name}/bias"]

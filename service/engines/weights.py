@@ -31,9 +31,9 @@ import numpy as np
 from onnxruntime.capi._pybind_state import quantize_matmul_8bits
 
 from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A, NBITS_B, NBITS_BIAS, NBITS_G_IDX,
-                                        NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, TensorProto, attribute,
+                                        NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, attribute,
                                         drop_unread_initializers, float_constants, from_array, load, make_node,
-                                        to_array)
+                                        to_array, to_float32)
 from service.engines.projection_fusion import fuse_projections
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
 from service.engines.step_attention import GQA, has_masked_step_attention, to_group_query_attention
@@ -144,10 +144,11 @@ def to_fp32(model: ModelProto) -> int:
         if inputs[NBITS_G_IDX]:
             raise ValueError(f"{node.name}: MatMulNBits with g_idx (act-order) is not supported")
         packed, zero_points = (initializers.get(inputs[i]) for i in (NBITS_B, NBITS_ZERO_POINTS))
-        scales = _as_float32(constants.get(inputs[NBITS_SCALES]))
+        scales = constants.get(inputs[NBITS_SCALES])
         if packed is None or scales is None or (inputs[NBITS_ZERO_POINTS] and zero_points is None):
             raise ValueError(f"{node.name}: MatMulNBits whose weights are not constants")
-        weight = dequantized_weight(to_array(packed), scales, None if zero_points is None else to_array(zero_points),
+        weight = dequantized_weight(to_array(packed), to_float32(scales),
+                                    None if zero_points is None else to_array(zero_points),
                                     attribute(node, "K"), attribute(node, "N"), attribute(node, "bits"),
                                     attribute(node, "block_size"))
         name = f"{inputs[NBITS_B]}__fp32"
@@ -182,10 +183,6 @@ def quantized_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, scales
 
 
-def _as_float32(tensor: TensorProto | None) -> np.ndarray | None:
-    return None if tensor is None else to_array(tensor).astype(np.float32)
-
-
 def to_int8(model: ModelProto) -> int:
     """Replace every MatMul whose weight is a constant 2-D float matrix with a MatMulNBits on its 8-bit blocks, in
     place (what `export.quantize` does from float32 weights); returns how many were replaced."""
@@ -196,7 +193,7 @@ def to_int8(model: ModelProto) -> int:
         tensor = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if tensor is None or len(tensor.dims) != 2 or node.domain not in ("", "ai.onnx"):
             continue
-        weight = _as_float32(tensor)
+        weight = to_float32(tensor)
         packed, scales = quantized_weight(weight)
         base = node.input[1]
         graph.initializer.extend([from_array(packed, f"{base}_Q{BITS}"), from_array(scales, f"{base}_scales")])

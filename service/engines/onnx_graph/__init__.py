@@ -14,7 +14,7 @@ import numpy as np
 from service.engines.onnx_graph.onnx_graph_pb2 import AttributeProto, ModelProto, NodeProto, TensorProto
 
 __all__ = ["AttributeProto", "ModelProto", "NodeProto", "TensorProto", "attribute", "drop_unread_initializers",
-           "float_constants", "from_array", "load", "make_node", "to_array"]
+           "float_constants", "from_array", "load", "make_node", "to_array", "to_float32"]
 
 MICROSOFT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators, MatMulNBits among them
 MATMUL_NBITS = "MatMulNBits"
@@ -50,6 +50,11 @@ def to_array(tensor: TensorProto) -> np.ndarray:
     if tensor.data_type == TensorProto.FLOAT16:
         return values.astype(np.uint16).view(np.float16).reshape(shape)
     return values.astype(dtype).reshape(shape)
+
+
+def to_float32(tensor: TensorProto) -> np.ndarray:
+    """A float tensor's values as float32 (float16 storage widened exactly)."""
+    return to_array(tensor).astype(np.float32)
 
 
 def from_array(array: np.ndarray, name: str) -> TensorProto:
