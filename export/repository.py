@@ -299,7 +299,10 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
             lines.append(f"| {key} | {value} |")
     lines += ["", "## Export checks (ONNX Runtime vs PyTorch)", "", "| check | result |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in metrics.get("export_checks", {}).items()]
-    lines += ["", "## Architecture", "", "```json", json.dumps(run_config["model"], indent=2), "```", ""]
+    architecture = dict(run_config["model"])
+    if architecture.get("stem_widths"):  # a ViT whose convolutional stem replaces the patch convolution
+        architecture.pop("patch_size", None)
+    lines += ["", "## Architecture", "", "```json", json.dumps(architecture, indent=2), "```", ""]
     if (run_dir / "curves.png").exists():
         lines += ["## Training curves", "", "![training curves](curves.png)", ""]
     return "\n".join(lines)

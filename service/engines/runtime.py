@@ -103,7 +103,7 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(),
     if options.device == "cuda" and active != CUDA:
         log.warning("CUDA provider did not start for %s (no GPU visible?); falling back to %s", path, active)
     extra = (", with row candidates" if row_candidates else "") + (
-        ", projections fused" if options.fuse_projections else "")
+        ", sibling projections fused where any" if options.fuse_projections else "")
     note = "" if derived is None else f" (derived: {options.weights or 'stored'} variant{extra})"
     log.info("loaded %s on %s%s", path, active, note)
     return session

@@ -123,3 +123,21 @@ def test_fp16_weight_storage_halves_the_files_and_keeps_the_outputs(tiny_runs, t
     same, total = map(int, checks["fp16_weights_same_argmax_as_fp32"].split("/"))
     assert total == 500 and same >= 495 and abs(checks["onnx_test_accuracy_minus_pytorch"]) <= 0.5
     assert "float16" in json.loads((tmp_path / "gpt" / "1" / "config.json").read_text())["weights_storage"]
+
+
+def test_a_stem_vits_card_omits_the_patch_size_it_does_not_use(tmp_path):
+    """The card's Architecture is the model config; a convolutional stem replaces the patch convolution, so the
+    unused `patch_size` default would mislead (vit/4's card once listed `patch_size: 4` beside its stem)."""
+    from dataclasses import asdict
+
+    from export.repository import _model_card
+    from models.config import ViTConfig
+
+    def architecture(model: ViTConfig) -> dict:
+        run_config = {"task": "vit", "preset": "release", "model": asdict(model), "train": {}}
+        card = _model_card("vit", 1, {"kind": "vit"}, {}, run_config, tmp_path)
+        return json.loads(card.split("## Architecture")[1].split("```json")[1].split("```")[0])
+
+    stem = architecture(ViTConfig(stem_widths=(32, 64, 128)))
+    assert "patch_size" not in stem and stem["stem_widths"] == [32, 64, 128]
+    assert architecture(ViTConfig(patch_size=7))["patch_size"] == 7
