@@ -21,7 +21,6 @@ import pstats
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 from cpuinfo import describe as describe_cpu  # noqa: E402
+from session_timing import timed_session_runs  # noqa: E402
 from service.decoding import BeamSearch  # noqa: E402
 from service.engines.translation import TranslationEngine  # noqa: E402
 from service.models.repository import ModelRepository  # noqa: E402
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_cpu())
     if args.repeats:
         walls, in_ort = [], []
-        with _timed_runs(engine) as ort_seconds:
+        with timed_session_runs(_sessions(engine)) as ort_seconds:
             for _ in range(args.repeats):
                 ort_seconds.clear()
                 started = time.perf_counter()
@@ -93,32 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-@contextmanager
-def _timed_runs(engine: TranslationEngine):
-    """While inside: every ONNX Runtime call of the engine's sessions (`run`, `run_with_iobinding`) appends its
-    seconds to the yielded list."""
-    seconds: list[float] = []
-    sessions = {id(s): s for s in (engine.encoder, engine.decoder, getattr(engine._one_thread, "session", None),
-                                   getattr(engine._in_place, "session", None)) if s is not None}
-    originals = []
-    for session in sessions.values():
-        for name in ("run", "run_with_iobinding"):
-            original = getattr(session, name)
-
-            def timed(*args, _original=original, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    seconds.append(time.perf_counter() - started)
-
-            setattr(session, name, timed)
-            originals.append((session, name))
-    try:
-        yield seconds
-    finally:
-        for session, name in originals:
-            delattr(session, name)
+def _sessions(engine: TranslationEngine) -> list:
+    """Every ONNX Runtime session the engine may call."""
+    return [engine.encoder, engine.decoder, getattr(engine._one_thread, "session", None),
+            getattr(engine._in_place, "session", None)]
 
 
 if __name__ == "__main__":

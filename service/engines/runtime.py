@@ -53,6 +53,9 @@ class RuntimeOptions:
     # the sibling projections (MatMuls reading one input: Q/K/V) run as one MatMul
     # (`service.engines.projection_fusion`); the same outputs bit for bit, fewer kernel calls
     fuse_projections: bool = True
+    # ONNX Runtime's node profiler on every session, its JSON written under this path prefix when a session's
+    # `end_profiling()` is called (bench/profile_gpt.py); None = off, as a server runs
+    profile_prefix: str | None = None
 
 
 # Each model kind's `single_thread_rows` unless TSERVE_SINGLE_THREAD_ROWS sets one for all (service.models.kinds;
@@ -95,6 +98,9 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(),
     spin = "1" if options.spin else "0"
     settings.add_session_config_entry("session.intra_op.allow_spinning", spin)
     settings.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    if options.profile_prefix:
+        settings.enable_profiling = True
+        settings.profile_file_prefix = options.profile_prefix
     derived = (derive(path, options.weights, row_candidates, options.fuse_projections)
                if options.weights or row_candidates or options.fuse_projections else None)
     graph = str(path) if derived is None else derived
