@@ -32,13 +32,13 @@ KINDS = ("translation", "gpt", "vit")
 
 VERSIONS = [(kind, version) for kind in KINDS for version in ModelRepository(REPOSITORY).versions(kind)]
 # What every committed version (each graph's own measurement and its PyTorch model's) must reach: the first release's
-# targets. Versions kept for comparison (gpt/1: 1.5291) meet these.
+# targets. Versions kept for comparison (vit/3: 91.63%) meet these.
 FLOORS = {"bleu": 35, "val_loss": 1.55, "test_accuracy": 91.5}
-# The served (highest) versions, issue 16's release v2: GPT <= 1.50 nats/char (version 3: 1.4709). BLEU: 37.9, the
-# target of 38.0 missed by 0.01 (version 3: 37.99 for PyTorch and through the service; length penalty chosen on
-# val). The ViT's: issue 26's 93.0%, every choice on a validation split held out of the training images (version 4:
+# The served (highest) versions, issue 16's release v2: GPT <= 1.50 nats/char (version 3: 1.4709). BLEU: issue 26's
+# 38.5 (version 4: 38.61 for PyTorch, 38.6 through the service; length penalty chosen on val, six encoder layers
+# chosen over version 3's three on val BLEU, 38.72 vs 38.42). The ViT's: issue 26's 93.0%, every choice on a validation split held out of the training images (version 4:
 # 93.06% test with its convolutional stem and test-time flip averaging, both chosen on validation).
-TARGETS = {"bleu": 37.9, "val_loss": 1.50, "test_accuracy": 93.0}
+TARGETS = {"bleu": 38.5, "val_loss": 1.50, "test_accuracy": 93.0}
 
 
 def _version_dir(kind: str, version: int) -> Path:
@@ -81,7 +81,7 @@ FIXTURE_OPTIONS = RuntimeOptions(intra_op_threads=2)
 # The GPT's fixture text is training text for the release models, so its card's held-out loss bounds the fixture
 # loss from one side only; these are the committed graphs' own fixture losses (nats, AMD EPYC, ONNX Runtime), held
 # two-sided within `GPT_FIXTURE_LOSS_TOLERANCE`. Re-measure them when a GPT version is committed.
-GPT_FIXTURE_LOSS = {1: 1.1495, 3: 1.1542}
+GPT_FIXTURE_LOSS = {3: 1.1542}  # gpt/1 (removed for the 40 MB budget) measured 1.1495
 # How far another CPU's kernels may move a committed graph's fixture loss: 5x the tolerance a graph variant may move
 # a loss (`export.tolerances.TOLERANCES["val_loss"]`, 0.002; the int8 gpt/3 moved its validation loss 0.0002 from
 # float32 on AMD EPYC), since int8 kernels differ by ISA. Still tight: gpt/3's logits scaled by 0.9 move its fixture

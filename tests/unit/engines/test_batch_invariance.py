@@ -180,18 +180,19 @@ def _logits_alone_and_batched(engine, inputs: list[list[int]], steps: int) -> tu
 
 
 def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_a_batch_that_others_join(tmp_path):
-    """The option the README states the cost of: translation/3's weights with the in-place step graph (what
+    """The option the README states the cost of: the released translator's weights with the in-place step graph (what
     `python -m export.convert --kv-cache inplace` writes, without its quality check)."""
     from export.kv_inplace import add_step_graph
     from service.engines.translation import TranslationEngine
     from service.models.repository import ModelRepository
 
-    version = tmp_path / "translation" / "3"
-    shutil.copytree(RELEASE_REPOSITORY / "translation" / "3", version)
+    released = ModelRepository(RELEASE_REPOSITORY).get("translation")
+    version = tmp_path / "translation" / str(released.version)
+    shutil.copytree(released.path, version)
     config = json.loads((version / "config.json").read_text())
     add_step_graph(version, config)
     (version / "config.json").write_text(json.dumps(config))
-    engine = TranslationEngine(ModelRepository(tmp_path).get("translation", 3))
+    engine = TranslationEngine(ModelRepository(tmp_path).get("translation", released.version))
     sources = [engine.source_ids(text) for text in [TRANSLATION_TARGETS["greedy"]["text"], *GERMAN, "Hallo."]]
     alone, batched = _logits_alone_and_batched(engine, sources, steps=12)
     for source, (a, b) in enumerate(zip(alone, batched)):

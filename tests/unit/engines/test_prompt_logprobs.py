@@ -1,8 +1,8 @@
 """Prompt log-probabilities from the GPT's prompt pass (`GPTEngine.prefill_positions` + `score_prompt`), against
 oracles: a full forward pass of the same ONNX graph on each prompt alone, and the PyTorch model on the same ids.
-For every served variant of the GPT: the tiny float model, the released float version 1 and the released version 3
-(int8 MatMulNBits weights, fused attention, in-place KV step graph with IO binding; the prompt pass runs
-decoder.onnx in every variant). A graph that keeps the last position only cannot score prompts, and says so.
+For every served variant of the GPT: the tiny float model, the released version as float32 (its int8 weights
+dequantised when the graphs load) and as stored (int8 MatMulNBits weights, fused attention, in-place KV step graph
+with IO binding; the prompt pass runs decoder.onnx in every variant). A graph that keeps the last position only cannot score prompts, and says so.
 The batch (`TextBatch.prefill`) scores the prompts of the jobs that asked only, in the pass every newcomer shares.
 """
 
@@ -17,6 +17,8 @@ from service.decoding import GreedySearch
 from service.decoding.distributions import log_softmax
 from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
+from service.engines.runtime import RuntimeOptions
+from service.engines.weights import FP32
 from service.errors import BadInput
 from service.models.repository import ModelRepository
 from service.scheduling.jobs import TextJob
@@ -30,6 +32,7 @@ RELEASE_REPOSITORY = ROOT / "model_repository"
 PROMPTS = ["ROMEO:\nWhat light", "O", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING"]
 TOP = 5
 SERVED = "release served (highest version: int8 + mha + in-place)"
+FLOAT = "release as float32 (the fp32 variant)"
 # The same graph, the row alone vs right-padded in a batch: the rows' real positions never see the padding
 # (causal attention), so the numbers agree to float32 rounding of reductions grouped differently.
 ONNX_TOLERANCE = 1e-5
@@ -39,7 +42,7 @@ TORCH_TOLERANCE = 1e-4  # ONNX Runtime's kernels vs PyTorch's, float32
 def _engines(tiny_repository) -> dict[str, GPTEngine]:
     release = ModelRepository(RELEASE_REPOSITORY)
     return {"tiny": GPTEngine(ModelRepository(tiny_repository).get("gpt")),
-            "release float (gpt/1)": GPTEngine(release.get("gpt", 1)),
+            FLOAT: GPTEngine(release.get("gpt"), RuntimeOptions(weights=FP32)),
             SERVED: GPTEngine(release.get("gpt"))}
 
 
@@ -63,7 +66,7 @@ def _ids(engine: GPTEngine) -> list[list[int]]:
     return [engine.tokenizer.encode(p).ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("variant", ["tiny", "release float (gpt/1)", SERVED])
+@pytest.mark.parametrize("variant", ["tiny", FLOAT, SERVED])
 def test_every_variant_scores_prompts_as_a_full_forward_pass_of_each_prompt_alone(engines, variant):
     engine = engines[variant]
     assert engine.scores_prompts
