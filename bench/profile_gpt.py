@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     wall, ort, search = (statistics.median(x) / steps * 1e3 for x in (walls, in_ort, in_search))
     print(f"timed, {args.repeats} passes (medians per step): {wall:.3f} ms ({args.batch / wall * 1e3:,.0f} tokens/s), "
           f"ONNX Runtime {ort:.3f} ms ({100 * ort / wall:.0f}%), searches {search:.3f} ms "
-          f"({100 * search / wall:.0f}%), the rest {wall - ort - search:.3f} ms ({100 * (wall - ort - search) / wall:.0f}%)")
+          f"({100 * search / wall:.0f}%), the rest {wall - ort - search:.3f} ms "
+          f"({100 * (wall - ort - search) / wall:.0f}%)")
 
     with tempfile.TemporaryDirectory() as folder:
         profiled = GPTEngine(version, RuntimeOptions(**{**options.__dict__, "profile_prefix": f"{folder}/gpt"}))

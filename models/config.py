@@ -163,7 +163,8 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
                         eval_limit=100, checkpoint_every=1000),
         ),
         "shallow": (
-            # Version 3's release recipe (its card's `--preset release`). Version 1: 12 epochs, its validation loss still falling at the end (BLEU 36.94). Version 3: 15
+            # Version 3's release recipe (its card's `--preset release`). Version 1: 12 epochs, its validation loss
+            # still falling at the end (BLEU 36.94). Version 3: 15
             # epochs (42 min alone) and the weights' moving average (decay 0.995: the last ~200 of 1,815
             # steps), the continuous form of averaging the last checkpoints: BLEU 37.99 with the length penalty
             # models.evaluate chose on val (1.2). Tried and not released (2026-12-01): 20 epochs with a slower

@@ -36,8 +36,9 @@ VERSIONS = [(kind, version) for kind in KINDS for version in ModelRepository(REP
 FLOORS = {"bleu": 35, "val_loss": 1.55, "test_accuracy": 91.5}
 # The served (highest) versions, issue 16's release v2: GPT <= 1.50 nats/char (version 3: 1.4709). BLEU: issue 26's
 # 38.5 (version 4: 38.61 for PyTorch, 38.6 through the service; length penalty chosen on val, six encoder layers
-# chosen over version 3's three on val BLEU, 38.72 vs 38.42). The ViT's: issue 26's 93.0%, every choice on a validation split held out of the training images (version 4:
-# 93.06% test with its convolutional stem and test-time flip averaging, both chosen on validation).
+# chosen over version 3's three on val BLEU, 38.72 vs 38.42). The ViT's: issue 26's 93.0%, every choice on a
+# validation split held out of the training images (version 4: 93.06% test with its convolutional stem and
+# test-time flip averaging, both chosen on validation).
 TARGETS = {"bleu": 38.5, "val_loss": 1.50, "test_accuracy": 93.0}
 
 

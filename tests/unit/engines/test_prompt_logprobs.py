@@ -2,7 +2,8 @@
 oracles: a full forward pass of the same ONNX graph on each prompt alone, and the PyTorch model on the same ids.
 For every served variant of the GPT: the tiny float model, the released version as float32 (its int8 weights
 dequantised when the graphs load) and as stored (int8 MatMulNBits weights, fused attention, in-place KV step graph
-with IO binding; the prompt pass runs decoder.onnx in every variant). A graph that keeps the last position only cannot score prompts, and says so.
+with IO binding; the prompt pass runs decoder.onnx in every variant). A graph that keeps the last position only
+cannot score prompts, and says so.
 The batch (`TextBatch.prefill`) scores the prompts of the jobs that asked only, in the pass every newcomer shares.
 """
 
