@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from cpuinfo import describe as describe_cpu  # noqa: E402
-from session_timing import timed_session_runs  # noqa: E402
+from session_timing import timed_calls, timed_session_runs  # noqa: E402
 from service.decoding import GreedySearch  # noqa: E402
 import service.decoding.batch_step as batch_step  # noqa: E402
 from service.engines.gpt import GPTEngine  # noqa: E402
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
           f"prompts, {args.new_tokens} new tokens, greedy")
     walls, in_ort, in_search = [], [], []
     for _ in range(args.repeats):
-        with timed_session_runs(_sessions(engine)) as ort_seconds, _timed_searches() as search_seconds:
+        with (timed_session_runs(_sessions(engine)) as ort_seconds,
+              timed_calls([(batch_step, "step_searches")]) as search_seconds):
             started = time.perf_counter()
             generate(engine)
             walls.append(time.perf_counter() - started)
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({100 * (wall - ort - search) / wall:.0f}%)")
 
     with tempfile.TemporaryDirectory() as folder:
-        profiled = GPTEngine(version, RuntimeOptions(**{**options.__dict__, "profile_prefix": f"{folder}/gpt"}))
+        profiled = GPTEngine(version, replace(options, profile_prefix=f"{folder}/gpt"))
         profiled_outputs = generate(profiled)
         by_operator, runs, run_us = _step_profile(_sessions(profiled), first=profiled.session)
     kernels = sum(by_operator.values())
@@ -106,27 +108,6 @@ def _sessions(engine: GPTEngine) -> list:
     return [engine.session, getattr(engine._one_thread, "session", None),
             None if in_place is None else in_place.session,
             None if in_place is None or in_place.one_thread is None else in_place.one_thread.session]
-
-
-class _timed_searches:
-    """While inside: each `step_searches` call of `run_search` appends its seconds to the yielded list."""
-
-    def __enter__(self) -> list[float]:
-        self.seconds: list[float] = []
-        self.original = original = batch_step.step_searches
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds.append(time.perf_counter() - started)
-
-        batch_step.step_searches = timed
-        return self.seconds
-
-    def __exit__(self, *exc) -> None:
-        batch_step.step_searches = self.original
 
 
 def _step_profile(sessions: list, first) -> tuple[dict[str, float], int, float]:
