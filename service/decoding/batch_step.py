@@ -147,6 +147,8 @@ def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray] | 
     if not isinstance(first_logits, StepLogits):
         first_logits = np.stack([np.asarray(fl).reshape(-1) for fl in first_logits])
     steps = step_searches(searches, first_logits)
+    if all(s.single_row for s in searches):
+        return _run_single_rows(searches, steps, step_fn)
     offsets = np.arange(len(searches), dtype=np.int64)  # first row of each search in the previous row set
     while True:
         tokens, parents, active, new_offsets = [], [], [], []
@@ -170,3 +172,22 @@ def run_search(searches: Sequence[Search], first_logits: Sequence[np.ndarray] | 
         steps = step_searches(active, logits)
         searches = active
         offsets = np.asarray(new_offsets, dtype=np.int64)
+
+
+def _run_single_rows(searches: Sequence[Search], steps: list[StepResult], step_fn: StepFn) -> None:
+    """`run_search`'s loop when every search is single-row (greedy, sampling): one row per search still running,
+    which continues that search's row of the previous call, so the rows are the running searches in order and a
+    step's parents are where they were (the same calls as the general loop, without its per-search arrays)."""
+    while True:
+        running = [i for i, res in enumerate(steps) if not res.done]
+        if not running:
+            return
+        tokens = np.array([steps[i].tokens[0] for i in running], dtype=np.int64)
+        logits = step_fn(tokens, np.array(running, dtype=np.int64))
+        if not isinstance(logits, StepLogits):
+            logits = np.asarray(logits)
+        returned = (logits.logits if isinstance(logits, StepLogits) else logits).shape[0]
+        if returned != len(running):
+            raise ValueError(f"step_fn returned {returned} rows, expected {len(running)}")
+        searches = [searches[i] for i in running]
+        steps = step_searches(searches, logits)

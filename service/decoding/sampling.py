@@ -38,6 +38,7 @@ __all__ = ["SamplingSearch", "step_single_rows"]
 # OpenAI's range for presence_penalty and frequency_penalty.
 MAX_OPENAI_PENALTY = 2.0
 
+NOT_RECORDED: list = []  # `accept`'s alternatives for a search that records no log-probabilities: never read
 _ZERO = np.zeros(1, dtype=np.int64)  # every single-row step continues row 0: one shared, read-only array
 _ZERO.flags.writeable = False
 
@@ -274,6 +275,18 @@ def _choose(searches: Sequence[SamplingSearch], x: np.ndarray) -> list[tuple[int
     peak, log_z = log_normaliser(x)
     processed = [i for i, s in enumerate(searches) if s.needs_processing()]
     tokens = np.argmax(x, axis=1) if len(processed) < len(searches) else np.empty(len(searches), np.int64)
+    if processed:
+        _choose_processed(searches, x, processed, tokens)
+    logprobs = ((x[np.arange(len(tokens)), tokens] - peak) - log_z).tolist()
+    if all(s.logprobs is None for s in searches):  # nothing recorded (the usual case): `top` is never read
+        return list(zip(tokens.tolist(), logprobs, [NOT_RECORDED] * len(searches)))
+    return [(tok, lp, top_logprobs(x[row], s.logprobs, peak[row], log_z[row]) if s.logprobs else [])
+            for row, (s, tok, lp) in enumerate(zip(searches, tokens.tolist(), logprobs))]
+
+
+def _choose_processed(searches: Sequence[SamplingSearch], x: np.ndarray, processed: list[int],
+                      tokens: np.ndarray) -> None:
+    """Into ``tokens``: the choices of the rows ``processed`` (those more than the argmax of their raw logits)."""
     # greedy rows whose only processing is a ban (min_new_tokens' EOS, the n-gram ban): the argmax of the logits
     # with the banned tokens at -inf, what the sampler would choose, without its arrays of every parameter
     banned_only = [i for i in processed if not searches[i].always_processed]
@@ -286,6 +299,3 @@ def _choose(searches: Sequence[SamplingSearch], x: np.ndarray) -> list[tuple[int
     if processed:
         tokens[processed] = sampler.choose(x[processed].astype(np.float64, copy=False),
                                            row_params([searches[i] for i in processed], x.shape[1]))
-    logprobs = ((x[np.arange(len(tokens)), tokens] - peak) - log_z).tolist()
-    return [(tok, lp, top_logprobs(x[row], s.logprobs, peak[row], log_z[row]) if s.logprobs else [])
-            for row, (s, tok, lp) in enumerate(zip(searches, tokens.tolist(), logprobs))]

@@ -4,7 +4,9 @@ One graph serves both: prefill feeds the right-padded prompts with an empty cach
 row with the cache. Rows of different lengths share a batch through explicit positions and the slot mask.
 A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs the steps on
 it instead: the cache becomes fixed-capacity buffers, bound through IO binding as the graph's past and present,
-so a step writes its slot without copying the past.
+so a step writes its slot without copying the past. With the step's attention as GroupQueryAttention (a `+gqa`
+variant), which reads each row's used slots only, a full cache grows to the context length in one copy instead of
+by `kv_cache.HEADROOM` several times.
 
 The prompt pass returns the logits at every prompt position (the graph's `logits` are (rows, positions, V)); the
 scheduler keeps the last position's for the next token and, for the prompts whose log-probabilities were asked for
@@ -27,6 +29,7 @@ from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.runtime import RuntimeOptions, active_provider, create_session
+from service.engines.weights import changes_step_attention
 from service.models.repository import TOKENIZER_FILE, ModelVersion
 
 
@@ -43,9 +46,11 @@ class GPTEngine:
         self.vocab_size = arch["vocab_size"]
         # the in-place step graph (`export.kv_inplace`) when the version has one, else the small steps' session of
         # decoder.onnx (`OneThreadSession`)
-        self._in_place, self._one_thread = step_runners(model.path, step_file, config["files"]["decoder"],
-                                                        self.session, self.vocab_size, options)
         self.context_length = config["context_length"]
+        # GroupQueryAttention reads each row's used slots only: a full cache grows to the context length at once
+        grow_to = self.context_length if changes_step_attention(options.weights) else None
+        self._in_place, self._one_thread = step_runners(model.path, step_file, config["files"]["decoder"],
+                                                        self.session, self.vocab_size, options, grow_to=grow_to)
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
         self.scores_prompts = returns_every_position(self.session)
@@ -101,9 +106,9 @@ class GPTEngine:
         R = cache.rows
         if int(cache.positions.max(initial=0)) >= self.context_length:
             raise ValueError(f"a row reached the context length {self.context_length}")
-        ids = tokens.reshape(R, 1).astype(np.int64)
         if self._in_place is not None:
-            return self._in_place.run(cache, ids[:, 0])
+            return self._in_place.run(cache, tokens.reshape(R))  # written into its bound int64 ids
+        ids = tokens.reshape(R, 1).astype(np.int64)
         return self._run(cache, ids, cache.positions.reshape(R, 1), np.ones((R, 1), np.int64))
 
     @staticmethod

@@ -11,8 +11,7 @@ The buffers themselves, their layout and their growth are `service.engines.kv_ca
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +70,8 @@ class InPlaceStep:
     other inputs changed. The bindings live on the cache, so one engine may step several caches (from several
     threads)."""
 
-    def __init__(self, session, vocab_size: int, one_thread: OneThreadSession | None = None):
+    def __init__(self, session, vocab_size: int, one_thread: OneThreadSession | None = None,
+                 grow_to: int | None = None):
         slot = next((i for i in session.get_inputs() if i.name == schema.CACHE_SLOT), None)
         if slot is None or len(slot.shape) != 1:
             raise ValueError(f"the step graph's {schema.CACHE_SLOT} input must be one slot per row (rows,), got "
@@ -80,6 +80,9 @@ class InPlaceStep:
         self.session = session
         self.vocab_size = vocab_size
         self.one_thread = one_thread  # small steps' session, if any (`service.engines.runtime.OneThreadSession`)
+        # a full cache grows straight to this many slots (`KVCache.reserve`'s limit): for a step graph whose
+        # attention reads each row's used slots only; None grows it by `kv_cache.HEADROOM`
+        self.grow_to = grow_to
         # a graph with row candidates (`service.engines.row_candidates`) returns a `StepLogits`
         self.row_candidates = any(o.name == schema.TOP_IDS for o in session.get_outputs())
 
@@ -90,7 +93,7 @@ class InPlaceStep:
         other inputs (e.g. the encoder's), bound by address as they are."""
         inputs = inputs or {}
         k = max(1, candidates) if self.row_candidates else 0
-        slots = cache.open_slot()
+        slots = cache.open_slot(self.grow_to)
         arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
         # which arrays, by identity (cheaper than reading each one's address): the bindings hold them (`_bind`)
         key = (cache.rows, cache.capacity, k, *map(id, arrays), *(a.shape for a in inputs.values()))
@@ -110,13 +113,11 @@ class InPlaceStep:
             return logits
         return StepLogits(logits, bound.top_logprobs[:, -1].copy(), bound.top_ids[:, -1].copy())
 
-    @contextmanager
-    def _session(self, rows: int) -> Iterator:
+    def _session(self, rows: int):
+        """A context giving the session a step of ``rows`` rows runs on (`OneThreadSession.call`)."""
         if self.one_thread is None:
-            yield self.session
-        else:
-            with self.one_thread.call(rows, self.session) as session:
-                yield session
+            return nullcontext(self.session)
+        return self.one_thread.call(rows, self.session)
 
     def _bind(self, key: tuple, cache: KVCache, inputs: dict[str, np.ndarray], keyed: tuple[np.ndarray, ...],
               k: int) -> StepBinding:
@@ -150,15 +151,15 @@ class InPlaceStep:
 
 
 def step_runners(folder: Path, step_file: str | None, decoder_file: str | None, decoder,
-                 vocab_size: int, options: RuntimeOptions, row_candidates: bool = False
+                 vocab_size: int, options: RuntimeOptions, row_candidates: bool = False, grow_to: int | None = None
                  ) -> tuple[InPlaceStep | None, OneThreadSession | None]:
     """How an engine runs its one-token steps: on the in-place step graph `step_file` when the version has one
     (an `InPlaceStep`, with its own one-thread session), else on the decoder graph's session ``decoder`` (and a
     `OneThreadSession` of `decoder_file` for small steps) -> (in-place step or None, one-thread session or None).
     ``row_candidates``: the step graph and the one-thread session with them (`service.engines.row_candidates`),
-    as ``decoder`` was made."""
+    as ``decoder`` was made. ``grow_to``: the in-place step's `InPlaceStep.grow_to`."""
     if step_file:
         step = create_session(folder / step_file, options, row_candidates)
         one_thread = OneThreadSession(folder / step_file, options, step, row_candidates)
-        return InPlaceStep(step, vocab_size, one_thread), None
+        return InPlaceStep(step, vocab_size, one_thread, grow_to), None
     return None, OneThreadSession(folder / decoder_file, options, decoder, row_candidates)

@@ -90,14 +90,19 @@ class KVCache:
     def buffered(self) -> bool:
         return self.lengths is not None
 
-    def reserve(self, slots: int) -> None:
+    def reserve(self, slots: int, limit: int | None = None) -> None:
         """Switch to buffer storage with room for `slots` more slots in every row, growing (one copy) only when
-        full. From exact storage each row's used slots move to the front, in order (`_aligned`)."""
+        full. From exact storage each row's used slots move to the front, in order (`_aligned`).
+
+        `limit`: when it grows, grow straight to this many slots (or what `slots` needs, if more) instead of by
+        `HEADROOM`: for a step whose attention reads each row's used slots only (`GroupQueryAttention`), room costs
+        memory, not time, and one growth replaces several (each a fresh allocation and a copy of the cache)."""
         if self.buffered and self.length + slots <= self.capacity:
             return
         if not self.buffered:
             self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask)
-        length, capacity = self.length, capacity_for(self.length + slots)
+        length = self.length
+        capacity = capacity_for(length + slots) if limit is None else max(length + slots, limit)
 
         def grown(array: np.ndarray, axis: int) -> np.ndarray:
             shape = list(array.shape)
@@ -111,10 +116,10 @@ class KVCache:
         self.values = [grown(v, 2) for v in self.values]
         self.mask = grown(self.mask, 1)
 
-    def open_slot(self) -> np.ndarray:
-        """Buffers: make room for one more slot in every row, mark each row's next slot used and return those
-        slots (rows,); `advance()` once the graph has written them."""
-        self.reserve(1)
+    def open_slot(self, limit: int | None = None) -> np.ndarray:
+        """Buffers: make room for one more slot in every row (growing to `limit` slots if given, `reserve`), mark
+        each row's next slot used and return those slots (rows,); `advance()` once the graph has written them."""
+        self.reserve(1, limit)
         slots = self.lengths.copy()
         self.mask[np.arange(self.rows), slots] = 1
         return slots
@@ -148,9 +153,10 @@ class KVCache:
         gathers the kept rows once, dropping leading slots that none of them uses any more."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) == self.rows:
-            moved = np.flatnonzero(rows != np.arange(self.rows))
-            if moved.size == 0:
+            changed = rows != np.arange(self.rows)
+            if not changed.any():
                 return  # nothing moves: greedy and sampling rows keep their place
+            moved = np.flatnonzero(changed)
             if moved.size <= IN_PLACE_REORDER_FRACTION * self.rows:
                 sources, used = rows[moved], self.length
                 for array in (*self.keys, *self.values):

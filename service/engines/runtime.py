@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -153,14 +151,28 @@ class OneThreadSession:
             return wide
         return self.session if rows <= self.max_rows or (concurrent and self.when_concurrent) else wide
 
-    @contextmanager
-    def call(self, rows: int, wide: ort.InferenceSession) -> Iterator[ort.InferenceSession]:
-        """`pick` for a call about to run, counted as in flight until the block ends."""
-        with self._lock:
-            concurrent = self._in_flight > 0
-            self._in_flight += 1
-        try:
-            yield self.pick(rows, wide, concurrent)
-        finally:
-            with self._lock:
-                self._in_flight -= 1
+    def call(self, rows: int, wide: ort.InferenceSession) -> _Call:
+        """`pick` for a call about to run, counted as in flight until the ``with`` block ends: ``with
+        one_thread.call(rows, wide) as session: session.run(...)``."""
+        return _Call(self, rows, wide)
+
+
+class _Call:
+    """`OneThreadSession.call`'s context: a class, not a generator, since it wraps every decoding step (a
+    generator-based context manager costs a step ~2 us)."""
+
+    __slots__ = ("owner", "rows", "wide")
+
+    def __init__(self, owner: OneThreadSession, rows: int, wide: ort.InferenceSession):
+        self.owner, self.rows, self.wide = owner, rows, wide
+
+    def __enter__(self) -> ort.InferenceSession:
+        owner = self.owner
+        with owner._lock:
+            concurrent = owner._in_flight > 0
+            owner._in_flight += 1
+        return owner.pick(self.rows, self.wide, concurrent)
+
+    def __exit__(self, *exc) -> None:
+        with self.owner._lock:
+            self.owner._in_flight -= 1

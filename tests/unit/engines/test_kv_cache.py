@@ -157,3 +157,25 @@ def test_exact_rows_with_padding_move_to_slot_0_when_they_join_buffers():
     assert slots.tolist() == [3, 2, 4] and joined.mask[[0, 1, 2], [3, 2, 4]].tolist() == [1, 1, 1]
     joined.advance()
     assert joined.lengths.tolist() == [4, 3, 5] and _aligned_rows(joined)
+
+
+def test_reserve_with_a_limit_grows_straight_to_it_once():
+    """`reserve(slots, limit)` (a step attention that reads used slots only): a full cache grows to `limit` in one
+    copy, then fills it in place; a limit below what is needed still makes room for it."""
+    c = buffered(2, 3)
+    for _ in range(CAPACITY_STEP - 3):
+        c.open_slot(limit=100)
+        c.advance()
+    keys = c.keys[0]
+    assert c.capacity == CAPACITY_STEP  # room left: no growth yet, whatever the limit
+    c.open_slot(limit=100)
+    assert c.capacity == 100 and c.keys[0] is not keys and c.mask.shape == (2, 100)
+    assert c.keys[0][:, 0, :3, 0].tolist() == [[0, 1, 2], [3, 4, 5]] and not c.keys[0][:, :, CAPACITY_STEP:].any()
+    c.advance()
+    keys = c.keys[0]
+    for _ in range(100 - CAPACITY_STEP - 1):
+        c.open_slot(limit=100)
+        c.advance()
+    assert c.keys[0] is keys and c.length == 100  # one growth for the whole run
+    c.reserve(5, limit=50)
+    assert c.capacity == 105

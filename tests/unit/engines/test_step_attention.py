@@ -124,3 +124,27 @@ def test_the_step_validation_loss_equals_the_prompt_pass_loss(step_repository, d
     steps, prompt_pass = checks.gpt_step_validation_loss(engine, ids), checks.gpt_validation_loss(engine, ids)
     assert steps == pytest.approx(prompt_pass, abs=1e-5)
     assert checks.gpt_step_validation_loss(engine, ids[::-1].copy()) != pytest.approx(steps, abs=1e-3)  # not a constant
+
+
+def test_a_gqa_cache_grows_to_the_context_length_at_once_with_the_same_logits(step_repository):
+    """GroupQueryAttention reads each row's used slots only, so a `+gqa` engine grows a full cache straight to the
+    context length (`InPlaceStep.grow_to`): one copy instead of several, and the same logits, bit for bit, as
+    growing by the headroom (the masked kernel reads the whole buffer: its engine keeps the headroom)."""
+    version = ModelRepository(step_repository).get("gpt", 2)
+    grouped, by_headroom = (GPTEngine(version, RuntimeOptions(weights="fp32+gqa")) for _ in range(2))
+    assert grouped._in_place.grow_to == grouped.context_length
+    assert GPTEngine(version, RuntimeOptions(weights="fp32"))._in_place.grow_to is None
+    by_headroom._in_place.grow_to = None
+    prompts = [grouped.tokenizer.encode(text).ids for text in PROMPTS]
+    tokens = np.random.default_rng(1).integers(0, grouped.vocab_size, (STEPS, len(prompts)))
+    capacities = {}
+    for name, engine in (("grouped", grouped), ("by_headroom", by_headroom)):
+        logits, cache = engine.prefill(prompts)
+        out, seen = [logits], {cache.capacity}
+        for step_tokens in tokens:
+            out.append(engine.step(cache, step_tokens))
+            seen.add(cache.capacity)
+        capacities[name] = sorted(seen)
+        capacities[name + " logits"] = np.stack(out)
+    assert capacities["grouped"][-1] == grouped.context_length and len(capacities["by_headroom"]) > 2
+    np.testing.assert_array_equal(capacities["grouped logits"], capacities["by_headroom logits"])
