@@ -5,8 +5,8 @@ row with the cache. Rows of different lengths share a batch through explicit pos
 A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs the steps on
 it instead: the cache becomes fixed-capacity buffers, bound through IO binding as the graph's past and present,
 so a step writes its slot without copying the past. With the step's attention as GroupQueryAttention (a `+gqa`
-variant), which reads each row's used slots only, a full cache grows to the context length in one copy instead of
-by `kv_cache.HEADROOM` several times.
+variant), which reads each row's used slots only, the buffers take the context length at once (`KVCache.limit`)
+instead of growing by `kv_cache.HEADROOM` several times.
 
 The prompt pass returns the logits at every prompt position (the graph's `logits` are (rows, positions, V)); the
 scheduler keeps the last position's for the next token and, for the prompts whose log-probabilities were asked for
@@ -46,11 +46,12 @@ class GPTEngine:
         self.vocab_size = arch["vocab_size"]
         # the in-place step graph (`export.kv_inplace`) when the version has one, else the small steps' session of
         # decoder.onnx (`OneThreadSession`)
-        self.context_length = config["context_length"]
-        # GroupQueryAttention reads each row's used slots only: a full cache grows to the context length at once
-        grow_to = self.context_length if changes_step_attention(options.weights) else None
         self._in_place, self._one_thread = step_runners(model.path, step_file, config["files"]["decoder"],
-                                                        self.session, self.vocab_size, options, grow_to=grow_to)
+                                                        self.session, self.vocab_size, options)
+        self.context_length = config["context_length"]
+        # GroupQueryAttention reads each row's used slots only: its caches take the context length at once
+        # (`KVCache.limit`); the masked kernel reads the whole buffer, whose headroom stays small
+        self.cache_limit = self.context_length if changes_step_attention(options.weights) else None
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
         self.scores_prompts = returns_every_position(self.session)
@@ -91,7 +92,7 @@ class GPTEngine:
         positions = np.where(mask == 1, np.arange(longest), 0)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = prompt
-        cache = KVCache.empty(B, self.n_layers, self.n_heads, self.head_dim)
+        cache = KVCache.empty(B, self.n_layers, self.n_heads, self.head_dim, self.cache_limit)
         feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **cache.feeds()}
         logits, *presents = self.session.run(None, feeds)  # (B, T, V)
         cache.append(presents, mask, lengths)

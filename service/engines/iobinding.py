@@ -70,8 +70,7 @@ class InPlaceStep:
     other inputs changed. The bindings live on the cache, so one engine may step several caches (from several
     threads)."""
 
-    def __init__(self, session, vocab_size: int, one_thread: OneThreadSession | None = None,
-                 grow_to: int | None = None):
+    def __init__(self, session, vocab_size: int, one_thread: OneThreadSession | None = None):
         slot = next((i for i in session.get_inputs() if i.name == schema.CACHE_SLOT), None)
         if slot is None or len(slot.shape) != 1:
             raise ValueError(f"the step graph's {schema.CACHE_SLOT} input must be one slot per row (rows,), got "
@@ -80,9 +79,6 @@ class InPlaceStep:
         self.session = session
         self.vocab_size = vocab_size
         self.one_thread = one_thread  # small steps' session, if any (`service.engines.runtime.OneThreadSession`)
-        # a full cache grows straight to this many slots (`KVCache.reserve`'s limit): for a step graph whose
-        # attention reads each row's used slots only; None grows it by `kv_cache.HEADROOM`
-        self.grow_to = grow_to
         # a graph with row candidates (`service.engines.row_candidates`) returns a `StepLogits`
         self.row_candidates = any(o.name == schema.TOP_IDS for o in session.get_outputs())
 
@@ -93,7 +89,7 @@ class InPlaceStep:
         other inputs (e.g. the encoder's), bound by address as they are."""
         inputs = inputs or {}
         k = max(1, candidates) if self.row_candidates else 0
-        slots = cache.open_slot(self.grow_to)
+        slots = cache.open_slot()
         arrays = (*cache.keys, *cache.values, cache.mask, cache.positions, *inputs.values())
         # which arrays, by identity (cheaper than reading each one's address): the bindings hold them (`_bind`)
         key = (cache.rows, cache.capacity, k, *map(id, arrays), *(a.shape for a in inputs.values()))
@@ -151,15 +147,15 @@ class InPlaceStep:
 
 
 def step_runners(folder: Path, step_file: str | None, decoder_file: str | None, decoder,
-                 vocab_size: int, options: RuntimeOptions, row_candidates: bool = False, grow_to: int | None = None
+                 vocab_size: int, options: RuntimeOptions, row_candidates: bool = False
                  ) -> tuple[InPlaceStep | None, OneThreadSession | None]:
     """How an engine runs its one-token steps: on the in-place step graph `step_file` when the version has one
     (an `InPlaceStep`, with its own one-thread session), else on the decoder graph's session ``decoder`` (and a
     `OneThreadSession` of `decoder_file` for small steps) -> (in-place step or None, one-thread session or None).
     ``row_candidates``: the step graph and the one-thread session with them (`service.engines.row_candidates`),
-    as ``decoder`` was made. ``grow_to``: the in-place step's `InPlaceStep.grow_to`."""
+    as ``decoder`` was made."""
     if step_file:
         step = create_session(folder / step_file, options, row_candidates)
         one_thread = OneThreadSession(folder / step_file, options, step, row_candidates)
-        return InPlaceStep(step, vocab_size, one_thread, grow_to), None
+        return InPlaceStep(step, vocab_size, one_thread), None
     return None, OneThreadSession(folder / decoder_file, options, decoder, row_candidates)

@@ -17,7 +17,8 @@ Two storage modes, after vLLM's and gpt-fast's pre-allocated caches:
 - buffers (`lengths` = each row's slots in use): every row's tokens sit in slots [0, lengths[row]), the slots
   after them are zero and masked. A step writes each row's token into its own slot `lengths[row]` in place
   (`export.kv_inplace`'s graph, with the buffers bound as both past and present); capacity grows with a headroom
-  (`capacity_for`), so attention over the whole buffer costs at most 1 + HEADROOM times the used length.
+  (`capacity_for`), so attention over the whole buffer costs at most 1 + HEADROOM times the used length, or, for an
+  attention that reads the used slots only, takes a fixed `limit` (the context length) at once.
   `service.engines.iobinding.InPlaceStep` runs such steps with one IO binding that lasts as long as the buffers do.
 
 Buffers keep every row where it would be alone (slot 0 onwards), whatever the batch: this is what makes a row's
@@ -49,8 +50,11 @@ HEADROOM = 0.25
 IN_PLACE_REORDER_FRACTION = 0.5
 
 
-def capacity_for(slots: int) -> int:
-    """The buffer capacity for `slots` used slots: `HEADROOM` more, rounded up to a multiple of CAPACITY_STEP."""
+def capacity_for(slots: int, limit: int | None = None) -> int:
+    """The buffer capacity for `slots` used slots: `HEADROOM` more, rounded up to a multiple of CAPACITY_STEP; with
+    a `limit` (`KVCache.limit`), that limit, or `slots` where they are more."""
+    if limit is not None:
+        return max(slots, limit)
     return max(CAPACITY_STEP, -(-int(slots * (1 + HEADROOM)) // CAPACITY_STEP) * CAPACITY_STEP)
 
 
@@ -64,14 +68,18 @@ class KVCache:
     lengths: np.ndarray | None = None  # (rows,) int64 slots in use per row in capacity buffers; None: exact storage
     # the IO binding `service.engines.iobinding.InPlaceStep` made for these buffers (a `StepBinding`), if any
     step_binding: object | None = field(default=None, repr=False, compare=False)
+    # buffers: the capacity they grow to at once when full (e.g. the context length), instead of `HEADROOM` over
+    # the used slots; for a step whose attention reads each row's used slots only (GroupQueryAttention), where room
+    # costs memory, not time: one growth instead of several, each a fresh allocation and a copy of the cache
+    limit: int | None = None
 
     @classmethod
-    def empty(cls, rows: int, n_layers: int, n_heads: int, head_dim: int) -> KVCache:
-        """A cache with zero slots, as the first (prefill) call of a graph wants it."""
+    def empty(cls, rows: int, n_layers: int, n_heads: int, head_dim: int, limit: int | None = None) -> KVCache:
+        """A cache with zero slots, as the first (prefill) call of a graph wants it (`limit`: see the field)."""
         shape = (rows, n_heads, 0, head_dim)
         return cls([np.zeros(shape, np.float32) for _ in range(n_layers)],
                    [np.zeros(shape, np.float32) for _ in range(n_layers)],
-                   np.zeros((rows, 0), np.int64), np.zeros(rows, np.int64))
+                   np.zeros((rows, 0), np.int64), np.zeros(rows, np.int64), limit=limit)
 
     @property
     def rows(self) -> int:
@@ -90,19 +98,16 @@ class KVCache:
     def buffered(self) -> bool:
         return self.lengths is not None
 
-    def reserve(self, slots: int, limit: int | None = None) -> None:
+    def reserve(self, slots: int) -> None:
         """Switch to buffer storage with room for `slots` more slots in every row, growing (one copy) only when
-        full. From exact storage each row's used slots move to the front, in order (`_aligned`).
-
-        `limit`: when it grows, grow straight to this many slots (or what `slots` needs, if more) instead of by
-        `HEADROOM`: for a step whose attention reads each row's used slots only (`GroupQueryAttention`), room costs
-        memory, not time, and one growth replaces several (each a fresh allocation and a copy of the cache)."""
+        full, to `capacity_for` them or to `limit`. From exact storage each row's used slots move to the front, in
+        order (`_aligned`)."""
         if self.buffered and self.length + slots <= self.capacity:
             return
         if not self.buffered:
             self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask)
         length = self.length
-        capacity = capacity_for(length + slots) if limit is None else max(length + slots, limit)
+        capacity = capacity_for(length + slots, self.limit)
 
         def grown(array: np.ndarray, axis: int) -> np.ndarray:
             shape = list(array.shape)
@@ -116,10 +121,10 @@ class KVCache:
         self.values = [grown(v, 2) for v in self.values]
         self.mask = grown(self.mask, 1)
 
-    def open_slot(self, limit: int | None = None) -> np.ndarray:
-        """Buffers: make room for one more slot in every row (growing to `limit` slots if given, `reserve`), mark
-        each row's next slot used and return those slots (rows,); `advance()` once the graph has written them."""
-        self.reserve(1, limit)
+    def open_slot(self) -> np.ndarray:
+        """Buffers: make room for one more slot in every row, mark each row's next slot used and return those
+        slots (rows,); `advance()` once the graph has written them."""
+        self.reserve(1)
         slots = self.lengths.copy()
         self.mask[np.arange(self.rows), slots] = 1
         return slots
@@ -214,8 +219,10 @@ class KVCache:
                 sources.append((cache.keys, cache.values, cache.mask, None, first, cache.length - first))
         length = max((width for (*_, width), kept in zip(sources, rows) if len(kept)), default=0)
         total = sum(len(r) for r in rows)
-        capacity = capacity_for(length + 1) if buffered else length
         reference = caches[0]
+        # a join's or a gather's copy keeps the headroom: its rows may be short-lived, and fresh memory is paid for
+        # page by page; the `limit` is taken when the buffers fill up (`reserve`)
+        capacity = capacity_for(length + 1) if buffered else length
         n_heads, head_dim = reference.keys[0].shape[1], reference.keys[0].shape[3]
 
         def gather(layer: int | None, values: bool = False) -> np.ndarray:
@@ -253,6 +260,7 @@ class KVCache:
             np.concatenate([c.positions[r] for c, r in zip(caches, rows)]),
             encoder_row,
             lengths,
+            limit=reference.limit,
         )
 
 

@@ -159,23 +159,37 @@ def test_exact_rows_with_padding_move_to_slot_0_when_they_join_buffers():
     assert joined.lengths.tolist() == [4, 3, 5] and _aligned_rows(joined)
 
 
-def test_reserve_with_a_limit_grows_straight_to_it_once():
-    """`reserve(slots, limit)` (a step attention that reads used slots only): a full cache grows to `limit` in one
-    copy, then fills it in place; a limit below what is needed still makes room for it."""
+def test_a_cache_with_a_limit_grows_straight_to_it_and_keeps_it():
+    """`KVCache.limit` (a step attention that reads used slots only): a full cache grows to the limit in one copy,
+    then fills it in place; what is needed beyond it is still made room for; a join or a gather copies with the
+    headroom (fresh memory costs page by page) and keeps the limit for its next growth."""
     c = buffered(2, 3)
+    c.limit = 100
     for _ in range(CAPACITY_STEP - 3):
-        c.open_slot(limit=100)
+        c.open_slot()
         c.advance()
     keys = c.keys[0]
     assert c.capacity == CAPACITY_STEP  # room left: no growth yet, whatever the limit
-    c.open_slot(limit=100)
+    c.open_slot()
     assert c.capacity == 100 and c.keys[0] is not keys and c.mask.shape == (2, 100)
     assert c.keys[0][:, 0, :3, 0].tolist() == [[0, 1, 2], [3, 4, 5]] and not c.keys[0][:, :, CAPACITY_STEP:].any()
     c.advance()
     keys = c.keys[0]
     for _ in range(100 - CAPACITY_STEP - 1):
-        c.open_slot(limit=100)
+        c.open_slot()
         c.advance()
     assert c.keys[0] is keys and c.length == 100  # one growth for the whole run
-    c.reserve(5, limit=50)
+    c.reserve(5)
     assert c.capacity == 105
+    joined = KVCache.concatenate([c, buffered(1, 4)])  # a join: the headroom, and the limit for its growth
+    assert joined.limit == 100 and joined.capacity == capacity_for(101)
+    c.select(np.array([1]))  # a gather, the same
+    assert c.limit == 100 and c.capacity == capacity_for(101)
+    short = buffered(3, 5)
+    short.limit = 64
+    gathered = KVCache.concatenate([short], rows=[np.array([2, 0])])
+    assert gathered.capacity == capacity_for(6) < 64
+    for _ in range(gathered.capacity - 5 + 1):  # one more than it holds
+        gathered.open_slot()
+        gathered.advance()
+    assert gathered.capacity == 64

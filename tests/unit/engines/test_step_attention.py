@@ -128,13 +128,13 @@ def test_the_step_validation_loss_equals_the_prompt_pass_loss(step_repository, d
 
 def test_a_gqa_cache_grows_to_the_context_length_at_once_with_the_same_logits(step_repository):
     """GroupQueryAttention reads each row's used slots only, so a `+gqa` engine grows a full cache straight to the
-    context length (`InPlaceStep.grow_to`): one copy instead of several, and the same logits, bit for bit, as
-    growing by the headroom (the masked kernel reads the whole buffer: its engine keeps the headroom)."""
+    context length (`KVCache.limit`): one copy instead of several, and the same logits, bit for bit, as growing by
+    the headroom (the masked kernel reads the whole buffer: its engine keeps the headroom)."""
     version = ModelRepository(step_repository).get("gpt", 2)
     grouped, by_headroom = (GPTEngine(version, RuntimeOptions(weights="fp32+gqa")) for _ in range(2))
-    assert grouped._in_place.grow_to == grouped.context_length
-    assert GPTEngine(version, RuntimeOptions(weights="fp32"))._in_place.grow_to is None
-    by_headroom._in_place.grow_to = None
+    assert grouped.cache_limit == grouped.context_length
+    assert GPTEngine(version, RuntimeOptions(weights="fp32")).cache_limit is None
+    by_headroom.cache_limit = None
     prompts = [grouped.tokenizer.encode(text).ids for text in PROMPTS]
     tokens = np.random.default_rng(1).integers(0, grouped.vocab_size, (STEPS, len(prompts)))
     capacities = {}
