@@ -150,9 +150,15 @@ class TextBatch:
             len(step.tokens) == self.spans[job][1] for job, step in zip(self.jobs, steps))
         if in_place:
             parents, tokens = np.arange(self.rows), np.full(self.rows, PAD_ID, np.int64)  # dead rows: never read
+            single_rows, single_tokens = [], []  # a single-row search's row continues itself: its parent is in place
             for job, step in zip(self.jobs, steps):
                 first, rows = self.spans[job]
-                parents[first : first + rows], tokens[first : first + rows] = step.parents + first, step.tokens
+                if job.search.single_row:
+                    single_rows.append(first)
+                    single_tokens.append(step.tokens[0])
+                else:
+                    parents[first : first + rows], tokens[first : first + rows] = step.parents + first, step.tokens
+            tokens[single_rows] = single_tokens
             if dead:
                 self.backend.recycle(self.state, np.setdiff1d(np.arange(self.rows), self.row_indices()))
             return parents, tokens
