@@ -15,6 +15,12 @@ length = max(cache_slot) + 1. The attention mask is then not read. Another kerne
 may differ from the masked kernel's in the last bits (and a greedy choice between near-equal tokens with them), so
 the variant is quality-checked at export like a weights variant (`export.variants`), on the steps it changes.
 Rows stay batch-invariant: each row's attention reads its own slots only.
+
+Where the projections were fused (`service.engines.projection_fusion`: one MatMul for Q, K and V, then a Split),
+`pack_query_key_value` hands GroupQueryAttention the fused output whole, as its packed QKV input (what
+onnxruntime-genai's CPU models feed it), and the Split goes: the same numbers, one node less per layer (measured
+on the release GPT int8+gqa, three in-process A/B pairs: +4 / +8 / +15% at batch 1; 0 / -2 / -6% at 16 and
+0 / 0 / -5% at 64, inside the runs' ~5% noise; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from __future__ import annotations
 import numpy as np
 
 from service.engines import onnx_schema as schema
-from service.engines.onnx_graph import (MICROSOFT_DOMAIN, ModelProto, NodeProto, TensorProto, attribute, from_array,
-                                        make_node)
+from service.engines.onnx_graph import (MICROSOFT_DOMAIN, ModelProto, NodeProto, TensorProto, attribute,
+                                        drop_unread_initializers, from_array, make_node)
 
-__all__ = ["GQA", "has_masked_step_attention", "to_group_query_attention"]
+__all__ = ["GQA", "has_masked_step_attention", "pack_query_key_value", "to_group_query_attention"]
 
 GQA = "gqa"  # the variant suffix (`service.engines.weights`)
+GQA_QUERY, GQA_KEY, GQA_VALUE = 0, 1, 2  # GroupQueryAttention's inputs; key and value empty: the query is packed QKV
 MASKED_ATTENTION, GROUP_QUERY_ATTENTION, SCATTER = "MultiHeadAttention", "GroupQueryAttention", "ScatterND"
 MHA_QUERY, MHA_KEY, MHA_VALUE = 0, 1, 2  # MultiHeadAttention's inputs
 SCATTER_DATA, SCATTER_UPDATES = 0, 2  # ScatterND's
@@ -109,6 +116,35 @@ def to_group_query_attention(model: ModelProto) -> int:
     del graph.initializer[:]
     graph.initializer.extend(initializers)
     return len(dropped) // 3
+
+
+def pack_query_key_value(model: ModelProto) -> int:
+    """In place: every GroupQueryAttention whose query, key and value are, in that order, the three parts of one
+    Split that nothing else reads (fused projections) takes the Split's input as its packed QKV query instead, and
+    the Split goes. Returns how many were packed."""
+    graph = model.graph
+    producer = {output: node for node in graph.node for output in node.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    dropped: set[int] = set()
+    for node in graph.node:
+        if node.op_type != GROUP_QUERY_ATTENTION or len(node.input) <= GQA_VALUE:
+            continue
+        split = producer.get(node.input[GQA_QUERY])
+        parts = list(node.input[GQA_QUERY : GQA_VALUE + 1])
+        if (split is None or split.op_type != "Split" or list(split.output) != parts
+                or any(readers[part] != 1 for part in parts) or attribute(split, "axis", 0) != -1):
+            continue
+        node.input[GQA_QUERY], node.input[GQA_KEY], node.input[GQA_VALUE] = split.input[0], "", ""
+        dropped.add(id(split))
+    kept = [node for node in graph.node if id(node) not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
+    if dropped:
+        drop_unread_initializers(model)  # the Splits' sizes
+    return len(dropped)
 
 
 def _topological(nodes: list[NodeProto], available: set[str]) -> list[NodeProto]:

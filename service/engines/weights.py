@@ -36,7 +36,8 @@ from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A,
                                         to_array, to_float32)
 from service.engines.projection_fusion import fuse_projections
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
-from service.engines.step_attention import GQA, has_masked_step_attention, to_group_query_attention
+from service.engines.step_attention import (GQA, has_masked_step_attention, pack_query_key_value,
+                                            to_group_query_attention)
 
 FP32, INT8 = "fp32", "int8"
 WEIGHTS = (FP32, INT8)
@@ -91,6 +92,8 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
         changed = True
     if fuse and fuse_projections(model):
         changed = True
+        if attention == GQA:
+            pack_query_key_value(model)
     return model.SerializeToString() if changed else None
 
 

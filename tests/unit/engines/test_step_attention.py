@@ -16,6 +16,7 @@ from service.engines.gpt import GPTEngine
 from service.engines.onnx_graph import load
 from service.engines.runtime import RuntimeOptions
 from service.engines.step_attention import has_masked_step_attention, to_group_query_attention
+from service.engines import weights
 from service.engines.weights import VARIANTS, derive, split_variant
 from service.models.repository import ModelRepository
 
@@ -148,3 +149,28 @@ def test_a_gqa_cache_grows_to_the_context_length_at_once_with_the_same_logits(st
         capacities[name + " logits"] = np.stack(out)
     assert capacities["grouped"][-1] == grouped.context_length and len(capacities["by_headroom"]) > 2
     np.testing.assert_array_equal(capacities["grouped logits"], capacities["by_headroom logits"])
+
+
+def test_fused_projections_feed_group_query_attention_packed_with_the_same_logits(step_repository, monkeypatch):
+    """With the projections fused (one MatMul for Q, K and V, then a Split), a `+gqa` step graph hands
+    GroupQueryAttention the fused output as its packed QKV query and drops the Split (`pack_query_key_value`):
+    the same logits, bit for bit, as the unpacked graph."""
+    version = ModelRepository(step_repository).get("gpt", 2)
+    step_file = version.path / version.config["files"]["decoder_step"]
+    options = RuntimeOptions(weights="fp32+gqa", fuse_projections=True)
+    weights._derived.cache_clear()
+    packed = GPTEngine(version, options)
+    graph = onnx.load_from_string(derive(step_file, "fp32+gqa", fuse=True))
+    attention = [node for node in graph.graph.node if node.op_type == "GroupQueryAttention"]
+    assert attention and all(list(node.input[1:3]) == ["", ""] for node in attention)
+    assert not any(node.op_type == "Split" for node in graph.graph.node)
+    weights._derived.cache_clear()
+    monkeypatch.setattr(weights, "pack_query_key_value", lambda model: 0)
+    unpacked = GPTEngine(version, options)
+    assert any(node.op_type == "Split" for node in onnx.load_from_string(
+        derive(step_file, "fp32+gqa", fuse=True)).graph.node)  # the same graph, fused but not packed
+    weights._derived.cache_clear()
+    prompts = [packed.tokenizer.encode(text).ids for text in PROMPTS]
+    tokens = np.random.default_rng(2).integers(0, packed.vocab_size, (STEPS, len(prompts)))
+    np.testing.assert_array_equal(_teacher_forced_logits(packed, prompts, tokens),
+                                  _teacher_forced_logits(unpacked, prompts, tokens))
