@@ -252,7 +252,15 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
             # Tried for version 4 (issue 26: <= 1.45): version 3's recipe with six layers instead of four (4.9M
             # parameters instead of 3.3M, ~1.5x the step). Version 3 ended still improving with a wide train /
             # validation gap that more dropout did not close (preset `candidate`); more depth is the capacity a
-            # character model uses (nanoGPT's 10.7M model: 6 layers). Sized to run across two sessions (resumable).
+            # character model uses (nanoGPT's 10.7M model: 6 layers). Not released: 2026-12-04, AMD EPYC, 2 cores, 104
+            # min at 1.3 s/step. Validation loss of the moving average 1.4715 / 1.4625 / 1.4570 / 1.4544 / 1.4526 /
+            # 1.4520 at steps 3,300 / 3,600 / 3,900 / 4,200 / 4,500 / 4,800 (version 3: 1.4709 at its end), flat at
+            # the end of the schedule; resumed with `--max-steps 6000` (the cosine then restarts at a rate of 1.5e-4,
+            # a tenth of the peak, and decays over 1,200 steps): 1.4508 / 1.4511 / 1.4511 / 1.4510 at 5,100 / 5,400 /
+            # 5,700 / 6,000 (train loss 1.18), and the mean of the averaged weights at 5,100 and 6,000 1.4505. 0.02
+            # better than version 3 but short of 1.45, at ~1.5x version 3's cost per decoded token: more steps at this
+            # size are spent; what is left is width (nanoGPT: 384) with heavier dropout, a run longer than one
+            # session.
             GPTConfig(context_length=256, d_model=256, n_heads=4, n_layers=6, d_ff=1024, dropout=0.1,
                       attention_dropout=0.0),
             TrainConfig(epochs=1000, max_steps=4800, batch_size=16, lr=1.5e-3, warmup_steps=100, weight_decay=0.1,

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from export.convert import main as convert_main
+from service.models.repository import ModelRepository
 from service.settings import Settings
 from tests.support import ROOT
 
@@ -128,7 +129,8 @@ COMPLETIONS = {  # OpenAI completions on the released GPT: every token's log-pro
 def test_the_released_gpt_decodes_the_same_alone_and_among_others(serving, mode):
     settings = Settings(repository=RELEASE_REPOSITORY, models=["gpt"], max_new_tokens=64)
     with serving(settings) as client:
-        alone, together = _alone_and_among_others(client, "gpt", {**GPT_TARGETS[mode], "version": 3})
+        version = max(ModelRepository(RELEASE_REPOSITORY).versions("gpt"))  # the served one, named explicitly
+        alone, together = _alone_and_among_others(client, "gpt", {**GPT_TARGETS[mode], "version": version})
         assert together == [alone] * len(together), mode
         if mode in COMPLETIONS:
             alone, together = _alone_and_among_others(client, "gpt", COMPLETIONS[mode])
@@ -184,7 +186,6 @@ def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_
     `python -m export.convert --kv-cache inplace` writes, without its quality check)."""
     from export.kv_inplace import add_step_graph
     from service.engines.translation import TranslationEngine
-    from service.models.repository import ModelRepository
 
     released = ModelRepository(RELEASE_REPOSITORY).get("translation")
     version = tmp_path / "translation" / str(released.version)
@@ -206,7 +207,6 @@ def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(v
     (`service.engines.step_attention`)."""
     from service.engines.gpt import GPTEngine
     from service.engines.runtime import RuntimeOptions
-    from service.models.repository import ModelRepository
 
     repository, made = variant_repository
     model = ModelRepository(RELEASE_REPOSITORY).get("gpt") if version == "release-served" else \
