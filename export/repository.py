@@ -258,7 +258,12 @@ def _model_card(name: str, version: int, config: dict, metrics: dict, run_config
                  f"choice ({choices}) was made on them, and the test set was measured once, at the end.")
     lines = [f"# {name} version {version}", "", f"Kind: `{config['kind']}`. Data: {data}", ""]
     command = f"python -m models.train {run_config['task']} --preset {run_config['preset']}"
+    device = metrics.get("train_device", "cpu")  # models.train --device: where the steps ran
+    if device != "cpu":
+        command += " --device cuda"
     lines += ["## Training", "", f"Command: `{command}` (run folder `{run_dir.name}`)", ""]
+    if device != "cpu":
+        lines.append(f"- trained on: {device} (evaluated on the CPU)")
     for key in ("parameters", "steps", "epochs_completed", "train_seconds"):
         if key in metrics:
             lines.append(f"- {key.replace('_', ' ')}: {metrics[key]:,}" if isinstance(metrics[key], int)

@@ -92,6 +92,7 @@ def _save_atomically(obj: Any, path: Path) -> None:
 def _save_checkpoint(path: Path, model, optimizer, state: TrainState, average: AveragedModel | None) -> None:
     _save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": asdict(state),
                       "rng": torch.get_rng_state(),
+                      "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
                       "average": average.state_dict() if average is not None else None}, path)
 
 
@@ -154,6 +155,8 @@ def train(
             average.load_state_dict(saved["average"])
         state = TrainState(**saved["state"])
         torch.set_rng_state(saved["rng"])
+        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])  # dropout on a GPU draws from the GPU's generator
         if progress:
             print(f"resuming from {checkpoint_path} at step {state.step} (epoch {state.epoch})")
 

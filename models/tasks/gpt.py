@@ -1,7 +1,8 @@
 """GPT training task: random windows of a token stream (nanoGPT's `get_batch`), next-token cross-entropy.
 
 Validation loss is the mean next-token cross-entropy over non-overlapping windows of the held-out stream, in nats
-per token; for the byte tokenizer on ASCII text that is nats per character.
+per token; for the byte tokenizer on ASCII text that is nats per character. Batches are made on the CPU and moved
+to the model's device (a GPU when `python -m models.train --device cuda`), as nanoGPT's `get_batch` does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from torch.nn import functional as F
 
 from models.config import GPTConfig, TrainConfig
 from models.gpt import GPT
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 class GPTTask:
@@ -42,7 +47,8 @@ class GPTTask:
             yield windows[:, :-1], windows[:, 1:]
 
     def loss(self, model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        inputs, targets = batch
+        device = _device_of(model)
+        inputs, targets = (t.to(device, non_blocking=True) for t in batch)
         logits, _ = model(inputs)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), targets.numel()
 
@@ -53,6 +59,8 @@ class GPTTask:
         n_windows = (len(self.val_ids) - 1) // T
         inputs = self.val_ids[: n_windows * T].view(n_windows, T)
         targets = self.val_ids[1 : n_windows * T + 1].view(n_windows, T)
+        device = _device_of(model)
+        inputs, targets = inputs.to(device), targets.to(device)
         total = 0.0
         for i in range(0, n_windows, batch_size):
             logits, _ = model(inputs[i : i + batch_size])

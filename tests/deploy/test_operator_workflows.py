@@ -233,7 +233,7 @@ def test_the_readme_rolling_example_runs_as_written(tmp_path, tiny_runs, data_di
                 assert actual == expected, command
             elif comments and comments[0].startswith("exported "):
                 assert result.stdout.strip().splitlines()[-1] == comments[0].strip(), command
-        assert not (work / "model_repository" / "gpt" / "4").exists(), "the example cleans up what it added"
+        assert not (work / "model_repository" / "gpt" / "5").exists(), "the example cleans up what it added"
     except BaseException:
         print(service.output()[-20000:])
         raise

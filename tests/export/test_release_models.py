@@ -32,14 +32,15 @@ KINDS = ("translation", "gpt", "vit")
 
 VERSIONS = [(kind, version) for kind in KINDS for version in ModelRepository(REPOSITORY).versions(kind)]
 # What every committed version (each graph's own measurement and its PyTorch model's) must reach: the first release's
-# targets. Versions kept for comparison (vit/3: 91.63%) meet these.
+# targets. Versions kept for comparison meet these (none now: vit/3 and gpt/3 made room for gpt/4 in the 40 MB).
 FLOORS = {"bleu": 35, "val_loss": 1.55, "test_accuracy": 91.5}
-# The served (highest) versions, issue 16's release v2: GPT <= 1.50 nats/char (version 3: 1.4709). BLEU: issue 26's
+# The served (highest) versions. The GPT: issue 26's <= 1.45 nats/char (version 4: 1.4274, 6 layers trained on a GPU;
+# version 3: 1.4709). BLEU: issue 26's
 # 38.5 (version 4: 38.61 for PyTorch, 38.6 through the service; length penalty chosen on val, six encoder layers
 # chosen over version 3's three on val BLEU, 38.72 vs 38.42). The ViT's: issue 26's 93.0%, every choice on a
 # validation split held out of the training images (version 4: 93.06% test with its convolutional stem and
 # test-time flip averaging, both chosen on validation).
-TARGETS = {"bleu": 38.5, "val_loss": 1.50, "test_accuracy": 93.0}
+TARGETS = {"bleu": 38.5, "val_loss": 1.45, "test_accuracy": 93.0}
 
 
 def _version_dir(kind: str, version: int) -> Path:
@@ -82,7 +83,7 @@ FIXTURE_OPTIONS = RuntimeOptions(intra_op_threads=2)
 # The GPT's fixture text is training text for the release models, so its card's held-out loss bounds the fixture
 # loss from one side only; these are the committed graphs' own fixture losses (nats, AMD EPYC, ONNX Runtime), held
 # two-sided within `GPT_FIXTURE_LOSS_TOLERANCE`. Re-measure them when a GPT version is committed.
-GPT_FIXTURE_LOSS = {3: 1.1542}  # gpt/1 (removed for the 40 MB budget) measured 1.1495
+GPT_FIXTURE_LOSS = {4: 1.0393}  # gpt/1 and gpt/3 (removed for the 40 MB budget) measured 1.1495 and 1.1542
 # How far another CPU's kernels may move a committed graph's fixture loss: 5x the tolerance a graph variant may move
 # a loss (`export.tolerances.TOLERANCES["val_loss"]`, 0.002; the int8 gpt/3 moved its validation loss 0.0002 from
 # float32 on AMD EPYC), since int8 kernels differ by ISA. Still tight: gpt/3's logits scaled by 0.9 move its fixture
@@ -159,9 +160,9 @@ def test_each_committed_graph_measures_its_card_figure_on_the_fixtures(kind, ver
       error binomial (`export.tolerances.accuracy_tolerance`, no floor);
     - GPT: loss on the fixture's 10,000 validation characters against `val_loss`. One-sided: the fixture is the
       first 100,000 characters of tinyshakespeare, which the release GPTs trained on, so a sound graph scores
-      below its card's held-out loss (measured: 1.149 and 1.154 nats against 1.529 and 1.471); a graph whose loss
-      rises above it by more than the band fails. Because that bound is loose, the loss is also held two-sided to
-      the graph's own recorded fixture loss (`GPT_FIXTURE_LOSS`) within `GPT_FIXTURE_LOSS_TOLERANCE`."""
+      below its card's held-out loss (measured: 1.149, 1.154 and 1.039 nats against 1.529, 1.471 and 1.427 for
+      gpt/1, 3 and 4); a graph whose loss rises above it by more than the band fails. Because that bound is
+      loose, the loss is also held two-sided to the graph's own recorded fixture loss (`GPT_FIXTURE_LOSS`) within `GPT_FIXTURE_LOSS_TOLERANCE`."""
     from export.tolerances import accuracy_tolerance
 
     card = _card(kind, version)
