@@ -4,7 +4,7 @@ A plain FastAPI app with one `POST /generate` route that calls Hugging Face `GPT
 request: greedy, batch 1, no batching across requests. The route is a plain `def`, so FastAPI runs it in its
 threadpool (AnyIO, 40 threads by default) and concurrent requests call `generate()` concurrently on the shared
 model, as a naive user's service would. The model has the GPT release preset's size (`models.config`,
-`PRESETS["gpt"]["release"]`: n_embd 256, 4 layers, 4 heads, n_inner 1024, context 256, byte vocabulary of 257)
+`PRESETS["gpt"]["release"]`: n_embd 256, 6 layers, 4 heads, n_inner 1024, context 256, byte vocabulary of 257)
 with random weights (seed 0), and the same byte tokenizer as the service (`models.tokenization`).
 
 Fairness (see bench_http.py): `min_new_tokens == max_new_tokens`, so EOS is masked and every request generates

@@ -48,7 +48,7 @@ Fairness rules:
 - Compare ratios from one run, never absolute numbers from different runs: this machine is shared.
 
 Scaling table (task `scaling`): our GPT engine at batch 1, 8, 16, 32, 64, 128 (--scaling-batches) on the release
-GPT's shape (models/config.py, preset gpt/release: d_model 256, 4 layers, 4 heads, d_ff 1024, vocab 257, context
+GPT's shape (models/config.py, preset gpt/release: d_model 256, 6 layers, 4 heads, d_ff 1024, vocab 257, context
 256; random weights), same prompt and new tokens as above, next to its fp32 roofline measured in the same run: the
 matmuls of one decoding step at that batch (per layer the q, k, v and attention-output projections and the two
 MLP matmuls, then the tied LM head; the model's nn.Linear shapes and op, F.linear, bias included) timed in torch

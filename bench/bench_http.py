@@ -33,7 +33,7 @@ CPU-second: a diagnostic of efficiency with the machine's CPU share factored out
 
 Models: unless --repository names a model repository (e.g. of trained models), the script builds one, once, into
 .cache/bench_http/repository-<hash> with the project's exporter (`export.onnx_export.EXPORTERS`): the release
-presets' sizes (GPT d=256, 4 layers, 4 heads, context 256, byte vocabulary 257; translation d=256, 6+3 layers,
+presets' sizes (GPT d=256, 6 layers, 4 heads, context 256, byte vocabulary 257; translation d=256, 6+3 layers,
 vocabulary 8,000; ViT with a convolutional stem, d=128, 6 layers, 28x28 grey) with RANDOM weights (seed 0), the
 byte tokenizer for GPT and a BPE trained on 5,000 Multi30k training pairs for translation. Random weights cost
 the same as trained ones; only the output lengths differ, and those are pinned (below). Data: --data-dir,
