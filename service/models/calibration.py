@@ -3,8 +3,8 @@ the measurements cached per kind of host so that a restart on the same machine (
 cache file) does not measure again.
 
 What is measured (`measure`): for each variant and each batch size (rows), the seconds per item of its kind's
-workload (`service.models.kinds`: a text model's prompt pass over `rows` copies of a short input, then
-`DECODE_STEPS` one-token steps, per generated token; the ViT's batch of `rows` images, per image), through the
+workload (`service.models.kinds`: a text model's prompt pass over `rows` copies of a short input, then one-token
+steps, as many as a request of its kind generates (`DECODE_STEPS` for a translation), per generated token; the ViT's batch of `rows` images, per image), through the
 same engine calls the schedulers make. Every variant and size runs once untimed (first-run allocations), then the
 variants take turns for `ROUNDS` rounds and each keeps its median: the host's noise falls on all of them alike.
 
@@ -36,7 +36,7 @@ from service.models.repository import ModelVersion
 log = logging.getLogger(__name__)
 
 ROUNDS = 3  # timed runs per variant and batch size, interleaved; the median is kept
-DECODE_STEPS = 16  # one-token steps after a text workload's prompt pass
+DECODE_STEPS = 16  # one-token steps after a text workload's prompt pass, unless its kind says otherwise
 CPUINFO = Path("/proc/cpuinfo")
 # The ISA flags that decide which kernels ONNX Runtime's MLAS runs (float: AVX2/FMA or AVX-512; int8: VNNI, AMX)
 ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",

@@ -11,7 +11,8 @@ read and its kind checked. Each kind's tensors in the Open Inference Protocol ar
   translating `TRANSLATION_WARM_UP_SOURCE`, timed by translating copies of `TRANSLATION_CALIBRATION_SOURCE` (per
   generated token);
 - gpt: `GPTEngine` (prompt pass, decoder steps), a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows
-  per worker, warmed up by continuing `GPT_WARM_UP_PROMPT`, timed by continuing copies of `GPT_CALIBRATION_PROMPT`;
+  per worker, warmed up by continuing `GPT_WARM_UP_PROMPT`, timed by continuing copies of `GPT_CALIBRATION_PROMPT`
+  by `GPT_CALIBRATION_STEPS` tokens (per generated token);
 - vit: `ViTEngine` (batched classification), the dynamic batcher (`TSERVE_VIT_MAX_BATCH_SIZE` images, waiting at
   most `TSERVE_VIT_MAX_QUEUE_DELAY_MS` for more), warmed up and timed by classifying images of grey `WARM_UP_GREY`.
 """
@@ -43,6 +44,13 @@ WARM_UP_GREY = 0.5
 # The calibration inputs: a source and a prompt of typical length (a Multi30k-like sentence, a line of verse)
 TRANSLATION_CALIBRATION_SOURCE = "Ein Mann mit einem orangefarbenen Hut starrt auf etwas."
 GPT_CALIBRATION_PROMPT = "ROMEO:\nBut soft, what light"
+# ... and the steps they are continued by, a served request's length: a translation's (`DECODE_STEPS`, about a
+# Multi30k sentence) and a GPT continuation's (the engine benchmark's 128 new tokens; the README's examples generate
+# 60-200). The GPT's length decides its choice: its variants differ in what a step costs as the cache fills (the
+# in-place buffers' attention reads 1.25x the used slots, `+gqa`'s reads the used slots of a buffer allocated to
+# the context at once), so 16 steps ranked int8 ahead of int8+gqa at 64 rows (0.202 vs 0.236 ms per token, gpt/4,
+# AMD EPYC) where 128 steps, what the service runs, rank them the other way (0.184 vs 0.141).
+GPT_CALIBRATION_STEPS = 128
 
 # (engine, the version, metrics, settings) -> its scheduler, not yet started
 SchedulerFactory = Callable[[Any, ModelVersion, Metrics, Settings], Any]
@@ -111,7 +119,8 @@ def _time_translation(engine: TranslationEngine, rows: int) -> int:
 
 
 def _time_gpt(engine: GPTEngine, rows: int) -> int:
-    return decode_workload(engine, engine.tokenizer.encode(GPT_CALIBRATION_PROMPT).ids, rows)
+    prompt = engine.tokenizer.encode(GPT_CALIBRATION_PROMPT).ids
+    return decode_workload(engine, prompt, rows, min(GPT_CALIBRATION_STEPS, engine.context_length - len(prompt)))
 
 
 def _time_vit(engine: ViTEngine, images: int) -> int:

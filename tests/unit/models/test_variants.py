@@ -226,3 +226,22 @@ def test_a_variant_that_cannot_run_here_is_no_candidate(gpt_with_int8, tmp_path,
     assert "does not run here" in caplog.text and engine.options_weights == "fp32"
     _, again = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
     assert again.chosen_by == V.CACHED  # not measured again at every start
+
+
+def test_the_gpt_is_timed_over_a_served_requests_length_within_its_context(gpt_with_int8, monkeypatch):
+    """A GPT's variants are timed over `GPT_CALIBRATION_STEPS` generated tokens (16 ranked gpt/4's int8+gqa behind
+    int8 at 64 rows where 128, what the service runs, rank it ahead), fewer where the context holds fewer, and
+    every one of those steps runs."""
+    from service.models import kinds
+
+    engine = GPTEngine(gpt_with_int8, RuntimeOptions())
+    prompt = engine.tokenizer.encode(kinds.GPT_CALIBRATION_PROMPT).ids
+    steps = []
+    original = GPTEngine.step
+    monkeypatch.setattr(GPTEngine, "step", lambda self, *a: steps.append(1) or original(self, *a))
+    room = engine.context_length - len(prompt)
+    assert kinds.KIND_TABLE["gpt"].calibration(engine, 2) == 2 * (min(kinds.GPT_CALIBRATION_STEPS, room) + 1)
+    assert len(steps) == min(kinds.GPT_CALIBRATION_STEPS, room) and room < kinds.GPT_CALIBRATION_STEPS  # tiny: 64
+    monkeypatch.setattr(kinds, "GPT_CALIBRATION_STEPS", 5)
+    steps.clear()
+    assert kinds.KIND_TABLE["gpt"].calibration(engine, 3) == 3 * 6 and len(steps) == 5
