@@ -30,6 +30,7 @@ while masked slots after them change nothing; joins, reorders and growth only ev
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,9 +46,23 @@ CAPACITY_STEP = 16  # buffer capacities are multiples of this many slots
 # at batch 16 and 64 (attention over up to twice the slots); growing by 16 slots made them faster at batch 16 and
 # 64 (1.24x, 1.16x) but copied the cache every 16 steps.
 HEADROOM = 0.25
+# Buffers grown to a limit at least this large are fresh anonymous pages, zeroed by the kernel when first written.
+FRESH_PAGES_BYTES = 1 << 20
 # A same-size reorder that moves at most this fraction of the rows (beams swapping a few parents) copies just those
 # rows in place; one that moves more gathers every row into a fresh cache in one pass instead.
 IN_PLACE_REORDER_FRACTION = 0.5
+
+
+def zeroed(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """`np.zeros` for a buffer grown to `KVCache.limit` at once: mostly slots never written (its attention reads the
+    used slots only), so, when large, fresh anonymous pages, which the kernel zeroes when first written; `np.zeros`
+    (calloc) zeroes eagerly when the heap recycles a freed chunk: gpt/4's +gqa buffers at 64 rows are 201 MB, and
+    that memset made their first step 89 ms instead of 22 (bench/calibration_length.py). Buffers grown with a
+    headroom are read whole by their attention, so they stay `np.zeros` (fresh pages only add faults there)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size < FRESH_PAGES_BYTES:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE), dtype).reshape(shape)  # unmapped when freed
 
 
 def capacity_for(slots: int, limit: int | None = None) -> int:
@@ -104,15 +119,19 @@ class KVCache:
         order (`_aligned`)."""
         if self.buffered and self.length + slots <= self.capacity:
             return
-        if not self.buffered:
-            self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask)
+        if not self.buffered:  # aligned straight into buffers of the capacity: one copy of the past, not two
+            longest = int(self.mask.astype(bool).sum(axis=1).max(initial=0))
+            capacity = capacity_for(longest + slots, self.limit)
+            self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask, capacity,
+                                                                       fresh=self.limit is not None)
+            return
         length = self.length
         capacity = capacity_for(length + slots, self.limit)
 
         def grown(array: np.ndarray, axis: int) -> np.ndarray:
             shape = list(array.shape)
             shape[axis] = capacity
-            out = np.zeros(shape, array.dtype)
+            out = (zeroed if self.limit is not None else np.zeros)(tuple(shape), array.dtype)
             index = (slice(None),) * axis + (slice(0, length),)
             out[index] = array[index]
             return out
@@ -264,18 +283,27 @@ class KVCache:
         )
 
 
-def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray
-             ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
+def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray, capacity: int | None = None,
+             fresh: bool = False) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
     """Exact storage moved into the buffer layout: each row's used slots first, in their order, zeros after;
-    returns (keys, values, mask, lengths) of the same width."""
+    returns (keys, values, mask, lengths) `capacity` slots wide (default: the same width; at least the longest
+    row's slots), the keys and values in fresh pages (`zeroed`) if `fresh`."""
     used = mask.astype(bool)
     lengths = used.sum(axis=1).astype(np.int64)
-    keep = np.arange(mask.shape[1]) < lengths[:, None]  # (rows, slots) in the new layout
+    width = mask.shape[1]
+    capacity = width if capacity is None else capacity
+    copied = min(width, capacity)  # slots past the longest row are masked in every row: zeros either way
+    keep = np.arange(width) < lengths[:, None]  # (rows, slots) in the new layout
     # already aligned (a right-padded prompt): nothing moves; else used slots first, in their order
     order = None if (used == keep).all() else np.argsort(~used, axis=1, kind="stable")
 
     def moved(array: np.ndarray) -> np.ndarray:  # (rows, heads, slots, head_dim)
-        out = array if order is None else np.take_along_axis(array, order[:, None, :, None], axis=2)
-        return out * keep[:, None, :, None].astype(array.dtype)  # what is masked is zero, as a fresh buffer
+        source = array if order is None else np.take_along_axis(array, order[:, None, :, None], axis=2)
+        out = (zeroed if fresh else np.zeros)((*array.shape[:2], capacity, *array.shape[3:]), array.dtype)
+        # what is masked is zero, as in a fresh buffer
+        np.multiply(source[:, :, :copied], keep[:, None, :copied, None].astype(array.dtype), out=out[:, :, :copied])
+        return out
 
-    return [moved(k) for k in keys], [moved(v) for v in values], keep.astype(np.int64), lengths
+    new_mask = np.zeros((mask.shape[0], capacity), np.int64)
+    new_mask[:, :copied] = keep[:, :copied]
+    return [moved(k) for k in keys], [moved(v) for v in values], new_mask, lengths

@@ -193,3 +193,50 @@ def test_a_cache_with_a_limit_grows_straight_to_it_and_keeps_it():
         gathered.open_slot()
         gathered.advance()
     assert gathered.capacity == 64
+
+
+@pytest.mark.parametrize("limit", [None, 40])
+def test_exact_storage_moves_into_buffers_of_the_grown_capacity_in_one_copy(limit):
+    """`reserve` from exact storage: every row's used slots at [0, length) in their order, zeros and an unused mask
+    after them, in buffers already of the capacity the growth asks for (the limit, or the headroom over the
+    longest row), the same contents as moving them at the same width first and growing after."""
+    exact = KVCache.concatenate([cache(1, 2, start=100), cache(2, 5)])  # the short row left-padded by 3 slots
+    exact.mask[2, 4] = 0  # and a masked slot inside the last row
+    exact.limit = limit
+    used = [_used(exact, row) for row in range(exact.rows)]
+    exact.reserve(3)
+    longest = max(len(u) for u in used)
+    assert exact.buffered and exact.capacity == (limit or capacity_for(longest + 3))
+    assert exact.lengths.tolist() == [len(u) for u in used] and _aligned_rows(exact)
+    for row, expected in enumerate(used):
+        assert exact.keys[0][row, 0, : len(expected), 0].tolist() == expected
+        assert not exact.keys[0][row, :, len(expected):].any() and not exact.values[0][row, :, len(expected):].any()
+    assert exact.values[0][0, 0, :2, 0].tolist() == [100.5, 101.5]
+
+
+def test_buffers_grown_to_a_limit_are_fresh_zero_pages_and_headroom_growth_is_not():
+    """A buffer grown to `limit` at once is mostly slots never written: it is fresh anonymous memory (nothing zeroed
+    ahead; `kv_cache.zeroed`), zero, writable and contiguous as a bound buffer must be; a buffer grown with a
+    headroom is read whole by its attention and stays an ordinary array."""
+    import mmap
+
+    from service.engines.kv_cache import FRESH_PAGES_BYTES, zeroed
+
+    rows, heads, head_dim, limit = 8, 4, 64, 256
+    assert rows * heads * limit * head_dim * 4 >= FRESH_PAGES_BYTES
+    keys = [np.ones((rows, heads, 3, head_dim), np.float32)]
+    for grown_limit, fresh in ((limit, True), (None, False)):
+        c = KVCache(keys, [k * 2 for k in keys], np.ones((rows, 3), np.int64), np.full(rows, 3, np.int64))
+        c.limit = grown_limit
+        c.reserve(1)
+        buffer = c.keys[0]
+        owner = buffer
+        while isinstance(owner, (np.ndarray, memoryview)):  # the memory the array's views end at
+            owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
+        assert isinstance(owner, mmap.mmap) is fresh
+        assert buffer.flags.c_contiguous and buffer.flags.writeable and buffer.dtype == np.float32
+        assert buffer[:, :, :3].all() and not buffer[:, :, 3:].any() and (c.values[0][:, :, :3] == 2).all()
+        buffer[:, :, 3] = 5  # written in place, as a step does
+        assert (c.keys[0][:, :, 3] == 5).all()
+    small = zeroed((2, 3), np.int64)
+    assert small.base is None and not small.any()  # small buffers: plain np.zeros
