@@ -52,9 +52,9 @@ def run_side_by_side(task: str, steps: dict[str, int | None], folder: dict[str, 
     processes = {}
     for preset, max_steps in steps.items():
         folder[preset].mkdir(parents=True, exist_ok=True)
-        log = (folder[preset] / "train.log").open("a")
         command = train_command(task, preset, folder[preset], args, max_steps, fresh)
-        processes[preset] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT)
+        with (folder[preset] / "train.log").open("a") as log:  # the child keeps its own descriptor
+            processes[preset] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT)
     return {preset: process.wait() for preset, process in processes.items()}
 
 
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'preset':<12} {'parameters':>11} {'steps':>11} {'val_loss':>9} {'kept_step':>9} {'train_s':>8}")
     for row in rows:
         m = row["metrics"] or {}
-        steps = f"{row['steps']}/{row['nominal_steps']}"
-        print(f"{row['preset']:<12} {m.get('parameters', '-'):>11} {steps:>11} {m.get('val_loss', 'failed'):>9} "
+        budget = f"{row['steps']}/{row['nominal_steps']}"
+        print(f"{row['preset']:<12} {m.get('parameters', '-'):>11} {budget:>11} {m.get('val_loss', 'failed'):>9} "
               f"{m.get('kept_step', '-'):>9} {m.get('train_seconds', '-'):>8}")
     print(f"sweep took {time.monotonic() - started:.0f} s; ranking in {args.out / SWEEP_FILE}")
     return 0 if all(code == 0 for code in codes.values()) else 1

@@ -119,11 +119,9 @@ class KVCache:
         order (`_aligned`)."""
         if self.buffered and self.length + slots <= self.capacity:
             return
-        if not self.buffered:  # aligned straight into buffers of the capacity: one copy of the past, not two
-            longest = int(self.mask.astype(bool).sum(axis=1).max(initial=0))
-            capacity = capacity_for(longest + slots, self.limit)
-            self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask, capacity,
-                                                                       fresh=self.limit is not None)
+        if not self.buffered:  # aligned straight into buffers of the grown capacity: one copy of the past, not two
+            self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask, slots,
+                                                                       self.limit)
             return
         length = self.length
         capacity = capacity_for(length + slots, self.limit)
@@ -283,15 +281,17 @@ class KVCache:
         )
 
 
-def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray, capacity: int | None = None,
-             fresh: bool = False) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
+def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray, room: int | None = None,
+             limit: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
     """Exact storage moved into the buffer layout: each row's used slots first, in their order, zeros after;
-    returns (keys, values, mask, lengths) `capacity` slots wide (default: the same width; at least the longest
-    row's slots), the keys and values in fresh pages (`zeroed`) if `fresh`."""
+    returns (keys, values, mask, lengths) of the same width, or, with `room`, of the capacity that `reserve(room)`
+    grows to (`capacity_for` the longest row's slots + `room`, `limit`), the keys and values in fresh pages
+    (`zeroed`) when that is the limit."""
     used = mask.astype(bool)
     lengths = used.sum(axis=1).astype(np.int64)
     width = mask.shape[1]
-    capacity = width if capacity is None else capacity
+    capacity = width if room is None else capacity_for(int(lengths.max(initial=0)) + room, limit)
+    fresh = room is not None and limit is not None
     copied = min(width, capacity)  # slots past the longest row are masked in every row: zeros either way
     keep = np.arange(width) < lengths[:, None]  # (rows, slots) in the new layout
     # already aligned (a right-padded prompt): nothing moves; else used slots first, in their order

@@ -4,9 +4,10 @@ cache file) does not measure again.
 
 What is measured (`measure`): for each variant and each batch size (rows), the seconds per item of its kind's
 workload (`service.models.kinds`: a text model's prompt pass over `rows` copies of a short input, then one-token
-steps, as many as a request of its kind generates (`DECODE_STEPS` for a translation), per generated token; the ViT's batch of `rows` images, per image), through the
-same engine calls the schedulers make. Every variant and size runs once untimed (first-run allocations), then the
-variants take turns for `ROUNDS` rounds and each keeps its median: the host's noise falls on all of them alike.
+steps, as many as a request of its kind generates (`DECODE_STEPS` for a translation), per generated token; the
+ViT's batch of `rows` images, per image), through the same engine calls the schedulers make. Every variant and
+size runs once untimed (first-run allocations), then the variants take turns for `ROUNDS` rounds and each keeps its
+median: the host's noise falls on all of them alike.
 
 The cache (`CalibrationCache`: one JSON file, `TSERVE_CALIBRATION_CACHE`) is keyed (`calibration_key`) by what
 decides the timings: the CPU (its model name and the ISA flags ONNX Runtime's kernels are chosen by), ONNX
