@@ -10,11 +10,17 @@ import uvicorn
 from service.app import create_app
 from service.http.limits import REJECT_REASONS, limited_http_protocol
 from service.observability.logs import configure_logging
-from service.settings import get_settings
+from service.settings import SettingsInvalid, get_settings
+
+EXIT_BAD_CONFIGURATION = 2  # as a command line's usage error
 
 
 def main() -> None:
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except SettingsInvalid as error:  # one line per bad variable, no traceback
+        sys.stderr.write(f"tserve: invalid configuration:\n{error}\n")
+        sys.exit(EXIT_BAD_CONFIGURATION)
     configure_logging(settings.log_level, settings.log_format)
     # uvicorn re-raises a caught SIGTERM after its graceful shutdown, with the handler that was there before it:
     # make that a clean exit (status 0) rather than death by signal.

@@ -6,22 +6,51 @@ deadlines, input limits, logging and shutdown. Example: `TSERVE_GPT_MAX_BATCH_RO
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from service.models.variants import parse_pins
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TSERVE_", env_file=".env", extra="ignore")
+ENV_PREFIX = "TSERVE_"
 
-    # where the models are, and which to load ("" = every model in the repository; else "name" or "name:version")
+
+def env_list(value: object) -> object:
+    """A list from the environment, written either way an operator would: a JSON list (`'["gpt","vit:4"]'`) or
+    comma-separated names (`gpt,vit:4`); blank entries dropped. Anything else (a list from code) passes as is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not a JSON list ({error.msg} at character {error.pos}); write it as "
+                             f"'[\"a\",\"b\"]' or a,b") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+# a list field read from one environment variable as `env_list` parses it
+EnvList = Annotated[list[str], NoDecode]
+
+
+class SettingsInvalid(ValueError):
+    """The configuration cannot be used: one line per bad setting, each naming its environment variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
+
+    # where the models are, and which to load (none = every model in the repository; else "name" or
+    # "name:version", comma-separated or a JSON list)
     repository: Path = Path("model_repository")
-    models: list[str] = Field(default_factory=list)
+    models: EnvList = Field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
     # the Open Inference Protocol over gRPC (service.api.oip.grpc), on the same host; 0 = off
@@ -104,11 +133,16 @@ class Settings(BaseSettings):
 
     # optional API keys (service.http.auth): when any is configured, every request under /v1/ and /v2/ and the
     # tokenizer routes needs `Authorization: Bearer <key>`; health, metrics and the API docs stay open. The keys
-    # are the union of api_keys (a JSON list: TSERVE_API_KEYS='["key-1","key-2"]') and api_keys_file (one key per
-    # line; blank lines and lines starting with # ignored). None at all = no authentication. Each key: at least
-    # 16 characters
-    api_keys: list[str] = Field(default_factory=list)
+    # are the union of api_keys (comma-separated or a JSON list: TSERVE_API_KEYS='["key-1","key-2"]') and
+    # api_keys_file (one key per line; blank lines and lines starting with # ignored). None at all = no
+    # authentication. Each key: at least 16 characters
+    api_keys: EnvList = Field(default_factory=list)
     api_keys_file: Path | None = None
+
+    @field_validator("models", "api_keys", mode="before")
+    @classmethod
+    def _env_list(cls, value: object) -> object:
+        return env_list(value)
 
     @field_validator("variant")
     @classmethod
@@ -125,6 +159,21 @@ class Settings(BaseSettings):
         return Path(self.calibration_cache).expanduser() if self.calibration_cache else None
 
 
+def load_settings() -> Settings:
+    """The settings from the environment; `SettingsInvalid` naming every bad variable (and what is wrong with it)
+    instead of pydantic's traceback."""
+    try:
+        return Settings()
+    except ValidationError as error:
+        lines = []
+        for problem in error.errors():
+            field = ".".join(str(part) for part in problem["loc"][:1])
+            lines.append(f"{ENV_PREFIX}{field.upper()}: {problem['msg']} (got {problem.get('input')!r})")
+        raise SettingsInvalid("\n".join(lines)) from None
+    except SettingsError as error:  # a value pydantic-settings could not even decode
+        raise SettingsInvalid(str(error)) from None
+
+
 @lru_cache
 def get_settings() -> Settings:
-    return Settings()
+    return load_settings()
