@@ -21,7 +21,8 @@ Systems (one function each, `run_<system>_<task>`):
 - ctranslate2 (translation only): CTranslate2's `Translator` (C++) on OUR translator's weights, converted by
   `enginebench.ct2` into its `TransformerSpec` (the same random weights as ours, seed 0), beam search with the same
   beams and exactly as many tokens; its best beams are compared with ours every run ("identical best beams"), and
-  each ratio is printed as `ours/ctranslate2 <case> = <x>`;
+  each ratio is printed as `ours/ctranslate2 <case> = <x>`; ctranslate2-int8 the same model in its int8
+  (`compute_type="int8"`: int8 weights and GEMMs), the peer of a shipped variant with int8 weights;
 - llama.cpp (GPT only; built by `make llama-cpp`, skipped until then): `llama-server` (C++) on OUR GPT's weights,
   written by `enginebench.llama_cpp` as a GGUF file of its `gpt2` architecture (the same random weights as ours,
   seed 0, f32, KV cache f32), greedy with EOS masked, all rows in one /completion request of token ids to a server
@@ -33,7 +34,12 @@ Systems (one function each, `run_<system>_<task>`):
   `ours/llama-batched-bench b<batch> = <x>`;
 - ours: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the searches of
   `service.decoding`, on our own from-scratch models (`models.gpt.GPT`, `models.transformer`; same sizes,
-  random weights) exported by `export.onnx_export`.
+  random weights) exported by `export.onnx_export`, float32;
+- shipped: the same engine on the same export rewritten as the release model is stored (bench/shipped.py) and run
+  in the weights variant the service runs on this host (`--shipped-variant auto`, the default: the choice of its
+  start-up calibration for each release model, from `python -m service.models.calibrate --pins`; or a
+  TSERVE_VARIANT value: `int8`, `gpt=int8+gqa,translation=stored`). Its outputs need not equal float32's (int8
+  weights): "identical best beams shipped vs ctranslate2 float32" says how often they do.
 
 Fairness rules:
 - Every system generates exactly the same number of tokens: EOS is never chosen because every system gets
@@ -105,6 +111,8 @@ from enginebench.report import environment, print_result, print_table
 from enginebench.scaling import bench_scaling, print_scaling
 from enginebench.systems import SYSTEMS, build_systems
 from enginebench.workloads import GptSpec, Runtime, TranslationSpec, make_prompts, make_source_batch, make_sources
+from service.models.variants import AUTO, parse_pins
+from shipped import served_variants
 
 TASKS = ("gpt", "translation", "scaling")  # scaling: see `enginebench.scaling.bench_scaling`
 
@@ -156,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-thread-rows", type=int, default=None,
                         help="ours/shipped: steps of at most this many rows on a one-thread session (default: as the "
                              "service runs each model, service.models.kinds; 0: never)")
-    parser.add_argument("--shipped-variant", default=None,
-                        help="shipped: the variant it runs (fp32, int8, fp32+gqa, int8+gqa; service.engines.weights), "
-                             "as TSERVE_VARIANT pins one (default: as stored)")
+    parser.add_argument("--shipped-variant", default="auto",
+                        help="shipped: the variant it runs, as TSERVE_VARIANT pins one, for every model (int8) or per "
+                             "model (gpt=int8+gqa,translation=stored; fp32, int8, fp32+gqa, int8+gqa, stored); "
+                             "auto (default): what the service's calibration chose on this host for each release "
+                             "model (python -m service.models.calibrate --pins, bench/shipped.py)")
     parser.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",
                         help="ours/shipped: run the graphs' sibling projections as separate MatMuls (the service "
                              "fuses them at load unless TSERVE_FUSE_PROJECTIONS=false)")
@@ -196,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
+    shipped_from = "given"
+    if args.shipped_variant == AUTO:
+        args.shipped_variant, shipped_from = served_variants()
+    try:
+        parse_pins(args.shipped_variant or "")
+    except ValueError as error:
+        parser.error(f"--shipped-variant: {error}")
     args.runtime = Runtime(threads=args.threads, spin=args.spin, single_thread_rows=args.single_thread_rows,
                            shipped_variant=args.shipped_variant, fuse_projections=args.fuse_projections)
     if "torch" in sys.modules:
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.runtime)
     print(describe_cpu(), flush=True)
     print(f"threads={args.threads} spin={args.spin} fuse_projections={args.fuse_projections} repeats={args.repeats} "
-          f"warmup={args.warmup} shipped variant={args.shipped_variant or 'as stored'} "
+          f"warmup={args.warmup} shipped variant={args.shipped_variant or 'as stored'} ({shipped_from}) "
           f"load average={env['load_average']}")
     print(f"versions: {env['versions']}", flush=True)
 

@@ -36,7 +36,10 @@ Models: unless --repository names a model repository (e.g. of trained models), t
 presets' sizes (GPT d=256, 6 layers, 4 heads, context 256, byte vocabulary 257; translation d=256, 6+3 layers,
 vocabulary 8,000; ViT with a convolutional stem, d=128, 6 layers, 28x28 grey) with RANDOM weights (seed 0), the
 byte tokenizer for GPT and a BPE trained on 5,000 Multi30k training pairs for translation. Random weights cost
-the same as trained ones; only the output lengths differ, and those are pinned (below). Data: --data-dir,
+the same as trained ones; only the output lengths differ, and those are pinned (below). Such versions record no
+quality-checked weights variant, so the service runs them in the variants it chose for the release models on this
+host (TSERVE_VARIANT from `python -m service.models.calibrate --pins`, bench/shipped.py; printed; --server-env
+TSERVE_VARIANT=... overrides). Data: --data-dir,
 $TSERVE_DATA_DIR, else ../shared/data, else ./data.
 
 Fairness:
@@ -143,6 +146,7 @@ from httpbench.servers import (
 )
 
 from service.client.launcher import ServiceProcess
+from shipped import served_variants
 
 
 CASES = ("gpt", "translation", "vit", "baseline", "grpc", "llama-server", "ctranslate2")
@@ -227,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         kinds.setdefault(repo.get(name).kind, repo.get(name))
     print(f"repository: {repository} ({', '.join(f'{k}={v.name}:{v.version}' for k, v in kinds.items())})",
           flush=True)
+    if random_weights and "TSERVE_VARIANT" not in args.server_env:
+        # its versions record no quality-checked variant, so the service's own `auto` would run the stored one: pin
+        # what the service chose for the release models on this host (bench/shipped.py)
+        pins, source = served_variants()
+        if pins:
+            args.server_env["TSERVE_VARIANT"] = pins
+        print(f"service variants: {pins or 'as stored'} ({source})", flush=True)
     translation_tokens = args.translation_tokens if args.translation_tokens is not None else \
         (30 if random_weights else 0)
 

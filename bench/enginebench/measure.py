@@ -64,7 +64,8 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
     throughput = {name: entry["throughput"] for name, entry in result["systems"].items()}
     result["ratios"] = {
         f"{mine}/{other}": (throughput[mine] / throughput[other]) if {mine, other} <= throughput.keys() else None
-        for mine in ("ours", "shipped") for other in ("transformers", "optimum", "genai", "ctranslate2", "llama.cpp")
+        for mine in ("ours", "shipped")
+        for other in ("transformers", "optimum", "genai", "ctranslate2", "ctranslate2-int8", "llama.cpp")
     }
     result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
                                                 if {"optimum", "transformers"} <= throughput.keys() else None)
@@ -72,6 +73,8 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
         result["transformers_optimum_agreement"] = agreement(outputs["transformers"], outputs["optimum"])
     if {"ours", "ctranslate2"} <= outputs.keys():  # the same weights (enginebench.ct2): the beams should agree
         result["ours_ctranslate2_agreement"] = agreement(outputs["ours"], outputs["ctranslate2"])
+    if {"shipped", "ctranslate2"} <= outputs.keys():  # the served variant against float32 (int8: not all alike)
+        result["shipped_ctranslate2_agreement"] = agreement(outputs["shipped"], outputs["ctranslate2"])
     if {"ours", "llama.cpp"} <= outputs.keys():  # the same weights (enginebench.llama_cpp), its GELU approximated
         result["ours_llama_cpp_agreement"] = llama_cpp_agreement(outputs["ours"], outputs["llama.cpp"])
     if {"ours", "genai"} <= outputs.keys():

@@ -29,17 +29,27 @@ from .workloads import (
 
 def run_shipped_gpt(spec: GptSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     """OUR ENGINE on the SHIPPED VARIANT of our graph: `run_ours_gpt`'s export rewritten as the release GPT is
-    (bench/shipped.py: fused attention, int8 weights, in-place KV cache, ...)."""
+    (bench/shipped.py: fused attention, int8 weights, in-place KV cache, ...), run in the weights variant
+    `runtime.shipped_variant` pins for the GPT (the one the service chose on this host, by default)."""
     from shipped import shipped_variant
 
-    return run_ours_gpt(spec, runtime, workdir, shipped_variant("gpt"), runtime.shipped_variant)
+    return run_ours_gpt(spec, runtime, workdir, shipped_variant("gpt"), _runs_as(runtime, "gpt"))
 
 
 def run_shipped_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path) -> GenerateFn:
     """OUR ENGINE on the SHIPPED VARIANT of our translation graphs (see `run_shipped_gpt`)."""
     from shipped import shipped_variant
 
-    return run_ours_translation(spec, runtime, workdir, shipped_variant("translation"), runtime.shipped_variant)
+    return run_ours_translation(spec, runtime, workdir, shipped_variant("translation"),
+                                _runs_as(runtime, "translation"))
+
+
+def _runs_as(runtime: Runtime, model: str) -> str | None:
+    """The weights variant `runtime.shipped_variant` (a TSERVE_VARIANT value) pins for `model`; None: as stored."""
+    from service.models.variants import AUTO, STORED, parse_pins, pin_for
+
+    pin = pin_for(parse_pins(runtime.shipped_variant or ""), model)
+    return None if pin in (AUTO, STORED) else pin
 
 
 def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[str, str] | None = None,

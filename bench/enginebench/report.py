@@ -32,8 +32,9 @@ def print_result(result: dict) -> None:
     ratios = result["ratios"]
     print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items() if value is not None))
     for mine in ("ours", "shipped"):  # the C++ peer's line, as the issue of record asks: `ours/<peer> <case> = x`
-        if ratios.get(f"{mine}/ctranslate2") is not None:
-            print(f"    {mine}/ctranslate2 {result['case']} = {ratios[f'{mine}/ctranslate2']:.2f}")
+        for peer in ("ctranslate2", "ctranslate2-int8"):
+            if ratios.get(f"{mine}/{peer}") is not None:
+                print(f"    {mine}/{peer} {result['case']} = {ratios[f'{mine}/{peer}']:.2f}")
     batch = result.get("batch", "?")
     for mine in ("ours", "shipped"):  # the GPT's C++ peer, the same way: `ours/llama.cpp b<batch> = x`
         if ratios.get(f"{mine}/llama.cpp") is not None:
@@ -56,6 +57,9 @@ def print_result(result: dict) -> None:
     if "ours_ctranslate2_agreement" in result:
         print(f"    identical best beams ours vs ctranslate2 (same weights): "
               f"{result['ours_ctranslate2_agreement']:.0%}")
+    if "shipped_ctranslate2_agreement" in result:
+        print(f"    identical best beams shipped (as served) vs ctranslate2 float32: "
+              f"{result['shipped_ctranslate2_agreement']:.0%}")
     if "transformers_optimum_agreement" in result:
         print(f"    identical outputs transformers vs optimum: {result['transformers_optimum_agreement']:.0%}")
     if "ours_genai_agreement" in result:
@@ -68,9 +72,9 @@ def print_result(result: dict) -> None:
 
 def print_table(results: list[dict]) -> None:
     header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ctranslate2':>11} " \
-             f"{'llama.cpp':>10} {'ours':>10} {'shipped':>10} {'ours/transf.':>12} {'ours/optimum':>12} " \
-             f"{'ours/genai':>10} {'ours/ct2':>9} {'ours/llama':>10} {'shipped/optimum':>15} {'shipped/genai':>13} " \
-             f"{'shipped/ct2':>11}"
+             f"{'ct2 int8':>9} {'llama.cpp':>10} {'ours':>10} {'shipped':>10} {'ours/transf.':>12} " \
+             f"{'ours/optimum':>12} {'ours/genai':>10} {'ours/ct2':>9} {'ours/llama':>10} {'shipped/optimum':>15} " \
+             f"{'shipped/genai':>13} {'shipped/ct2':>11} {'shipped/ct2 int8':>16}"
     print("=" * len(header))
     print(header)
     print("-" * len(header))
@@ -78,12 +82,14 @@ def print_table(results: list[dict]) -> None:
         tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
         ratios = r["ratios"]
         print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['genai']:>10} "
-              f"{tp['ctranslate2']:>11} {tp['llama.cpp']:>10} {tp['ours']:>10} {tp['shipped']:>10} "
+              f"{tp['ctranslate2']:>11} {tp['ctranslate2-int8']:>9} {tp['llama.cpp']:>10} {tp['ours']:>10} "
+              f"{tp['shipped']:>10} "
               f"{_fmt(ratios['ours/transformers'], '.2f'):>12} {_fmt(ratios['ours/optimum'], '.2f'):>12} "
               f"{_fmt(ratios['ours/genai'], '.2f'):>10} {_fmt(ratios['ours/ctranslate2'], '.2f'):>9} "
               f"{_fmt(ratios['ours/llama.cpp'], '.2f'):>10} "
               f"{_fmt(ratios['shipped/optimum'], '.2f'):>15} {_fmt(ratios['shipped/genai'], '.2f'):>13} "
-              f"{_fmt(ratios['shipped/ctranslate2'], '.2f'):>11}")
+              f"{_fmt(ratios['shipped/ctranslate2'], '.2f'):>11} "
+              f"{_fmt(ratios['shipped/ctranslate2-int8'], '.2f'):>16}")
     print("=" * len(header))
 
 

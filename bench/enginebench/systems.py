@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from .baselines import (
@@ -19,12 +20,16 @@ from .llama_cpp import run_llama_cpp_gpt
 from .ours import run_ours_gpt, run_ours_translation, run_shipped_gpt, run_shipped_translation
 from .workloads import GenerateFn, Runtime
 
-SYSTEMS = ("transformers", "optimum", "genai", "ctranslate2", "llama.cpp", "ours", "shipped")
+# ctranslate2-int8: CTranslate2's int8 (int8 weights and GEMMs, its `compute_type="int8"`), the peer of a shipped
+# variant with int8 weights (MatMulNBits with int8 compute), where the float32 ctranslate2 is the peer of equal outputs
+SYSTEMS = ("transformers", "optimum", "genai", "ctranslate2", "ctranslate2-int8", "llama.cpp", "ours", "shipped")
 BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
     "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "genai": run_genai_gpt,
             "llama.cpp": run_llama_cpp_gpt, "ours": run_ours_gpt, "shipped": run_shipped_gpt},
     "translation": {"transformers": run_transformers_translation, "optimum": run_optimum_translation,
-                    "ctranslate2": run_ctranslate2_translation, "ours": run_ours_translation,
+                    "ctranslate2": run_ctranslate2_translation,
+                    "ctranslate2-int8": partial(run_ctranslate2_translation, compute_type="int8"),
+                    "ours": run_ours_translation,
                     "shipped": run_shipped_translation},
 }
 

@@ -105,8 +105,9 @@ class Runtime:
     # ours and shipped only: steps of at most this many rows on a one-thread session (the service's
     # TSERVE_SINGLE_THREAD_ROWS, `service.engines.runtime.OneThreadSession`); 0 = never, None = as the service
     single_thread_rows: int | None = None
-    # shipped only: the variant it runs (`service.engines.weights.VARIANTS`, e.g. int8+gqa); None = as stored, as
-    # the service runs it with TSERVE_VARIANT=stored
+    # shipped only: the variant it runs, a TSERVE_VARIANT value (`int8`, `gpt=int8+gqa,translation=int8`:
+    # `service.models.variants.parse_pins`); None (or a model it names no variant for) = as stored, as the service
+    # runs it with TSERVE_VARIANT=stored
     shipped_variant: str | None = None
     # ours and shipped only: sibling projections fused at load, as the service does (TSERVE_FUSE_PROJECTIONS,
     # `service.engines.projection_fusion`); False: the graphs' MatMuls as exported

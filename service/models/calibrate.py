@@ -1,9 +1,11 @@
-"""`python -m service.models.calibrate [NAME[:VERSION] ...] [--again]`: the explicit calibration step. Times (or
-reads from the cache) each model's weights variants as the server does when it loads them
+"""`python -m service.models.calibrate [NAME[:VERSION] ...] [--again] [--pins]`: the explicit calibration step.
+Times (or reads from the cache) each model's weights variants as the server does when it loads them
 (`service.models.variants.load_engine`, with the same TSERVE_* settings), writes the timings into
 TSERVE_CALIBRATION_CACHE and prints each choice. Run it where the service will run (in the image before the
 server, a Kubernetes init container sharing the cache file's volume): the server's start then reads the timings
-instead of measuring. Exit status 0, 2 for a model or setting that is wrong.
+instead of measuring. `--pins` prints only the choices, as one TSERVE_VARIANT value (`gpt=int8+gqa,translation=int8`):
+what the engine benchmark's `shipped` system runs (`bench/bench_engine.py --shipped-variant auto`). Exit status 0,
+2 for a model or setting that is wrong.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", help="NAME or NAME:VERSION (default: TSERVE_MODELS, else every model)")
     parser.add_argument("--again", action="store_true", help="measure even where the cache has timings")
+    parser.add_argument("--pins", action="store_true",
+                        help="print only the choices, as one TSERVE_VARIANT value (name=variant,...)")
     args = parser.parse_args(argv)
     settings = Settings()
     repository = ModelRepository(settings.repository)
     path = settings.calibration_cache_path
     cache = _Uncached(path) if args.again else CalibrationCache(path)
+    pins = []
     try:
         for spec in args.models or settings.models or repository.model_names():
             name, version = parse_model_spec(spec)
@@ -43,11 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             kind = KIND_TABLE[model.kind]
             _, choice = load_engine(model, kind, runtime_options(settings, kind), pin_for(settings.variant_pins, name),
                                     sorted({1, kind.max_rows(settings)}), cache)
-            print(f"{model.name}:{model.version} runs {choice.weights} ({choice.chosen_by}): {choice.reason}")
+            pins.append(f"{model.name}={choice.weights}")
+            if not args.pins:
+                print(f"{model.name}:{model.version} runs {choice.weights} ({choice.chosen_by}): {choice.reason}")
     except (RepositoryError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"timings cached in {path}" if path else "timings not kept (TSERVE_CALIBRATION_CACHE is empty)")
+    if args.pins:
+        print(",".join(pins))
+    else:
+        print(f"timings cached in {path}" if path else "timings not kept (TSERVE_CALIBRATION_CACHE is empty)")
     return 0
 
 

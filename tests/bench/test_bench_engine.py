@@ -91,3 +91,42 @@ def test_a_system_that_cannot_run_a_case_is_skipped_in_it_with_its_reason():
     assert skipped == {"genai": "RuntimeError: batch_size (64) must be in [1, 32]"}
     with pytest.raises(RuntimeError, match="must be in"):  # without a place for the reason, the error stands
         measure({"genai": refuses}, [prompts], 4, 0, 1)
+
+
+@pytest.mark.parametrize(("pins", "expected"), [
+    (None, {"gpt": None, "translation": None}),
+    ("int8", {"gpt": "int8", "translation": "int8"}),
+    ("gpt=int8+gqa,translation=int8,vit=fp32", {"gpt": "int8+gqa", "translation": "int8"}),
+    ("gpt=stored", {"gpt": None, "translation": None}),  # and a model it names nothing for: as stored
+])
+def test_shipped_runs_the_variant_pinned_for_its_model(pins, expected):
+    from enginebench.ours import _runs_as
+    from enginebench.workloads import Runtime
+
+    runtime = Runtime(shipped_variant=pins)
+    assert {model: _runs_as(runtime, model) for model in expected} == expected
+
+
+def test_a_bad_shipped_variant_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_engine.main(["--shipped-variant", "gpt=fastest", "--tasks", "gpt", "--systems", "ours"])
+    assert exit_info.value.code == 2 and "bad TSERVE_VARIANT entry" in capsys.readouterr().err
+
+
+def test_the_served_variants_come_from_the_services_calibration(tmp_path, monkeypatch):
+    """`--shipped-variant auto` asks the service's own venv (`calibrate --pins`) what this host is served; without
+    that venv, or when the calibration fails, the stored variants, and why."""
+    import shipped
+
+    monkeypatch.setattr(shipped, "SERVICE_PYTHON", tmp_path / "missing" / "python")
+    assert shipped.served_variants()[0] is None and "no service venv" in shipped.served_variants()[1]
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"$@\" >&2\necho 'gpt=int8+gqa,translation=int8'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(shipped, "SERVICE_PYTHON", fake)
+    assert shipped.served_variants() == ("gpt=int8+gqa,translation=int8",
+                                         "the service's calibration on this host (python -m service.models.calibrate "
+                                         "--pins)")
+    fake.write_text("#!/bin/sh\necho 'error: model not found' >&2\nexit 2\n")
+    pins, why = shipped.served_variants()
+    assert pins is None and "model not found" in why

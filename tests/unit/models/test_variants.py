@@ -201,12 +201,15 @@ def test_the_explicit_calibration_step_fills_the_cache_the_server_then_reads(gpt
     assert first.startswith("gpt:1 runs ") and "(measured)" in first and str(cache) in first
     assert main([]) == 0 and "(cached measurement)" in capsys.readouterr().out  # every model: the tiny GPT
     assert main(["gpt", "--again"]) == 0 and "(measured)" in capsys.readouterr().out
+    assert main(["gpt", "--pins"]) == 0  # the choice alone, as a TSERVE_VARIANT value (bench/shipped.py reads it)
+    pins = capsys.readouterr().out.strip()
     from service.models.registry import runtime_options
 
     kind = KIND_TABLE["gpt"]  # what a server start with these settings finds
     _, choice = V.load_engine(gpt_with_int8, kind, runtime_options(Settings(), kind), V.AUTO, (1, 4),
                               CalibrationCache(cache))
     assert choice.chosen_by == V.CACHED
+    assert pins == f"gpt={choice.weights}" and V.parse_pins(pins) == {"gpt": choice.weights}
     assert main(["nope"]) == 2 and "not found" in capsys.readouterr().err
 
 
