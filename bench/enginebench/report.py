@@ -24,10 +24,10 @@ def print_result(result: dict) -> None:
     for name in SYSTEMS:
         entry = result["systems"].get(name)
         if entry is None:
-            print(f"    {name:<13} {'skipped':>10}")
+            print(f"    {name:<16} {'skipped':>10}")
         else:
             seconds = entry["seconds"]
-            print(f"    {name:<13} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass, "
+            print(f"    {name:<16} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass, "
                   f"range {min(seconds):.3f}-{max(seconds):.3f})")
     ratios = result["ratios"]
     print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items() if value is not None))
