@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     shipped_from = "given"
     if args.shipped_variant == AUTO:
+        print("shipped: asking the service which variants this host is served (python -m service.models.calibrate "
+              "--pins; its calibration takes ~30 s the first time on a host) ...", flush=True)
         args.shipped_variant, shipped_from = served_variants()
     try:
         parse_pins(args.shipped_variant or "")

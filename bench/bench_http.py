@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if random_weights and "TSERVE_VARIANT" not in args.server_env:
         # its versions record no quality-checked variant, so the service's own `auto` would run the stored one: pin
         # what the service chose for the release models on this host (bench/shipped.py)
+        print("asking the service which variants this host is served (python -m service.models.calibrate --pins; "
+              "its calibration takes ~30 s the first time on a host) ...", flush=True)
         pins, source = served_variants()
         if pins:
             args.server_env["TSERVE_VARIANT"] = pins
