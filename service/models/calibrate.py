@@ -18,7 +18,7 @@ from service.models.kinds import KIND_TABLE
 from service.models.registry import parse_model_spec, runtime_options
 from service.models.repository import ModelRepository, RepositoryError
 from service.models.variants import load_engine, pin_for
-from service.settings import Settings
+from service.settings import SettingsInvalid, load_settings
 
 
 class _Uncached(CalibrationCache):
@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pins", action="store_true",
                         help="print only the choices, as one TSERVE_VARIANT value (name=variant,...)")
     args = parser.parse_args(argv)
-    settings = Settings()
+    try:
+        settings = load_settings()
+    except SettingsInvalid as error:
+        print(f"error: invalid configuration:\n{error}", file=sys.stderr)
+        return 2
     repository = ModelRepository(settings.repository)
     path = settings.calibration_cache_path
     cache = _Uncached(path) if args.again else CalibrationCache(path)

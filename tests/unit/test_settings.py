@@ -61,3 +61,11 @@ def test_the_server_refuses_a_bad_configuration_without_a_traceback():
     assert done.returncode == 2
     assert "TSERVE_PORT: " in done.stderr and "'eighty'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_calibration_step_refuses_a_bad_configuration_the_same_way(monkeypatch, capsys):
+    from service.models.calibrate import main
+
+    monkeypatch.setenv("TSERVE_GPT_MAX_BATCH_ROWS", "lots")
+    assert main(["--pins"]) == 2
+    assert "TSERVE_GPT_MAX_BATCH_ROWS: " in capsys.readouterr().err
