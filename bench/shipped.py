@@ -51,9 +51,12 @@ def served_variants() -> tuple[str | None, str]:
         return None, f"no service venv at {SERVICE_PYTHON} (make venv): the stored variants"
     # the service's own interpreter and packages, not this venv's; its settings (TSERVE_*) as the service has them
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    done = subprocess.run([str(SERVICE_PYTHON), "-m", "service.models.calibrate", "--pins"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=CALIBRATION_TIMEOUT_S,
-                          env={**env, "TSERVE_REPOSITORY": str(REPOSITORY)})
+    try:
+        done = subprocess.run([str(SERVICE_PYTHON), "-m", "service.models.calibrate", "--pins"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=CALIBRATION_TIMEOUT_S,
+                              env={**env, "TSERVE_REPOSITORY": str(REPOSITORY)})
+    except subprocess.TimeoutExpired:
+        return None, f"service.models.calibrate took over {CALIBRATION_TIMEOUT_S} s: the stored variants"
     pins = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
     if not pins:
         return None, f"service.models.calibrate failed ({done.stderr.strip()[-300:]}): the stored variants"

@@ -62,8 +62,8 @@ SERVER, BATCHED_BENCH = "llama-server", "llama-batched-bench"
 NOT_BUILT = "llama.cpp is not built: run `make llama-cpp`"
 # llama-batched-bench prints its table through llama.cpp's asynchronous logger, whose singleton is never flushed at
 # exit (common/log.cpp, `common_log_main`: "logs may be lost if not flushed before the program exits"): a run whose
-# last line is its only row can exit 0 without it, 3 times in 5 at batch 1 here (2026-12-04, the bench's GGUF, alone).
-# A run without its row is retried, this many times in all, before the row is reported as failed.
+# last line is its only row can exit 0 without it, 3 times in 5 at batch 1 here (2026-12-04, the bench's GGUF,
+# alone). A run without its row is retried, this many times in all, before the row is reported as failed.
 BATCHED_BENCH_ATTEMPTS = 12
 
 ARCHITECTURE = "gpt2"  # llama.cpp's GPT-2: learned positions, Pre-LN with biases, fused QKV, tied head, GELU
