@@ -73,7 +73,8 @@ GGUF_FILE = "model.gguf"
 # the matmul weights a quantized file stores quantized (llama.cpp's convention: norms, biases and positions stay f32)
 QUANTIZED = ("token_embd.weight", "attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
 # -ctk / -ctv: llama.cpp's default, f16. An f32 cache (as ours) made it 3.4x slower at batch 16 (llama-batched-bench
-# S_TG 1,730 vs 5,969 tokens/s; batch 1: 2,387 vs 3,228; AMD EPYC AVX-512, 2 cores, 2026-12-01): a user keeps the default
+# S_TG 1,730 vs 5,969 tokens/s; batch 1: 2,387 vs 3,228; AMD EPYC AVX-512, 2 cores, 2026-12-01): a user keeps the
+# default
 KV_CACHE_TYPE = "f16"
 
 HOST = "127.0.0.1"
