@@ -162,6 +162,12 @@ class SamplingSearch(Search):
         if self._n < self.min_new_tokens and self.eos.size:
             banned[self.eos] = True
 
+    def bans(self, token: int) -> bool:
+        """Whether `mask_banned` bans ``token`` (an id of the vocabulary), without building the mask."""
+        if self._n < self.min_new_tokens and token in self._eos_set:
+            return True
+        return self._ngrams is not None and token in self._ngrams.banned()
+
     def seen_tokens(self, vocab: int) -> np.ndarray:
         """(V,) bool: the tokens of prefix + generated so far (the repetition penalty's set), built on first use."""
         if self._seen is None:
@@ -291,10 +297,18 @@ def _choose_processed(searches: Sequence[SamplingSearch], x: np.ndarray, process
     # with the banned tokens at -inf, what the sampler would choose, without its arrays of every parameter
     banned_only = [i for i in processed if not searches[i].always_processed]
     if banned_only:
-        banned = np.zeros((len(banned_only), x.shape[1]), dtype=bool)
-        for row, i in enumerate(banned_only):
-            searches[i].mask_banned(banned[row])
-        tokens[banned_only] = np.argmax(np.where(banned, -np.inf, x[banned_only]), axis=1)
+        # the argmax of a row with its banned tokens at -inf is the argmax of the raw row unless that token is banned
+        # (the first maximum overall is then the first among the allowed ones too): a mask only for the rows whose
+        # raw choice is banned (min_new_tokens' EOS is rarely the most likely token)
+        chosen = np.argmax(x[banned_only], axis=1)
+        hit = [row for row, (i, token) in enumerate(zip(banned_only, chosen.tolist())) if searches[i].bans(token)]
+        if hit:
+            rows = [banned_only[row] for row in hit]
+            banned = np.zeros((len(rows), x.shape[1]), dtype=bool)
+            for mask, i in zip(banned, rows):
+                searches[i].mask_banned(mask)
+            chosen[hit] = np.argmax(np.where(banned, -np.inf, x[rows]), axis=1)
+        tokens[banned_only] = chosen
         processed = [i for i in processed if searches[i].always_processed]
     if processed:
         tokens[processed] = sampler.choose(x[processed].astype(np.float64, copy=False),

@@ -188,3 +188,26 @@ def test_greedy_rows_with_only_bans_choose_what_the_sampler_chooses(dtype):
         assert got.done and want.done
         assert got.results()[0].tokens == want.results()[0].tokens
         assert got.results()[0].score == pytest.approx(want.results()[0].score, abs=1e-9)
+
+
+def test_bans_says_what_mask_banned_masks():
+    """`bans(token)` (the greedy shortcut's check of its raw choice) agrees with `mask_banned` on every token, at
+    every step: EOS before `min_new_tokens`, the n-gram ban, both, neither."""
+    rng = np.random.default_rng(3)
+    vocab = 12
+    searches = [SamplingSearch(10, [3, 5], temperature=0.0, min_new_tokens=4, no_repeat_ngram_size=2,
+                               prefix=[1, 2, 1]),
+                SamplingSearch(10, 3, temperature=0.0, min_new_tokens=6),
+                SamplingSearch(10, 3, temperature=0.0, no_repeat_ngram_size=1)]
+    checked = 0
+    for _ in range(8):
+        for search in searches:
+            if search.done:
+                continue
+            mask = np.zeros(vocab, dtype=bool)
+            search.mask_banned(mask)
+            assert [search.bans(t) for t in range(vocab)] == mask.tolist()
+            checked += int(mask.any())
+            allowed = np.flatnonzero(~mask)
+            search.accept(int(rng.choice(allowed)), -1.0, [])
+    assert checked  # some steps did ban something
