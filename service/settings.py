@@ -167,7 +167,7 @@ def load_settings() -> Settings:
     except ValidationError as error:
         lines = []
         for problem in error.errors():
-            field = ".".join(str(part) for part in problem["loc"][:1])
+            field = str(problem["loc"][0]) if problem["loc"] else ""  # the setting; not the item of a list
             lines.append(f"{ENV_PREFIX}{field.upper()}: {problem['msg']} (got {problem.get('input')!r})")
         raise SettingsInvalid("\n".join(lines)) from None
     except SettingsError as error:  # a value pydantic-settings could not even decode
