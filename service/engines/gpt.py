@@ -123,7 +123,9 @@ class GPTEngine:
 
     @staticmethod
     def concatenate(caches: Sequence[KVCache], rows: Sequence[np.ndarray | None] | None = None) -> KVCache:
-        return KVCache.concatenate(caches, rows=rows)
+        """Stack (selected rows of) several caches; the first is consumed: its buffers take the others' rows when
+        they have room (`KVCache.concatenate`'s `in_place`)."""
+        return KVCache.concatenate(caches, rows=rows, in_place=True)
 
     def generate(self, prompts: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
         """Decode a batch offline: prefill, then steps until every search is done (see `run_search`)."""

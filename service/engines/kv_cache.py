@@ -20,6 +20,10 @@ Two storage modes, after vLLM's and gpt-fast's pre-allocated caches:
   (`capacity_for`), so attention over the whole buffer costs at most 1 + HEADROOM times the used length, or, for an
   attention that reads the used slots only, takes a fixed `limit` (the context length) at once.
   `service.engines.iobinding.InPlaceStep` runs such steps with one IO binding that lasts as long as the buffers do.
+  Buffers also keep room for more rows than they hold (`RowStorage`, `ROW_HEADROOM`; the rows are views of its
+  first rows), so that a request joins a running batch by writing its rows after the others and a departure
+  closes the gap by moving the rows after it (`concatenate(..., in_place=True)`, `select`), after vLLM's
+  preallocated blocks, instead of copying the whole cache into a new one at every join (TGI's `concatenate`).
 
 Buffers keep every row where it would be alone (slot 0 onwards), whatever the batch: this is what makes a row's
 logits bit-identical alone and in any batch (batch invariance). ONNX Runtime's attention reductions (softmax sum,
@@ -48,6 +52,12 @@ CAPACITY_STEP = 16  # buffer capacities are multiples of this many slots
 HEADROOM = 0.25
 # Buffers grown to a limit at least this large are fresh anonymous pages, zeroed by the kernel when first written.
 FRESH_PAGES_BYTES = 1 << 20
+# Buffers hold this much more rows than they are made for (`RowStorage`), at least ROW_STEP, so that joins write
+# into them instead of copying every row into new ones: a join copied the whole cache (every row, every used
+# slot) and, with a `limit`, its next growth copied it again (12-16% of a decoding thread's time at 32 streams of
+# 64 tokens, py-spy, bench_http's gpt). Unused rows are zero pages, paid for when first written.
+ROW_HEADROOM = 0.25
+ROW_STEP = 4
 # A same-size reorder that moves at most this fraction of the rows (beams swapping a few parents) copies just those
 # rows in place; one that moves more gathers every row into a fresh cache in one pass instead.
 IN_PLACE_REORDER_FRACTION = 0.5
@@ -73,6 +83,39 @@ def capacity_for(slots: int, limit: int | None = None) -> int:
     return max(CAPACITY_STEP, -(-int(slots * (1 + HEADROOM)) // CAPACITY_STEP) * CAPACITY_STEP)
 
 
+def rows_for(rows: int) -> int:
+    """The rows a buffers' storage is made with for `rows` rows: `ROW_HEADROOM` more, a multiple of ROW_STEP."""
+    return max(ROW_STEP, -(-int(rows * (1 + ROW_HEADROOM)) // ROW_STEP) * ROW_STEP)
+
+
+@dataclass
+class RowStorage:
+    """Buffers with room for more rows than a cache holds: a buffered cache's keys, values and mask are views of
+    the first rows of these arrays. Every slot no row uses, in every row of the storage, is zero."""
+
+    keys: list[np.ndarray]  # per layer (row capacity, heads, slot capacity, head_dim) float32
+    values: list[np.ndarray]
+    mask: np.ndarray  # (row capacity, slot capacity) int64
+
+    @classmethod
+    def allocate(cls, rows: int, n_layers: int, n_heads: int, capacity: int, head_dim: int,
+                 fresh: bool = False) -> RowStorage:
+        """Zeroed storage for `rows` rows of `capacity` slots (the keys and values in fresh pages, `zeroed`, when
+        `fresh`)."""
+        allocate = zeroed if fresh else np.zeros
+        shape = (rows, n_heads, capacity, head_dim)
+        return cls([allocate(shape, np.float32) for _ in range(n_layers)],
+                   [allocate(shape, np.float32) for _ in range(n_layers)], np.zeros((rows, capacity), np.int64))
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Every keys/values array, then the mask."""
+        return (*self.keys, *self.values, self.mask)
+
+
 @dataclass
 class KVCache:
     keys: list[np.ndarray]
@@ -87,6 +130,8 @@ class KVCache:
     # the used slots; for a step whose attention reads each row's used slots only (GroupQueryAttention), where room
     # costs memory, not time: one growth instead of several, each a fresh allocation and a copy of the cache
     limit: int | None = None
+    # buffers: the storage whose first rows `keys`, `values` and `mask` are (None: they are whole arrays)
+    storage: RowStorage | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, rows: int, n_layers: int, n_heads: int, head_dim: int, limit: int | None = None) -> KVCache:
@@ -116,27 +161,30 @@ class KVCache:
     def reserve(self, slots: int) -> None:
         """Switch to buffer storage with room for `slots` more slots in every row, growing (one copy) only when
         full, to `capacity_for` them or to `limit`. From exact storage each row's used slots move to the front, in
-        order (`_aligned`)."""
+        order (`_aligned`). The new buffers keep room for more rows (`RowStorage`)."""
         if self.buffered and self.length + slots <= self.capacity:
             return
         if not self.buffered:  # aligned straight into buffers of the grown capacity: one copy of the past, not two
-            self.keys, self.values, self.mask, self.lengths = _aligned(self.keys, self.values, self.mask, slots,
-                                                                       self.limit)
+            storage, self.lengths = _aligned(self.keys, self.values, self.mask, slots, self.limit,
+                                             rows_for(self.rows))
+            self._adopt(storage, self.rows)
             return
-        length = self.length
-        capacity = capacity_for(length + slots, self.limit)
+        length, rows = self.length, self.rows
+        room = self.storage.rows if self.storage is not None else rows_for(rows)
+        n_heads, head_dim = self.keys[0].shape[1], self.keys[0].shape[3]
+        storage = RowStorage.allocate(room, len(self.keys), n_heads, capacity_for(length + slots, self.limit),
+                                      head_dim, fresh=self.limit is not None)
+        for old, new in zip((*self.keys, *self.values), (*storage.keys, *storage.values)):
+            new[:rows, :, :length] = old[:, :, :length]
+        storage.mask[:rows, :length] = self.mask[:, :length]
+        self._adopt(storage, rows)
 
-        def grown(array: np.ndarray, axis: int) -> np.ndarray:
-            shape = list(array.shape)
-            shape[axis] = capacity
-            out = (zeroed if self.limit is not None else np.zeros)(tuple(shape), array.dtype)
-            index = (slice(None),) * axis + (slice(0, length),)
-            out[index] = array[index]
-            return out
-
-        self.keys = [grown(k, 2) for k in self.keys]
-        self.values = [grown(v, 2) for v in self.values]
-        self.mask = grown(self.mask, 1)
+    def _adopt(self, storage: RowStorage, rows: int) -> None:
+        """Buffers: hold the first `rows` rows of `storage`."""
+        self.storage = storage
+        self.keys = [k[:rows] for k in storage.keys]
+        self.values = [v[:rows] for v in storage.values]
+        self.mask = storage.mask[:rows]
 
     def open_slot(self) -> np.ndarray:
         """Buffers: make room for one more slot in every row, mark each row's next slot used and return those
@@ -171,8 +219,10 @@ class KVCache:
     def select(self, rows: np.ndarray) -> None:
         """Keep rows `rows` (indices into the current rows, repeats allowed) in that order.
 
-        A same-size reordering (beams swapping parents) copies only the rows that change, in place; anything else
-        gathers the kept rows once, dropping leading slots that none of them uses any more."""
+        A same-size reordering (beams swapping parents) copies only the rows that change, in place; so does a
+        departure from buffers in a `RowStorage` (fewer rows, in their order: the rows after a gap move up,
+        `_close_up`); anything else gathers the kept rows once, dropping leading slots that none of them uses any
+        more."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) == self.rows:
             changed = rows != np.arange(self.rows)
@@ -188,9 +238,11 @@ class KVCache:
                 if self.encoder_row is not None:
                     self.encoder_row[moved] = self.encoder_row[sources]
                 return
-        merged = KVCache.concatenate([self], rows=[rows])
+        merged = KVCache.concatenate([self], rows=[rows], in_place=True)
+        if merged is self:
+            return
         self.keys, self.values, self.mask, self.positions = merged.keys, merged.values, merged.mask, merged.positions
-        self.lengths = merged.lengths
+        self.lengths, self.storage = merged.lengths, merged.storage
         if self.encoder_row is not None:
             self.encoder_row = merged.encoder_row
 
@@ -210,14 +262,17 @@ class KVCache:
 
     @staticmethod
     def concatenate(caches: Sequence[KVCache], encoder_offsets: Sequence[int] | None = None,
-                    rows: Sequence[np.ndarray | None] | None = None) -> KVCache:
+                    rows: Sequence[np.ndarray | None] | None = None, in_place: bool = False) -> KVCache:
         """Stack (selected) rows of several caches in one copy. Exact storage: shorter caches are left-padded with
         masked slots and slots that no kept row uses are dropped. If any cache holds buffers, so does the result,
-        with room for at least one more slot: every row keeps its slots from 0 (exact caches' rows are aligned
-        first) and slots past the longest kept row are dropped.
+        with room for at least one more slot and for more rows (`RowStorage`): every row keeps its slots from 0
+        (exact caches' rows are aligned first) and slots past the longest kept row are dropped.
 
         `rows[i]`: the rows of cache i to keep, in order (None = all). With `encoder_offsets`, cache i's encoder
-        rows are shifted by offsets[i] (its sources' first row in the concatenated encoder output)."""
+        rows are shifted by offsets[i] (its sources' first row in the concatenated encoder output).
+        `in_place`: the first cache may be consumed (a running batch that newcomers join): when its storage has
+        room for every row and slot of the result, the result is that cache, its kept rows closed up in place and
+        the others' written after them (`_join`); otherwise it is left as it was and the result is a copy."""
         rows = [np.arange(c.rows) if r is None else np.asarray(r, dtype=np.int64)
                 for c, r in zip(caches, rows or [None] * len(caches))]
         for cache, kept in zip(caches, rows):
@@ -228,8 +283,11 @@ class KVCache:
         sources = []
         for cache, kept in zip(caches, rows):
             if buffered:
-                keys, values, mask, lengths = ((cache.keys, cache.values, cache.mask, cache.lengths)
-                                               if cache.buffered else _aligned(cache.keys, cache.values, cache.mask))
+                if cache.buffered:
+                    keys, values, mask, lengths = cache.keys, cache.values, cache.mask, cache.lengths
+                else:
+                    aligned, lengths = _aligned(cache.keys, cache.values, cache.mask)
+                    keys, values, mask = aligned.keys, aligned.values, aligned.mask
                 sources.append((keys, values, mask, lengths, 0, int(lengths[kept].max(initial=0))))
             else:
                 first = cache.first_used_slot(kept) if len(kept) else cache.length
@@ -237,18 +295,33 @@ class KVCache:
         length = max((width for (*_, width), kept in zip(sources, rows) if len(kept)), default=0)
         total = sum(len(r) for r in rows)
         reference = caches[0]
+        encoder_row = None
+        if encoder_offsets is not None or reference.encoder_row is not None:
+            offsets = encoder_offsets or [0] * len(caches)
+            encoder_row = np.concatenate([c.encoder_row[r] + o for c, r, o in zip(caches, rows, offsets)])
+        lengths = np.concatenate([src[3][kept] for src, kept in zip(sources, rows)]).astype(np.int64) \
+            if buffered else None
+        positions = np.concatenate([c.positions[r] for c, r in zip(caches, rows)])
+        if in_place and reference._join(rows[0], sources[1:], rows[1:], length, total):
+            reference.positions, reference.encoder_row, reference.lengths = positions, encoder_row, lengths
+            return reference
         # a join's or a gather's copy keeps the headroom: its rows may be short-lived, and fresh memory is paid for
         # page by page; the `limit` is taken when the buffers fill up (`reserve`)
         capacity = capacity_for(length + 1) if buffered else length
-        n_heads, head_dim = reference.keys[0].shape[1], reference.keys[0].shape[3]
+        n_layers, n_heads, head_dim = len(reference.keys), reference.keys[0].shape[1], reference.keys[0].shape[3]
+        storage = RowStorage.allocate(rows_for(total), n_layers, n_heads, capacity, head_dim) if buffered else None
 
         def gather(layer: int | None, values: bool = False) -> np.ndarray:
             """Layer `layer`'s keys (or values), or the mask (None), of every kept row: each slot written once,
-            the copied ones by the gather, the padding ones (masked, zero as in a fresh cache) by a fill."""
-            if layer is None:
-                out, axis = np.empty((total, capacity), np.int64), 1
+            the copied ones by the gather, the padding ones (masked, zero as in a fresh cache) by a fill, or, in
+            a new zeroed storage, not at all."""
+            if storage is not None:
+                out = (storage.mask if layer is None else (storage.values if values else storage.keys)[layer])[:total]
+            elif layer is None:
+                out = np.empty((total, capacity), np.int64)
             else:
-                out, axis = np.empty((total, n_heads, capacity, head_dim), np.float32), 2
+                out = np.empty((total, n_heads, capacity, head_dim), np.float32)
+            axis = 1 if layer is None else 2
             start = 0
             for (keys, values_, mask, _, first, width), kept in zip(sources, rows):
                 target = out[start : start + len(kept)]
@@ -258,52 +331,87 @@ class KVCache:
                     np.take(source[(slice(None),) * axis + (slice(first, first + width),)], kept, axis=0,
                             out=target[(slice(None),) * axis + (at,)], mode="clip")
                 for padding in (slice(0, at.start), slice(at.stop, capacity)):
-                    if padding.stop > padding.start:
+                    if storage is None and padding.stop > padding.start:
                         target[(slice(None),) * axis + (padding,)] = 0
                 start += len(kept)
             return out
 
-        n_layers = len(reference.keys)
-        encoder_row = None
-        if encoder_offsets is not None or reference.encoder_row is not None:
-            offsets = encoder_offsets or [0] * len(caches)
-            encoder_row = np.concatenate([c.encoder_row[r] + o for c, r, o in zip(caches, rows, offsets)])
-        lengths = np.concatenate([src[3][kept] for src, kept in zip(sources, rows)]).astype(np.int64) \
-            if buffered else None
-        return KVCache(
-            [gather(i) for i in range(n_layers)],
-            [gather(i, values=True) for i in range(n_layers)],
-            gather(None),
-            np.concatenate([c.positions[r] for c, r in zip(caches, rows)]),
-            encoder_row,
-            lengths,
-            limit=reference.limit,
-        )
+        return KVCache([gather(i) for i in range(n_layers)], [gather(i, values=True) for i in range(n_layers)],
+                       gather(None), positions, encoder_row, lengths, limit=reference.limit, storage=storage)
+
+    def _join(self, kept: np.ndarray, sources: Sequence[tuple], rows: Sequence[np.ndarray], length: int,
+              total: int) -> bool:
+        """`concatenate(in_place=True)`'s keys, values and mask: keep this cache's rows `kept` (in increasing order)
+        where they are, closed up (`_close_up`), and write the kept rows of the other caches (`sources`: their
+        aligned buffers, as `concatenate` reads them) after them, `total` rows whose longest uses `length` slots.
+        False, and nothing changed, when the storage cannot take them: not this cache's own storage, not enough
+        rows, or not enough slots for them and the next step's; or, for an attention that reads the whole buffer
+        (no `limit`), slots more than the headroom twice over the longest row's, which a copy trims."""
+        storage = self.storage
+        if (storage is None or any(source[0] is self.keys for source in sources) or total > storage.rows or length + 1 > self.capacity
+                or (len(kept) > 1 and (np.diff(kept) <= 0).any())):
+            return False
+        if self.limit is None and self.capacity > capacity_for(int(length * (1 + HEADROOM))):
+            return False
+        shape = (len(self.keys), *self.keys[0].shape[1::2])  # layers, heads, head dim: of every source alike
+        if any((len(keys), *keys[0].shape[1::2]) != shape for keys, *_ in sources):
+            return False
+        self._close_up(kept)
+        start = len(kept)
+        for (keys, values, mask, _, _, width), taken in zip(sources, rows):
+            end = start + len(taken)
+            if len(taken) and width:
+                for source, target in zip((*keys, *values, mask), storage.arrays()):
+                    np.take(source[..., :width, :] if source.ndim == 4 else source[:, :width], taken, axis=0,
+                            out=target[start:end, ..., :width, :] if target.ndim == 4 else target[start:end, :width],
+                            mode="clip")
+            start = end
+        self._adopt(storage, total)
+        return True
+
+    def _close_up(self, kept: np.ndarray) -> None:
+        """Buffers in a `RowStorage`: keep rows `kept` (increasing) in place, each moved up to its new index, and
+        zero the rows left behind (every unused slot of the storage stays zero)."""
+        length, n = self.length, len(kept)
+        moved = np.flatnonzero(kept != np.arange(n))
+        for array in (*self.storage.keys, *self.storage.values):
+            if moved.size:
+                array[moved, :, :length] = array[kept[moved], :, :length]  # the right side is gathered first
+            array[n : self.rows, :, :length] = 0
+        mask = self.storage.mask
+        if moved.size:
+            mask[moved, :length] = mask[kept[moved], :length]
+        mask[n : self.rows, :length] = 0
+        self.positions, self.lengths = self.positions[kept], self.lengths[kept]
+        if self.encoder_row is not None:
+            self.encoder_row = self.encoder_row[kept]
+        self._adopt(self.storage, n)
 
 
 def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray, room: int | None = None,
-             limit: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
+             limit: int | None = None, storage_rows: int | None = None) -> tuple[RowStorage, np.ndarray]:
     """Exact storage moved into the buffer layout: each row's used slots first, in their order, zeros after;
-    returns (keys, values, mask, lengths) of the same width, or, with `room`, of the capacity that `reserve(room)`
-    grows to (`capacity_for` the longest row's slots + `room`, `limit`), the keys and values in fresh pages
-    (`zeroed`) when that is the limit."""
+    returns (storage, lengths): a storage of the same rows and width, or, with `room`, of the capacity that
+    `reserve(room)` grows to (`capacity_for` the longest row's slots + `room`, `limit`), the keys and values in
+    fresh pages (`zeroed`) when that is the limit, and with `storage_rows` rows (the first ones hold these)."""
     used = mask.astype(bool)
     lengths = used.sum(axis=1).astype(np.int64)
-    width = mask.shape[1]
+    rows, width = mask.shape
     capacity = width if room is None else capacity_for(int(lengths.max(initial=0)) + room, limit)
-    fresh = room is not None and limit is not None
     copied = min(width, capacity)  # slots past the longest row are masked in every row: zeros either way
     keep = np.arange(width) < lengths[:, None]  # (rows, slots) in the new layout
     # already aligned (a right-padded prompt): nothing moves; else used slots first, in their order
     order = None if (used == keep).all() else np.argsort(~used, axis=1, kind="stable")
+    storage = RowStorage.allocate(storage_rows or rows, len(keys), keys[0].shape[1], capacity, keys[0].shape[3],
+                                  fresh=room is not None and limit is not None)
 
-    def moved(array: np.ndarray) -> np.ndarray:  # (rows, heads, slots, head_dim)
+    def move(array: np.ndarray, out: np.ndarray) -> None:  # (rows, heads, slots, head_dim)
         source = array if order is None else np.take_along_axis(array, order[:, None, :, None], axis=2)
-        out = (zeroed if fresh else np.zeros)((*array.shape[:2], capacity, *array.shape[3:]), array.dtype)
         # what is masked is zero, as in a fresh buffer
-        np.multiply(source[:, :, :copied], keep[:, None, :copied, None].astype(array.dtype), out=out[:, :, :copied])
-        return out
+        np.multiply(source[:, :, :copied], keep[:, None, :copied, None].astype(array.dtype),
+                    out=out[:rows, :, :copied])
 
-    new_mask = np.zeros((mask.shape[0], capacity), np.int64)
-    new_mask[:, :copied] = keep[:, :copied]
-    return [moved(k) for k in keys], [moved(v) for v in values], new_mask, lengths
+    for array, out in zip((*keys, *values), (*storage.keys, *storage.values)):
+        move(array, out)
+    storage.mask[:rows, :copied] = keep[:, :copied]
+    return storage, lengths

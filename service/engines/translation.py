@@ -221,9 +221,11 @@ class TranslationEngine:
     @staticmethod
     def concatenate(batches: Sequence[DecoderBatch], rows: Sequence[np.ndarray | None] | None = None
                     ) -> DecoderBatch:
-        """Stack (selected rows of) several batches; sources no kept row uses go at the next `select`."""
+        """Stack (selected rows of) several batches; sources no kept row uses go at the next `select`. The first
+        batch's cache is consumed: its buffers take the others' rows when they have room (`KVCache.concatenate`'s
+        `in_place`)."""
         encoded, offsets = EncodedSources.concatenate([b.encoded for b in batches])
-        return DecoderBatch(KVCache.concatenate([b.cache for b in batches], offsets, rows), encoded)
+        return DecoderBatch(KVCache.concatenate([b.cache for b in batches], offsets, rows, in_place=True), encoded)
 
     def default_max_new_tokens(self, source_length: int) -> int:
         """Room for a translation (`TARGET_PER_SOURCE_TOKEN`, `TARGET_SLACK_TOKENS`), within the positional table."""

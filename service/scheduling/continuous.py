@@ -192,7 +192,7 @@ class ContinuousBatcher(QueuedScheduler):
             self._prompt_tokens.inc(len(job.input_ids))
         joined = self._deliver(lane, generations, time.monotonic())
         newcomers.filter(joined)
-        try:  # compaction (dropping dead rows) and the newcomers' join in one copy of the caches
+        try:  # compaction (dropping dead rows) and the newcomers' join, in the batch's buffers when they have room
             lane.batch = newcomers if lane.batch is None else TextBatch.concatenate([lane.batch, newcomers])
         except Exception as error:
             log.exception("joining %d request(s) to the batch of %s failed", len(joined), self.labels["model"])

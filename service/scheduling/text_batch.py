@@ -8,7 +8,8 @@ each request's rows are. After text-generation-inference's ``Batch`` (``filter``
   returns: `GPTEngine.prefill_positions`);
 - `filter(jobs)`: keep these requests. The others' rows stay in the state as dead rows (no copy of the cache for
   a departure); they are dropped at the next compaction;
-- `TextBatch.concatenate(batches)`: one batch from several, in one copy of the caches that also drops dead rows;
+- `TextBatch.concatenate(batches)`: one batch from several, dropping dead rows: the first batch's buffers take the
+  others' rows when they have room (the rows after a dead one move up), else one copy of the caches;
 - `generate_token()`: one decoding step over every row, then every search of the batch at once
   (`service.decoding.step_searches`); each request's outcome is handed back as a `Generation` (its new final
   tokens, done and its hypotheses, or the error of a search that raised, which concerns that request only).
@@ -49,7 +50,8 @@ class DecodingBackend(Protocol):
 
     def select(self, state: Any, rows: np.ndarray) -> Any: ...
 
-    def concatenate(self, states: Sequence[Any], rows: Sequence[np.ndarray | None] | None = None) -> Any: ...
+    def concatenate(self, states: Sequence[Any], rows: Sequence[np.ndarray | None] | None = None) -> Any:
+        """The kept `rows` of each state, stacked; the first state is consumed (its buffers may take the rest)."""
 
     def recycle(self, state: Any, rows: np.ndarray) -> None:
         """Rows whose content no longer matters: keep them valid for the next steps (e.g. positions in range)."""
@@ -110,7 +112,8 @@ class TextBatch:
 
     @staticmethod
     def concatenate(batches: Sequence[TextBatch]) -> TextBatch:
-        """One batch holding every request of `batches`, in order: one copy of the caches, dead rows dropped."""
+        """One batch holding every request of `batches`, in order, dead rows dropped; the first batch is consumed
+        (its state may hold the result: `DecodingBackend.concatenate`)."""
         batches = [b for b in batches if b.jobs] or list(batches[-1:])
         if len(batches) == 1 and batches[0].live_rows == batches[0].rows:
             return batches[0]

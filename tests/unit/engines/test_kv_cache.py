@@ -183,7 +183,10 @@ def test_a_cache_with_a_limit_grows_straight_to_it_and_keeps_it():
     assert c.capacity == 105
     joined = KVCache.concatenate([c, buffered(1, 4)])  # a join: the headroom, and the limit for its growth
     assert joined.limit == 100 and joined.capacity == capacity_for(101)
-    c.select(np.array([1]))  # a gather, the same
+    keys = c.keys[0]
+    c.select(np.array([1]))  # a departure: closed up in place, the capacity kept
+    assert c.limit == 100 and c.capacity == 105 and np.shares_memory(c.keys[0], keys)
+    c.select(np.array([0, 0]))  # a gather (a row repeated): a copy, with the headroom
     assert c.limit == 100 and c.capacity == capacity_for(101)
     short = buffered(3, 5)
     short.limit = 64
@@ -240,3 +243,72 @@ def test_buffers_grown_to_a_limit_are_fresh_zero_pages_and_headroom_growth_is_no
         assert (c.keys[0][:, :, 3] == 5).all()
     small = zeroed((2, 3), np.int64)
     assert small.base is None and not small.any()  # small buffers: plain np.zeros
+
+
+# --- joins and departures in the running batch's own buffers (RowStorage) -------------------------------------
+
+def _running():
+    """A buffered batch of 4 rows of different lengths (5, 5, 3, 3 slots), with room for more rows."""
+    return KVCache.concatenate([buffered(2, 5), buffered(2, 3, start=100)])
+
+
+def _graph_view(c: KVCache) -> list:
+    """What a step reads of each row: its used keys and values, its mask, position and length."""
+    return [(c.keys[0][r, :, : c.lengths[r]].tolist(), c.values[0][r, :, : c.lengths[r]].tolist(),
+             c.mask[r].tolist(), int(c.positions[r]), int(c.lengths[r])) for r in range(c.rows)]
+
+
+def _unused_slots_are_zero(c: KVCache) -> bool:
+    """Every slot of the storage that no row uses is zero: after each row's length, and in every row after them."""
+    s = c.storage
+    used = np.arange(c.capacity) < np.pad(c.lengths, (0, s.rows - c.rows))[:, None]  # (storage rows, slots)
+    return all(not array[~used].any() for array in (*(a[:, 0, :, 0] for a in (*s.keys, *s.values)), s.mask))
+
+
+@pytest.mark.parametrize("kept", [[0, 1, 2, 3], [1, 2, 3], [0, 2], [3], []])
+@pytest.mark.parametrize("newcomer", [lambda: cache(1, 4, start=50), lambda: buffered(1, 4, start=50)],
+                         ids=["exact", "buffered"])
+def test_a_join_in_place_holds_what_a_copy_holds_in_the_batchs_own_buffers(kept, newcomer):
+    kept = np.array(kept, np.int64)
+    copied = KVCache.concatenate([_running(), newcomer()], rows=[kept, None])
+    running = _running()
+    storage, keys = running.storage, running.keys[0]
+    joined = KVCache.concatenate([running, newcomer()], rows=[kept, None], in_place=True)
+    assert joined is running and joined.storage is storage and np.shares_memory(joined.keys[0], keys)
+    assert _graph_view(joined) == _graph_view(copied) and joined.capacity == running.capacity
+    assert _unused_slots_are_zero(joined)
+
+
+def test_a_departure_closes_up_in_place_like_a_gather():
+    gathered, closed = _running(), _running()
+    storage = closed.storage
+    KVCache.select(gathered, np.array([2, 0, 3]))  # not in order: a gather into new buffers
+    assert gathered.storage is not storage
+    closed.select(np.array([0, 2, 3]))
+    assert closed.storage is storage and _unused_slots_are_zero(closed)
+    expected = _running()
+    expected = KVCache.concatenate([expected], rows=[np.array([0, 2, 3])])
+    assert _graph_view(closed) == _graph_view(expected)
+
+
+@pytest.mark.parametrize("case", ["rows out of order", "more rows than the storage", "a longer newcomer",
+                                  "slots too wide", "the same cache twice"])
+def test_a_join_that_the_buffers_cannot_take_is_a_copy_and_leaves_the_batch_as_it_was(case):
+    running = _running()
+    before = _graph_view(running)
+    others, kept = [cache(1, 4, start=50)], np.arange(4)
+    if case == "rows out of order":
+        kept = np.array([1, 0, 2, 3])
+    elif case == "more rows than the storage":
+        others = [cache(running.storage.rows - 3, 2)]
+    elif case == "a longer newcomer":
+        others = [cache(1, running.capacity)]  # no slot left for its next step
+    elif case == "slots too wide":  # an attention that reads the whole buffer: a copy trims it
+        running.reserve(4 * running.capacity)
+        before = _graph_view(running)
+    else:
+        others = [running]
+    storage = running.storage
+    joined = KVCache.concatenate([running, *others], rows=[kept, *[None] * len(others)], in_place=True)
+    assert joined is not running and joined.storage is not storage
+    assert running.storage is storage and _graph_view(running) == before

@@ -141,6 +141,43 @@ def test_gpt_select_concatenate_recycle_keep_their_meaning(engines):
         engine_b.select(b, np.array([1, 0, 2]))
 
 
+def test_a_batch_that_loses_a_row_and_is_joined_in_its_own_buffers_steps_each_row_as_alone(engines):
+    """The continuous batcher's departure and join on the in-place graph: the running batch closes up in its own
+    buffers and takes the newcomer into them (`KVCache.concatenate(..., in_place=True)`), and every row's logits
+    stay bit-identical to its decoding alone, through the buffers' growth after."""
+    engine = engines["gpt"][1]
+    prompts = _prompts(engine)
+    depart, join, steps = 3, 5, STEPS
+
+    def alone(prompt, count):
+        logits, cache = engine.prefill([prompt])
+        seen = []
+        for _ in range(count):
+            seen.append(logits[0])
+            logits = engine.step(cache, logits.argmax(-1))
+        return seen
+
+    logits, state = engine.prefill(prompts)
+    rows, seen = [0, 1, 2], {0: [], 1: [], 2: [], "new": []}
+    for step in range(steps):
+        if step == depart:  # the second request finishes
+            state = engine.select(state, np.array([0, 2]))
+            logits, rows = logits[[0, 2]], [0, 2]
+            storage = state.storage
+        if step == join:  # a new request (the shortest prompt again: it fits in the buffers' slots) joins
+            joining, other = engine.prefill([prompts[0]])
+            joined = engine.concatenate([state, other])
+            assert joined is state and joined.storage is storage  # in the batch's own buffers
+            logits, rows = np.concatenate([logits, joining]), [0, 2, "new"]
+        for row, name in enumerate(rows):
+            seen[name].append(logits[row])
+        logits = engine.step(state, logits.argmax(-1))
+    assert state.storage is not storage  # grown since: the growth keeps room for rows
+    for name, prompt, count in ((0, prompts[0], steps), (2, prompts[2], steps), (1, prompts[1], depart),
+                                ("new", prompts[0], steps - join)):
+        np.testing.assert_array_equal(np.stack(seen[name]), np.stack(alone(prompt, count)), err_msg=str(name))
+
+
 @pytest.mark.parametrize("search", [lambda eos: GreedySearch(30, eos), lambda eos: BeamSearch(3, 30, eos)],
                          ids=["greedy", "beam"])
 def test_gpt_generations_are_identical(engines, search):
