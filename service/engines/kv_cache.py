@@ -111,10 +111,6 @@ class RowStorage:
     def rows(self) -> int:
         return self.mask.shape[0]
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """Every keys/values array, then the mask."""
-        return (*self.keys, *self.values, self.mask)
-
 
 @dataclass
 class KVCache:
@@ -272,7 +268,8 @@ class KVCache:
         rows are shifted by offsets[i] (its sources' first row in the concatenated encoder output).
         `in_place`: the first cache may be consumed (a running batch that newcomers join): when its storage has
         room for every row and slot of the result, the result is that cache, its kept rows closed up in place and
-        the others' written after them (`_join`); otherwise it is left as it was and the result is a copy."""
+        the others' written after them (`_can_join`, `_close_up`); otherwise it is left as it was and the result
+        is a copy."""
         rows = [np.arange(c.rows) if r is None else np.asarray(r, dtype=np.int64)
                 for c, r in zip(caches, rows or [None] * len(caches))]
         for cache, kept in zip(caches, rows):
@@ -302,19 +299,21 @@ class KVCache:
         lengths = np.concatenate([src[3][kept] for src, kept in zip(sources, rows)]).astype(np.int64) \
             if buffered else None
         positions = np.concatenate([c.positions[r] for c, r in zip(caches, rows)])
-        if in_place and reference._join(rows[0], sources[1:], rows[1:], length, total):
-            reference.positions, reference.encoder_row, reference.lengths = positions, encoder_row, lengths
-            return reference
-        # a join's or a gather's copy keeps the headroom: its rows may be short-lived, and fresh memory is paid for
-        # page by page; the `limit` is taken when the buffers fill up (`reserve`)
-        capacity = capacity_for(length + 1) if buffered else length
         n_layers, n_heads, head_dim = len(reference.keys), reference.keys[0].shape[1], reference.keys[0].shape[3]
-        storage = RowStorage.allocate(rows_for(total), n_layers, n_heads, capacity, head_dim) if buffered else None
+        if in_place and reference._can_join(rows[0], sources[1:], length, total):
+            # the kept rows closed up where they are; the others' gathered after them, into the same storage
+            reference._close_up(rows[0])
+            storage, capacity, placed = reference.storage, reference.capacity, 1
+        else:
+            # a join's or a gather's copy keeps the headroom: its rows may be short-lived, and fresh memory is paid
+            # for page by page; the `limit` is taken when the buffers fill up (`reserve`)
+            capacity, placed = (capacity_for(length + 1) if buffered else length), 0
+            storage = RowStorage.allocate(rows_for(total), n_layers, n_heads, capacity, head_dim) if buffered else None
 
         def gather(layer: int | None, values: bool = False) -> np.ndarray:
             """Layer `layer`'s keys (or values), or the mask (None), of every kept row: each slot written once,
             the copied ones by the gather, the padding ones (masked, zero as in a fresh cache) by a fill, or, in
-            a new zeroed storage, not at all."""
+            a storage (zero wherever no row is), not at all; the first `placed` caches' rows are in place already."""
             if storage is not None:
                 out = (storage.mask if layer is None else (storage.values if values else storage.keys)[layer])[:total]
             elif layer is None:
@@ -322,8 +321,8 @@ class KVCache:
             else:
                 out = np.empty((total, n_heads, capacity, head_dim), np.float32)
             axis = 1 if layer is None else 2
-            start = 0
-            for (keys, values_, mask, _, first, width), kept in zip(sources, rows):
+            start = sum(len(kept) for kept in rows[:placed])
+            for (keys, values_, mask, _, first, width), kept in zip(sources[placed:], rows[placed:]):
                 target = out[start : start + len(kept)]
                 at = slice(0, width) if buffered else slice(length - width, length)  # aligned / left-padded
                 if len(kept) and width:
@@ -336,42 +335,34 @@ class KVCache:
                 start += len(kept)
             return out
 
-        return KVCache([gather(i) for i in range(n_layers)], [gather(i, values=True) for i in range(n_layers)],
-                       gather(None), positions, encoder_row, lengths, limit=reference.limit, storage=storage)
+        keys, values = [gather(i) for i in range(n_layers)], [gather(i, values=True) for i in range(n_layers)]
+        mask = gather(None)
+        if not placed:
+            return KVCache(keys, values, mask, positions, encoder_row, lengths, limit=reference.limit, storage=storage)
+        reference.keys, reference.values, reference.mask = keys, values, mask  # the storage's first `total` rows
+        reference.positions, reference.encoder_row, reference.lengths = positions, encoder_row, lengths
+        return reference
 
-    def _join(self, kept: np.ndarray, sources: Sequence[tuple], rows: Sequence[np.ndarray], length: int,
-              total: int) -> bool:
-        """`concatenate(in_place=True)`'s keys, values and mask: keep this cache's rows `kept` (in increasing order)
-        where they are, closed up (`_close_up`), and write the kept rows of the other caches (`sources`: their
-        aligned buffers, as `concatenate` reads them) after them, `total` rows whose longest uses `length` slots.
-        False, and nothing changed, when the storage cannot take them: not this cache's own storage, not enough
-        rows, or not enough slots for them and the next step's; or, for an attention that reads the whole buffer
-        (no `limit`), slots more than the headroom twice over the longest row's, which a copy trims."""
-        storage = self.storage
-        if (storage is None or any(source[0] is self.keys for source in sources) or total > storage.rows or length + 1 > self.capacity
+    def _can_join(self, kept: np.ndarray, sources: Sequence[tuple], length: int, total: int) -> bool:
+        """Whether `concatenate(in_place=True)` can keep this cache's rows `kept` (in increasing order) where they
+        are, closed up, and write the other caches' kept rows (`sources`: their buffers as `concatenate` reads
+        them) after them in its storage: `total` rows whose longest uses `length` slots. Not when the storage lacks
+        rows, or slots for them and the next step's, or is read by a source; nor, for an attention that reads the
+        whole buffer (no `limit`), when it is wider than the headroom twice over the longest row, which a copy
+        trims; nor for sources of another shape (layers, heads, head dim)."""
+        if (self.storage is None or total > self.storage.rows or length + 1 > self.capacity
+                or any(source[0] is self.keys for source in sources)
                 or (len(kept) > 1 and (np.diff(kept) <= 0).any())):
             return False
         if self.limit is None and self.capacity > capacity_for(int(length * (1 + HEADROOM))):
             return False
-        shape = (len(self.keys), *self.keys[0].shape[1::2])  # layers, heads, head dim: of every source alike
-        if any((len(keys), *keys[0].shape[1::2]) != shape for keys, *_ in sources):
-            return False
-        self._close_up(kept)
-        start = len(kept)
-        for (keys, values, mask, _, _, width), taken in zip(sources, rows):
-            end = start + len(taken)
-            if len(taken) and width:
-                for source, target in zip((*keys, *values, mask), storage.arrays()):
-                    np.take(source[..., :width, :] if source.ndim == 4 else source[:, :width], taken, axis=0,
-                            out=target[start:end, ..., :width, :] if target.ndim == 4 else target[start:end, :width],
-                            mode="clip")
-            start = end
-        self._adopt(storage, total)
-        return True
+        shape = (len(self.keys), *self.keys[0].shape[1::2])
+        return all((len(keys), *keys[0].shape[1::2]) == shape for keys, *_ in sources)
 
     def _close_up(self, kept: np.ndarray) -> None:
-        """Buffers in a `RowStorage`: keep rows `kept` (increasing) in place, each moved up to its new index, and
-        zero the rows left behind (every unused slot of the storage stays zero)."""
+        """Buffers in a `RowStorage`: rows `kept` (increasing) of the keys, values and mask moved up in place to
+        their new index, and the rows left behind zeroed (every unused slot of the storage stays zero); the caller
+        adopts the rows and sets their positions and lengths."""
         length, n = self.length, len(kept)
         moved = np.flatnonzero(kept != np.arange(n))
         for array in (*self.storage.keys, *self.storage.values):
@@ -382,10 +373,6 @@ class KVCache:
         if moved.size:
             mask[moved, :length] = mask[kept[moved], :length]
         mask[n : self.rows, :length] = 0
-        self.positions, self.lengths = self.positions[kept], self.lengths[kept]
-        if self.encoder_row is not None:
-            self.encoder_row = self.encoder_row[kept]
-        self._adopt(self.storage, n)
 
 
 def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray, room: int | None = None,
