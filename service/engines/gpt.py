@@ -20,6 +20,7 @@ than return another position's logits).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -28,7 +29,7 @@ from service.decoding import Search, run_search
 from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
-from service.engines.runtime import RuntimeOptions, active_provider, create_session
+from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
 from service.engines.weights import changes_step_attention
 from service.models.repository import TOKENIZER_FILE, ModelVersion
 
@@ -46,8 +47,13 @@ class GPTEngine:
         self.vocab_size = arch["vocab_size"]
         # the in-place step graph (`export.kv_inplace`) when the version has one, else the small steps' session of
         # decoder.onnx (`OneThreadSession`)
+        calls = EngineCalls()  # every ONNX Runtime call of this engine, whichever session (`OneThreadSession`)
         self._in_place, self._one_thread = step_runners(model.path, step_file, config["files"]["decoder"],
-                                                        self.session, self.vocab_size, options)
+                                                        self.session, self.vocab_size, options, calls=calls)
+        # the prompt pass: every thread alone, one beside another worker's call; the concatenating graph's steps
+        # share its session
+        self._prompt_one_thread = self._one_thread or OneThreadSession(
+            model.path / config["files"]["decoder"], replace(options, single_thread_rows=0), self.session, calls=calls)
         self.context_length = config["context_length"]
         # GroupQueryAttention reads each row's used slots only: its caches take the context length at once
         # (`KVCache.limit`); the masked kernel reads the whole buffer, whose headroom stays small
@@ -94,7 +100,8 @@ class GPTEngine:
             ids[row, : len(prompt)] = prompt
         cache = KVCache.empty(B, self.n_layers, self.n_heads, self.head_dim, self.cache_limit)
         feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **cache.feeds()}
-        logits, *presents = self.session.run(None, feeds)  # (B, T, V)
+        with self._prompt_one_thread.call(ids.size, self.session) as session:
+            logits, *presents = session.run(None, feeds)  # (B, T, V)
         cache.append(presents, mask, lengths)
         if logits.shape[1] != longest:  # right-padded rows end at different positions: each needs its own
             raise ValueError(f"the decoder graph returned logits for {logits.shape[1]} of the {longest} prompt "

@@ -21,7 +21,7 @@ from service.engines import onnx_schema as schema
 from service.engines.kv_cache import KVCache
 from service.engines.onnx_schema import past_names, present_names
 from service.decoding.types import StepLogits
-from service.engines.runtime import OneThreadSession, RuntimeOptions, create_session
+from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, create_session
 
 DEVICE, DEVICE_ID = "cpu", 0  # where the bound arrays live: numpy memory, ONNX Runtime's CPU device 0
 
@@ -147,15 +147,15 @@ class InPlaceStep:
 
 
 def step_runners(folder: Path, step_file: str | None, decoder_file: str | None, decoder,
-                 vocab_size: int, options: RuntimeOptions, row_candidates: bool = False
-                 ) -> tuple[InPlaceStep | None, OneThreadSession | None]:
+                 vocab_size: int, options: RuntimeOptions, row_candidates: bool = False,
+                 calls: EngineCalls | None = None) -> tuple[InPlaceStep | None, OneThreadSession | None]:
     """How an engine runs its one-token steps: on the in-place step graph `step_file` when the version has one
     (an `InPlaceStep`, with its own one-thread session), else on the decoder graph's session ``decoder`` (and a
     `OneThreadSession` of `decoder_file` for small steps) -> (in-place step or None, one-thread session or None).
     ``row_candidates``: the step graph and the one-thread session with them (`service.engines.row_candidates`),
-    as ``decoder`` was made."""
+    as ``decoder`` was made; ``calls``: the engine's calls the one-thread sessions count (`EngineCalls`)."""
     if step_file:
         step = create_session(folder / step_file, options, row_candidates)
-        one_thread = OneThreadSession(folder / step_file, options, step, row_candidates)
+        one_thread = OneThreadSession(folder / step_file, options, step, row_candidates, calls)
         return InPlaceStep(step, vocab_size, one_thread), None
-    return None, OneThreadSession(folder / decoder_file, options, decoder, row_candidates)
+    return None, OneThreadSession(folder / decoder_file, options, decoder, row_candidates, calls)

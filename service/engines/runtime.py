@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -117,6 +118,41 @@ def active_provider(session: ort.InferenceSession) -> str:
     return session.get_providers()[0]
 
 
+# With several decoding workers (`RuntimeOptions.one_thread_when_concurrent`), a call counts as concurrent when another
+# thread's call of the same engine is in flight or ended less than this long ago: a busy worker's calls are apart by
+# its searches and bookkeeping (a millisecond or two), so two busy workers keep a core each all along, where "in
+# flight right now" alone let whichever call started first take every thread while the other worker's next call
+# started beside it (three threads on two cores). A worker left alone gets every thread back this long after the
+# other's last call.
+CONCURRENT_WINDOW_S = 0.05
+
+
+class EngineCalls:
+    """The ONNX Runtime calls of one engine in flight now and when each thread's last one ended, shared by the
+    engine's `OneThreadSession`s (its prompt pass or encoder, and its steps): `concurrent()` at the start of a call
+    says whether another thread's call is running or ran within `window_s`."""
+
+    def __init__(self, window_s: float = CONCURRENT_WINDOW_S):
+        self.window_s = window_s
+        self._in_flight = 0
+        self._ended: dict[int, float] = {}  # thread id -> when its last call ended (time.monotonic())
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        """A call starts on this thread -> whether it runs beside another thread's (`concurrent`)."""
+        me, now = threading.get_ident(), time.monotonic()
+        with self._lock:
+            concurrent = self._in_flight > 0 or any(
+                thread != me and now - ended < self.window_s for thread, ended in self._ended.items())
+            self._in_flight += 1
+        return concurrent
+
+    def exit(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._ended[threading.get_ident()] = time.monotonic()
+
+
 class OneThreadSession:
     """With ``single_thread_rows`` on, a second session of a decoder graph with one intra-op thread, for the calls
     of at most that many rows (`pick`); none on CUDA or when the sessions have one thread anyway. ONNX Runtime
@@ -125,24 +161,25 @@ class OneThreadSession:
     on an AMD EPYC, 2 cores: 1,111 tokens/s on one thread, 890 on two; from batch 16 two threads win by
     1.3-1.4x; `bench/bench_engine.py --threads`).
 
-    With ``one_thread_when_concurrent`` (several decoding workers on one engine), a call made while another of
-    this engine's calls is in flight (`call`) runs on the one-thread session whatever its rows: two calls on one
-    session share its intra-op pool and take more threads than there are cores, where two one-thread calls each
-    keep a core. A lone call keeps every thread: a worker alone with a large batch loses up to a quarter of its
-    speed on one thread. Measured over HTTP on 2 cores, 2 workers, against the same checkout without the rule
-    (docs/benchmarks.md): 5 of 6 interleaved pairs in its favour, +4-5% on the means (translation, 16 clients;
-    the GPT, 32 streams); each session's outputs are bit-identical (tests/unit/engines/test_one_thread_session.py)."""
+    With ``one_thread_when_concurrent`` (several decoding workers on one engine), a call made beside another of
+    this engine's calls (`EngineCalls`, shared by the engine's sessions: its prompt pass or encoder and its steps)
+    runs on the one-thread session whatever its rows: two calls on one session share its intra-op pool and take
+    more threads than there are cores, where two one-thread calls each keep a core. A lone call keeps every
+    thread: a worker alone with a large batch loses up to a quarter of its speed on one thread. Measured over HTTP
+    on 2 cores, 2 workers (docs/benchmarks.md): counting calls in flight only, against the same checkout without
+    the rule, 5 of 6 interleaved pairs in its favour, +4-5% on the means (translation, 16 clients; the GPT, 32
+    streams); counting recent calls and the prompt passes too, 1.07-1.10x more (the GPT, 32 streams). Each
+    session's outputs are bit-identical (tests/unit/engines/test_one_thread_session.py)."""
 
     def __init__(self, path: str | Path, options: RuntimeOptions, wide: ort.InferenceSession,
-                 row_candidates: bool = False):
+                 row_candidates: bool = False, calls: EngineCalls | None = None):
         self.max_rows = options.single_thread_rows
         self.when_concurrent = options.one_thread_when_concurrent
         needed = ((self.max_rows > 0 or self.when_concurrent) and options.intra_op_threads != 1
                   and active_provider(wide) == CPU)
         self.session = (create_session(path, replace(options, intra_op_threads=1), row_candidates) if needed
                         else None)
-        self._in_flight = 0  # this engine's calls now running (`call`)
-        self._lock = threading.Lock()
+        self.calls = calls or EngineCalls()  # this engine's calls (`EngineCalls`), shared with its other sessions
 
     def pick(self, rows: int, wide: ort.InferenceSession, concurrent: bool = False) -> ort.InferenceSession:
         """The session a call of ``rows`` rows runs on: this one for small calls (and, with
@@ -167,12 +204,7 @@ class _Call:
         self.owner, self.rows, self.wide = owner, rows, wide
 
     def __enter__(self) -> ort.InferenceSession:
-        owner = self.owner
-        with owner._lock:
-            concurrent = owner._in_flight > 0
-            owner._in_flight += 1
-        return owner.pick(self.rows, self.wide, concurrent)
+        return self.owner.pick(self.rows, self.wide, self.owner.calls.enter())
 
     def __exit__(self, *exc) -> None:
-        with self.owner._lock:
-            self.owner._in_flight -= 1
+        self.owner.calls.exit()

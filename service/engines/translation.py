@@ -16,7 +16,7 @@ in-place step graph (one token per row), one step per target position for all th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -27,7 +27,7 @@ from service.decoding.distributions import log_normaliser
 from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
-from service.engines.runtime import RuntimeOptions, active_provider, create_session
+from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
 from service.models.repository import TOKENIZER_FILE, ModelVersion
 
 DEFAULT_LENGTH_PENALTY = 1.0  # beam search's, for a version whose config.json does not choose one (transformers')
@@ -123,8 +123,12 @@ class TranslationEngine:
                          schema.TOP_LOGPROBS, schema.TOP_IDS]
         # the in-place step graph (`export.kv_inplace`) when the version has one: every decoder call runs on it;
         # else the small steps' session of decoder.onnx (`OneThreadSession`)
+        calls = EngineCalls()  # every ONNX Runtime call of this engine, whichever session (`OneThreadSession`)
         self._in_place, self._one_thread = step_runners(model.path, step_file, decoder_file, self.decoder,
-                                                        self.vocab_size, options, row_candidates=True)
+                                                        self.vocab_size, options, row_candidates=True, calls=calls)
+        # the encoder pass: every thread alone, one beside another worker's call
+        self._encoder_one_thread = OneThreadSession(model.path / config["files"]["encoder"],
+                                                    replace(options, single_thread_rows=0), self.encoder, calls=calls)
         special = config["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
         self.max_source_length = config["max_source_length"]
@@ -146,7 +150,8 @@ class TranslationEngine:
         for row, source in enumerate(sources):
             ids[row, : len(source)] = source
             mask[row, : len(source)] = 1
-        cross = self.encoder.run(None, {schema.INPUT_IDS: ids, schema.ATTENTION_MASK: mask})
+        with self._encoder_one_thread.call(ids.size, self.encoder) as session:
+            cross = session.run(None, {schema.INPUT_IDS: ids, schema.ATTENTION_MASK: mask})
         return EncodedSources(cross, mask)
 
     def _run(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray, candidates: int = 0

@@ -111,7 +111,7 @@ class ContinuousBatcher(QueuedScheduler):
             with self._changed:
                 if self._stop:
                     return
-                if not lane.active and not self._waiting:
+                if not lane.active and (not self._waiting or self._defers(lane)):
                     self._changed.wait(timeout=IDLE_WAIT_S)
                     continue
             try:
@@ -136,6 +136,14 @@ class ContinuousBatcher(QueuedScheduler):
             self._active = [job for each in self._lanes for job in each.active]
             self._rows = sum(each.rows for each in self._lanes)
 
+    def _defers(self, lane: _Lane) -> bool:
+        """With `_changed` held: whether this idle lane leaves the waiting requests to an idle lane before it, which
+        takes them: a load that one lane holds stays on one worker (its thread, its caches) instead of alternating
+        between idle workers, each of whose calls would count as beside the other's for a while
+        (`service.engines.runtime.EngineCalls`) and give up a thread. A busy first lane leaves them to the others."""
+        index = self._lanes.index(lane)
+        return any(not other.active and not other.admitting for other in self._lanes[:index])
+
     def _admit(self, lane: _Lane) -> list[TextJob]:
         """Take waiting requests, oldest first, while the lane's batch stays within `max_rows` at every request's
         widest (its beam width) and, with several lanes, while it stays within its share of all the rows (held,
@@ -153,6 +161,8 @@ class ContinuousBatcher(QueuedScheduler):
                 admitted.append(self._waiting.popleft())
                 rows += widest
             lane.admitting = admitted
+            if admitted and self._waiting:
+                self._changed.notify_all()  # lanes that deferred to this one (`_defers`) may take the rest
         self._retry.departed(len(admitted))
         return admitted
 

@@ -6,13 +6,14 @@ between the two sessions decodes what it would on either."""
 
 import json
 import shutil
+import threading
 
 import pytest
 
 from export.kv_inplace import add_step_graph
 from service.decoding import BeamSearch, GreedySearch
 from service.engines.gpt import GPTEngine
-from service.engines.runtime import OneThreadSession, RuntimeOptions, create_session
+from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, create_session
 from service.engines.translation import TranslationEngine
 from service.models.repository import ModelRepository
 from tests.support import ROOT
@@ -115,6 +116,83 @@ def test_a_call_beside_another_runs_on_one_thread_when_workers_share_the_engine(
         assert first is wide and second is wide  # one worker: only the row rule
 
 
+def _in_thread(function):
+    """Run `function` on another thread and wait for it (a second decoding worker's call)."""
+    worker = threading.Thread(target=function)
+    worker.start()
+    worker.join()
+
+
+def test_a_call_soon_after_another_threads_counts_as_beside_it():
+    """Two busy workers' calls are apart by their searches: a call within the window after another thread's call
+    ended is concurrent, a call after its own ended is not, and once the window has passed a worker is alone."""
+    calls = EngineCalls(window_s=60)
+    _in_thread(lambda: (calls.enter(), calls.exit()))
+    assert calls.enter() is True  # the other worker's call ended just now
+    calls.exit()
+    assert calls.enter() is True  # still within the window of the other's
+    calls.exit()
+    short = EngineCalls(window_s=0)
+    _in_thread(lambda: (short.enter(), short.exit()))
+    assert short.enter() is False  # the window has passed: alone
+    assert short.enter() is True  # ...but a call in flight (even this thread's) is beside it
+    short.exit()
+    short.exit()
+    mine = EngineCalls(window_s=60)
+    mine.enter()
+    mine.exit()
+    assert mine.enter() is False  # only this thread has called: its own last call does not count
+
+
+@pytest.mark.parametrize("kind, engine_class", [("gpt", GPTEngine), ("translation", TranslationEngine)])
+@pytest.mark.parametrize("in_place", [False, True], ids=["concat", "in-place"])
+def test_the_prompt_pass_shares_the_steps_count_of_calls(tiny_repository, tmp_path, kind, engine_class, in_place):
+    """The GPT's prompt pass and the translator's encoder pass are counted with the steps (one `EngineCalls` per
+    engine): beside another worker's call they run on their own one-thread session, alone on the wide one."""
+    repository = _with_step_graphs(tiny_repository, tmp_path) if in_place else ModelRepository(tiny_repository)
+    engine = engine_class(repository.get(kind), RuntimeOptions(device="cpu", intra_op_threads=2,
+                                                               one_thread_when_concurrent=True))
+    first = engine._prompt_one_thread if kind == "gpt" else engine._encoder_one_thread
+    steps = _one_thread(engine)
+    assert first.calls is steps.calls and first.session is not None
+    first.calls.window_s = 0  # only calls in flight count here
+    prefill = ((lambda: engine.prefill([engine.tokenizer.encode(PROMPTS[1]).ids])) if kind == "gpt"
+               else (lambda: engine.prefill([engine.source_ids(GERMAN[0])])))
+    narrow, wide = CountingSession(first.session), None
+    first.session = narrow
+    if kind == "gpt":
+        engine.session = wide = CountingSession(engine.session)
+    else:
+        engine.encoder = wide = CountingSession(engine.encoder)
+    prefill()
+    assert (len(narrow.rows), len(wide.rows)) == (0, 1)  # alone: every thread
+    with _in_flight(steps.calls):
+        prefill()
+    assert (len(narrow.rows), len(wide.rows)) == (1, 1)  # beside a step in flight: one thread
+
+
+class _in_flight:
+    """A call of the engine in flight on another thread for as long as the block lasts."""
+
+    def __init__(self, calls: EngineCalls):
+        self.calls, self.started, self.release = calls, threading.Event(), threading.Event()
+
+    def _worker(self):
+        self.calls.enter()
+        self.started.set()
+        self.release.wait()
+        self.calls.exit()
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._worker)
+        self.thread.start()
+        self.started.wait()
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.thread.join()
+
+
 @pytest.mark.parametrize("kind, engine_class", [("gpt", GPTEngine), ("translation", TranslationEngine)])
 @pytest.mark.parametrize("in_place", [False, True], ids=["concat", "in-place"])
 def test_steps_moving_between_the_sessions_decode_as_on_one(tiny_repository, tmp_path, kind, engine_class, in_place):
@@ -190,9 +268,9 @@ RELEASE_REPOSITORY = ROOT / "model_repository"
 @pytest.mark.parametrize("kind, variant", [("gpt", "int8+gqa"), ("gpt", "fp32"), ("translation", "int8"),
                                            ("translation", "fp32")])
 def test_the_released_models_decode_bit_identically_on_either_session(kind, variant):
-    """A 16-source batch decoded with every step on the wide session, then on the one-thread one (what a call
-    beside another worker's gets): the same tokens and scores, bit for bit, so that which session a busy server
-    picks never shows in an answer."""
+    """A 16-source batch decoded with every call (the prompt or encoder pass, and every step) on the wide
+    sessions, then on the one-thread ones (what a call beside another worker's gets): the same tokens and scores,
+    bit for bit, so that which session a busy server picks never shows in an answer."""
     engine_class = GPTEngine if kind == "gpt" else TranslationEngine
     engine = engine_class(ModelRepository(RELEASE_REPOSITORY).get(kind),
                           RuntimeOptions(device="cpu", intra_op_threads=2, one_thread_when_concurrent=True,
@@ -211,7 +289,10 @@ def test_the_released_models_decode_bit_identically_on_either_session(kind, vari
             searches = engine.translate_ids(batch, lambda _: BeamSearch(4, 40, engine.eos_id))
             return [(r.tokens, r.score) for s in searches for r in s.results()]
 
-    holder.pick = lambda rows, wide, concurrent=False: wide
+    first = engine._prompt_one_thread if kind == "gpt" else engine._encoder_one_thread  # the prompt / encoder pass
+    for each in (holder, first):
+        each.pick = lambda rows, wide, concurrent=False: wide
     on_wide = decode()
-    holder.pick = lambda rows, wide, concurrent=False: holder.session
+    for each in (holder, first):
+        each.pick = lambda rows, wide, concurrent=False, each=each: each.session
     assert decode() == on_wide

@@ -349,6 +349,15 @@ def test_two_workers_share_the_queue_and_every_request_decodes_as_if_alone(batch
                                value(b.metrics, "tserve_queue_depth")) == (0, 0, 0))
 
 
+def test_one_request_at_a_time_stays_on_the_first_worker(batcher):
+    """Idle workers leave a request to the first idle one (`ContinuousBatcher._defers`): a load one lane holds
+    does not alternate between the workers' threads."""
+    b = batcher(ThreadRecordingBackend(), workers=2)
+    for n in range(8):
+        assert outcome(b.submit(job([1 + n, 2], GreedySearch(3, EOS)))) == alone([1 + n, 2], GreedySearch(3, EOS))
+    assert set(b.backend.step_threads) == {"batcher-m-1-0"}
+
+
 def test_waiting_requests_are_shared_between_the_workers_by_rows(batcher):
     backend = FakeBackend()
     backend.gate.clear()  # every step waits: the lanes keep what they admitted
