@@ -168,8 +168,9 @@ class OneThreadSession:
     thread: a worker alone with a large batch loses up to a quarter of its speed on one thread. Measured over HTTP
     on 2 cores, 2 workers (docs/benchmarks.md): counting calls in flight only, against the same checkout without
     the rule, 5 of 6 interleaved pairs in its favour, +4-5% on the means (translation, 16 clients; the GPT, 32
-    streams); counting recent calls and the prompt passes too, 1.07-1.10x more (the GPT, 32 streams). Each
-    session's outputs are bit-identical (tests/unit/engines/test_one_thread_session.py)."""
+    streams); counting recent calls and the prompt passes too (with idle workers leaving a request to the first
+    idle one, `ContinuousBatcher._defers`), 5 of 6 pairs in its favour at 32 streams, 0.90-1.25x, geometric mean
+    1.10x (the GPT). Each session's outputs are bit-identical (tests/unit/engines/test_one_thread_session.py)."""
 
     def __init__(self, path: str | Path, options: RuntimeOptions, wide: ort.InferenceSession,
                  row_candidates: bool = False, calls: EngineCalls | None = None):
