@@ -67,6 +67,24 @@ def test_a_same_size_reordering_moves_only_the_changed_rows_in_place():
     assert c.encoder_row.tolist() == [0, 0, 1, 1]
 
 
+@pytest.mark.parametrize("rows, trimmed", [([3, 3, 0, 1], False), ([1, 0, 3, 2], False), ([1, 0, 0, 1], True)])
+def test_a_reordering_of_most_rows_holds_what_a_gather_holds(rows, trimmed):
+    """A beam step that moves more than half the rows of exact storage: one take per array when every slot stays
+    in use (`KVCache._take`), the gather that trims leading slots otherwise; either way what `concatenate` of those
+    rows holds, and the batch's arrays before are left as they were."""
+    merged = KVCache.concatenate([cache(2, 2, encoder_row=[0, 0]), cache(2, 4, start=100, encoder_row=[1, 1])],
+                                 encoder_offsets=[0, 1])  # rows 0-1 left-padded by two masked slots
+    before = [a.copy() for a in (*merged.keys, *merged.values, merged.mask)]
+    expected = KVCache.concatenate([merged], rows=[np.array(rows)])
+    arrays = [*merged.keys, *merged.values, merged.mask]
+    merged.select(np.array(rows))
+    assert merged.length == (2 if trimmed else 4)
+    for got, want in zip((*merged.keys, *merged.values, merged.mask, merged.positions, merged.encoder_row),
+                         (*expected.keys, *expected.values, expected.mask, expected.positions, expected.encoder_row)):
+        assert got.dtype == want.dtype and np.array_equal(got, want) and got.flags["C_CONTIGUOUS"]
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
+
+
 @pytest.mark.parametrize("rows", [[0, 5, 1], [-1], [0, -2, 1]])
 def test_bad_row_indices_are_an_error(rows):
     with pytest.raises(IndexError):
