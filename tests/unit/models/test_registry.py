@@ -3,6 +3,7 @@ configured by name or by name:version (the errors are kept under the configured 
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 
@@ -91,4 +92,19 @@ def test_one_thread_steps_follow_the_kind_unless_the_setting_says(tiny_repositor
             assert holder.max_rows == rows and holder.when_concurrent == (workers > 1), name
             assert (holder.session is not None) == (rows > 0 or workers > 1), name
     finally:
+        registry.stop(timeout=1)
+
+
+def test_what_start_up_made_is_frozen_out_of_later_collections(tiny_repository):
+    """Once the configured models are loaded, every object alive is in CPython's permanent generation
+    (`freeze_startup_objects`): a full collection under load does not go through the web stack and the engines."""
+    made_before = [object()]  # tracked by the collector until frozen
+    registry = ModelRegistry(Settings(repository=tiny_repository, models=["gpt"]), Metrics())
+    try:
+        registry.start_loading()
+        registry._loader.join(timeout=60)
+        assert gc.get_freeze_count() > 0
+        assert not any(o is made_before for o in gc.get_objects())  # frozen objects are not collected any more
+    finally:
+        gc.unfreeze()  # the other tests' objects go back to the collector
         registry.stop(timeout=1)
