@@ -129,8 +129,9 @@ CONCURRENT_WINDOW_S = 0.05
 
 class EngineCalls:
     """The ONNX Runtime calls of one engine in flight now and when each thread's last one ended, shared by the
-    engine's `OneThreadSession`s (its prompt pass or encoder, and its steps): `concurrent()` at the start of a call
-    says whether another thread's call is running or ran within `window_s`."""
+    engine's `OneThreadSession`s (its prompt pass or encoder, and its steps): `enter()`, at the start of a call,
+    says whether another thread's call is running or ended within `window_s`; `exit()` at its end. The threads
+    that call an engine are few (its decoding workers, the model loader, the scoring routes' worker pool)."""
 
     def __init__(self, window_s: float = CONCURRENT_WINDOW_S):
         self.window_s = window_s
@@ -139,7 +140,7 @@ class EngineCalls:
         self._lock = threading.Lock()
 
     def enter(self) -> bool:
-        """A call starts on this thread -> whether it runs beside another thread's (`concurrent`)."""
+        """A call starts on this thread -> whether it runs beside another thread's."""
         me, now = threading.get_ident(), time.monotonic()
         with self._lock:
             concurrent = self._in_flight > 0 or any(
