@@ -17,14 +17,13 @@ at a time. The index lists the folders the repository skips (`ModelRepository.pr
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 
 from starlette.concurrency import run_in_threadpool
 
 from service.errors import BadInput, NotFound, ServiceError
-from service.models.registry import LoadedModel, ModelRegistry
+from service.models.registry import LoadedModel, ModelRegistry, freeze_long_lived_objects
 from service.models.repository import MAX_VERSION, RepositoryError, VersionNotFound
 from service.models.repository import parse_version as parse_version_text
 
@@ -101,6 +100,8 @@ class ModelControl:
             self.failures.pop(key, None)
             if previous is not None:  # the same version loaded again: retire the copy it replaced
                 await run_in_threadpool(self._retire, previous)
+            del previous
+            await run_in_threadpool(freeze_long_lived_objects)  # the new sessions frozen, a replaced copy freed
             log.info("model control: %s version %d loaded and active", *key)
             return loaded
 
@@ -113,8 +114,8 @@ class ModelControl:
             retiring = [self.registry.unload(name, v) for v in versions]  # out of routing at once
             for loaded in retiring:
                 await run_in_threadpool(self._retire, loaded)
-            del retiring, loaded  # the last references: the sessions are freed now
-            await run_in_threadpool(gc.collect)
+            del retiring, loaded  # the last references: the sessions are freed now, frozen or not
+            await run_in_threadpool(freeze_long_lived_objects)
             return versions
 
     def _retire(self, loaded: LoadedModel) -> None:

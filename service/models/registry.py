@@ -36,12 +36,15 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def freeze_startup_objects() -> None:
-    """Move every object alive once the configured models are loaded (the web stack, the engines, the tokenizers:
-    ~100k of them) to CPython's permanent generation (`gc.freeze`, after a collection), which later collections do
-    not traverse, as Instagram's and vLLM's servers do: under load a full collection went through all of them, ~60 ms
-    with the GIL held (every decoding worker and the event loop stopped) every few seconds (docs/benchmarks.md).
-    Objects made later are collected as usual."""
+def freeze_long_lived_objects() -> None:
+    """Move every object alive now (once the configured models are loaded: the web stack, the engines, the
+    tokenizers, ~100k of them) to CPython's permanent generation (`gc.freeze`), which later collections do not
+    traverse, as Instagram's and vLLM's servers do: under load a full collection went through all of them, ~75 ms
+    with the GIL held (every decoding worker and the event loop stopped), every few seconds (docs/benchmarks.md).
+    Objects made later are collected as usual. Called again after a model version is loaded or unloaded at run
+    time (`service.models.control`): the frozen objects are thawed and collected first, so that a retired
+    version's sessions are freed, not kept frozen."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
@@ -132,7 +135,7 @@ class ModelRegistry:
                 self.errors[label] = str(error)
             finally:
                 self.pending.remove(label)
-        freeze_startup_objects()
+        freeze_long_lived_objects()
 
     def load(self, name: str, version: int | None = None) -> LoadedModel:
         """Load a version (default: the highest) as its kind says, warm it up (one real inference, checked:

@@ -3,14 +3,17 @@ configured by name or by name:version (the errors are kept under the configured 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import shutil
 import time
+import weakref
 
 import pytest
 
 from service.errors import Unavailable
-from service.models.registry import ModelRegistry
+from service.models.control import ModelControl
+from service.models.registry import ModelRegistry, freeze_long_lived_objects
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -97,7 +100,7 @@ def test_one_thread_steps_follow_the_kind_unless_the_setting_says(tiny_repositor
 
 def test_what_start_up_made_is_frozen_out_of_later_collections(tiny_repository):
     """Once the configured models are loaded, every object alive is in CPython's permanent generation
-    (`freeze_startup_objects`): a full collection under load does not go through the web stack and the engines."""
+    (`freeze_long_lived_objects`): a full collection under load does not go through the web stack and the engines."""
     made_before = [object()]  # tracked by the collector until frozen
     registry = ModelRegistry(Settings(repository=tiny_repository, models=["gpt"]), Metrics())
     try:
@@ -107,4 +110,25 @@ def test_what_start_up_made_is_frozen_out_of_later_collections(tiny_repository):
         assert not any(o is made_before for o in gc.get_objects())  # frozen objects are not collected any more
     finally:
         gc.unfreeze()  # the other tests' objects go back to the collector
+        registry.stop(timeout=1)
+
+
+def test_a_version_unloaded_after_the_freeze_is_freed(tiny_repository):
+    """Model control thaws and collects before freezing again (`freeze_long_lived_objects`): the sessions of a
+    version unloaded at run time are freed (here one that only the cyclic collector can free), not kept in the
+    permanent generation with the start-up objects."""
+    registry = ModelRegistry(Settings(repository=tiny_repository, models=["gpt"]), Metrics())
+    try:
+        registry.start_loading()
+        registry._loader.join(timeout=60)
+        loaded = registry.loaded[("gpt", 1)].engine
+        loaded.cycle = [loaded]  # a version that only the cyclic collector can free, frozen with the rest
+        freeze_long_lived_objects()
+        assert gc.get_freeze_count() > 0
+        engine = weakref.ref(loaded)
+        del loaded
+        versions = asyncio.run(ModelControl(registry, enabled=True, drain_timeout_s=1).unload("gpt", 1))
+        assert versions == [1] and engine() is None
+    finally:
+        gc.unfreeze()
         registry.stop(timeout=1)
