@@ -20,7 +20,6 @@ than return another position's logits).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -52,8 +51,8 @@ class GPTEngine:
                                                         self.session, self.vocab_size, options, calls=calls)
         # the prompt pass: every thread alone, one beside another worker's call; the concatenating graph's steps
         # share its session
-        self._prompt_one_thread = self._one_thread or OneThreadSession(
-            model.path / config["files"]["decoder"], replace(options, single_thread_rows=0), self.session, calls=calls)
+        self._prompt_one_thread = self._one_thread or OneThreadSession.beside_others(
+            model.path / config["files"]["decoder"], options, self.session, calls)
         self.context_length = config["context_length"]
         # GroupQueryAttention reads each row's used slots only: its caches take the context length at once
         # (`KVCache.limit`); the masked kernel reads the whole buffer, whose headroom stays small

@@ -136,15 +136,17 @@ class EngineCalls:
     def __init__(self, window_s: float = CONCURRENT_WINDOW_S):
         self.window_s = window_s
         self._in_flight = 0
-        self._ended: dict[int, float] = {}  # thread id -> when its last call ended (time.monotonic())
+        # thread id -> when its last call ended (time.monotonic()), for the threads whose last call ended within the
+        # window: older ones are dropped at the next call (worker pools replace their threads)
+        self._ended: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def enter(self) -> bool:
         """A call starts on this thread -> whether it runs beside another thread's."""
         me, now = threading.get_ident(), time.monotonic()
         with self._lock:
-            concurrent = self._in_flight > 0 or any(
-                thread != me and now - ended < self.window_s for thread, ended in self._ended.items())
+            self._ended = {thread: ended for thread, ended in self._ended.items() if now - ended < self.window_s}
+            concurrent = self._in_flight > 0 or any(thread != me for thread in self._ended)
             self._in_flight += 1
         return concurrent
 
@@ -182,6 +184,13 @@ class OneThreadSession:
         self.session = (create_session(path, replace(options, intra_op_threads=1), row_candidates) if needed
                         else None)
         self.calls = calls or EngineCalls()  # this engine's calls (`EngineCalls`), shared with its other sessions
+
+    @classmethod
+    def beside_others(cls, path: str | Path, options: RuntimeOptions, wide: ort.InferenceSession,
+                      calls: EngineCalls) -> OneThreadSession:
+        """For a graph run as a whole pass (the GPT's prompt pass, the translator's encoder pass): every thread
+        alone, one beside another worker's call, whatever its rows (no `single_thread_rows` rule)."""
+        return cls(path, replace(options, single_thread_rows=0), wide, calls=calls)
 
     def pick(self, rows: int, wide: ort.InferenceSession, concurrent: bool = False) -> ort.InferenceSession:
         """The session a call of ``rows`` rows runs on: this one for small calls (and, with

@@ -16,7 +16,7 @@ in-place step graph (one token per row), one step per target position for all th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -127,8 +127,8 @@ class TranslationEngine:
         self._in_place, self._one_thread = step_runners(model.path, step_file, decoder_file, self.decoder,
                                                         self.vocab_size, options, row_candidates=True, calls=calls)
         # the encoder pass: every thread alone, one beside another worker's call
-        self._encoder_one_thread = OneThreadSession(model.path / config["files"]["encoder"],
-                                                    replace(options, single_thread_rows=0), self.encoder, calls=calls)
+        self._encoder_one_thread = OneThreadSession.beside_others(model.path / config["files"]["encoder"], options,
+                                                                  self.encoder, calls)
         special = config["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
         self.max_source_length = config["max_source_length"]

@@ -166,12 +166,12 @@ def test_the_prompt_pass_shares_the_steps_count_of_calls(tiny_repository, tmp_pa
         engine.encoder = wide = CountingSession(engine.encoder)
     prefill()
     assert (len(narrow.rows), len(wide.rows)) == (0, 1)  # alone: every thread
-    with _in_flight(steps.calls):
+    with _CallInFlight(steps.calls):
         prefill()
     assert (len(narrow.rows), len(wide.rows)) == (1, 1)  # beside a step in flight: one thread
 
 
-class _in_flight:
+class _CallInFlight:
     """A call of the engine in flight on another thread for as long as the block lasts."""
 
     def __init__(self, calls: EngineCalls):
