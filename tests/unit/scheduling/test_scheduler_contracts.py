@@ -351,9 +351,11 @@ def test_two_workers_share_the_queue_and_every_request_decodes_as_if_alone(batch
 
 def test_one_request_at_a_time_stays_on_the_first_worker(batcher):
     """Idle workers leave a request to the first idle one (`ContinuousBatcher._defers`): a load one lane holds
-    does not alternate between the workers' threads."""
+    does not alternate between the workers' threads. Each request is sent once both lanes are idle (a lane is
+    published idle just after its last request's result: one sent in between may go to the other lane)."""
     b = batcher(ThreadRecordingBackend(), workers=2)
     for n in range(8):
+        assert eventually(lambda: not any(lane.active or lane.admitting for lane in b._lanes))
         assert outcome(b.submit(job([1 + n, 2], GreedySearch(3, EOS)))) == alone([1 + n, 2], GreedySearch(3, EOS))
     assert set(b.backend.step_threads) == {"batcher-m-1-0"}
 
