@@ -4,7 +4,8 @@ when the graphs load (`service.engines.weights`), and offered only once checked 
     python -m export.variants --repository DIR --name NAME [--version N] [--data-dir DIR]
 
 For each variant other than the stored one (`service.engines.weights.VARIANTS`: int8 <-> fp32 weights, and with an
-in-place step graph each of them with its attention as GroupQueryAttention, `+gqa`), the version is measured in that
+in-place step graph each of them with its attention as GroupQueryAttention, `+gqa`, and over an int8 KV
+cache, `+gqa+kv8`), the version is measured in that
 variant, derived exactly as the service derives it, on the data its card was measured on
 (`export.repository.check_quality`: GPT validation loss, through the decoding steps for a `+gqa` variant, ViT test
 accuracy, translation sacreBLEU with beam 4 through the service with the variant pinned) and held to
@@ -31,7 +32,9 @@ from export.repository import check_quality, version_tokenizer
 from models.datasets import DataError
 from service.engines.onnx_graph import load
 from service.engines.step_attention import has_masked_step_attention
-from service.engines.weights import VARIANTS, changes_step_attention, compute_weights
+from export.kv_scales import write_scales
+from service.engines.kv_quantization import SCALES_FILE
+from service.engines.weights import VARIANTS, changes_step_attention, compute_weights, quantizes_kv_cache
 from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 METRICS_FILE, CARD_FILE = "metrics.json", "README.md"
@@ -48,14 +51,18 @@ def candidate_variants(version: ModelVersion) -> list[str]:
 
 
 def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[str, dict[str, Any]]:
-    """Measure every variant `version` does not store (`candidate_variants`), and record the results in its folder
-    (config.json, metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the
+    """Measure every variant `version` does not store (`candidate_variants`; first the int8 KV cache's scales,
+    `export.kv_scales`, where a `+gqa+kv8` variant needs them and the version has none), and record the results in
+    its folder (config.json, metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the
     failure's message where it failed)."""
     stored = compute_weights(version.config.get("weights", "fp32"))
     card = json.loads((version.path / METRICS_FILE).read_text())
     tokenizer = version_tokenizer(version)
     results: dict[str, dict[str, Any]] = {}
-    for weights in candidate_variants(version):
+    candidates = candidate_variants(version)
+    if any(quantizes_kv_cache(v) for v in candidates) and not (version.path / SCALES_FILE).is_file():
+        write_scales(version, data_dir)  # the int8 cache's scales, from the training text
+    for weights in candidates:
         try:
             result = {**check_quality(version.kind, version, tokenizer, card, data_dir, weights=weights),
                       "passed": True}

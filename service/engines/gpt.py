@@ -29,7 +29,8 @@ from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
-from service.engines.weights import changes_step_attention
+from service.engines.kv_quantization import load_scales, quantize
+from service.engines.weights import changes_step_attention, quantizes_kv_cache
 from service.models.repository import TOKENIZER_FILE, ModelVersion
 
 
@@ -57,6 +58,9 @@ class GPTEngine:
         # GroupQueryAttention reads each row's used slots only: its caches take the context length at once
         # (`KVCache.limit`); the masked kernel reads the whole buffer, whose headroom stays small
         self.cache_limit = self.context_length if changes_step_attention(options.weights) else None
+        # an int8 step cache (`+gqa+kv8`): the prompt pass's float32 presents are quantised into it
+        self.kv_scales = load_scales(model.path) if self._in_place is not None and quantizes_kv_cache(
+            options.weights) else None
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
         self.scores_prompts = returns_every_position(self.session)
@@ -101,6 +105,8 @@ class GPTEngine:
         feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **cache.feeds()}
         with self._prompt_one_thread.call(ids.size, self.session) as session:
             logits, *presents = session.run(None, feeds)  # (B, T, V)
+        if self.kv_scales is not None:
+            presents = quantize(presents, self.kv_scales)
         cache.append(presents, mask, lengths)
         if logits.shape[1] != longest:  # right-padded rows end at different positions: each needs its own
             raise ValueError(f"the decoder graph returned logits for {logits.shape[1]} of the {longest} prompt "

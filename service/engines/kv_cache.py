@@ -7,7 +7,8 @@ that the engines and the batching scheduler share.
 - `concatenate(caches)` merges batches of different lengths by left-padding the shorter ones with masked slots,
   which is how a request joins a running batch at a step boundary.
 
-Layout: keys[i], values[i] float32 (rows, heads, capacity, head_dim); mask int64 (rows, capacity), 1 where a slot
+Layout: keys[i], values[i] float32, or int8 for a quantised cache (`service.engines.kv_quantization`; every copy
+here keeps the cache's element type) (rows, heads, capacity, head_dim); mask int64 (rows, capacity), 1 where a slot
 holds a real token; positions int64 (rows,), the position id of each row's next token. Slots are shared by all
 rows (length is common), so a row's own tokens may start after some masked slots. For encoder-decoder models,
 encoder_row int64 (rows,) says which encoded source each row attends to; it moves with its row.
@@ -93,19 +94,19 @@ class RowStorage:
     """Buffers with room for more rows than a cache holds: a buffered cache's keys, values and mask are views of
     the first rows of these arrays. Every slot no row uses, in every row of the storage, is zero."""
 
-    keys: list[np.ndarray]  # per layer (row capacity, heads, slot capacity, head_dim) float32
+    keys: list[np.ndarray]  # per layer (row capacity, heads, slot capacity, head_dim), the cache's element type
     values: list[np.ndarray]
     mask: np.ndarray  # (row capacity, slot capacity) int64
 
     @classmethod
-    def allocate(cls, rows: int, n_layers: int, n_heads: int, capacity: int, head_dim: int,
+    def allocate(cls, rows: int, n_layers: int, n_heads: int, capacity: int, head_dim: int, dtype=np.float32,
                  fresh: bool = False) -> RowStorage:
-        """Zeroed storage for `rows` rows of `capacity` slots (the keys and values in fresh pages, `zeroed`, when
-        `fresh`)."""
+        """Zeroed storage for `rows` rows of `capacity` slots, keys and values of `dtype` (in fresh pages, `zeroed`,
+        when `fresh`)."""
         allocate = zeroed if fresh else np.zeros
         shape = (rows, n_heads, capacity, head_dim)
-        return cls([allocate(shape, np.float32) for _ in range(n_layers)],
-                   [allocate(shape, np.float32) for _ in range(n_layers)], np.zeros((rows, capacity), np.int64))
+        return cls([allocate(shape, dtype) for _ in range(n_layers)],
+                   [allocate(shape, dtype) for _ in range(n_layers)], np.zeros((rows, capacity), np.int64))
 
     @property
     def rows(self) -> int:
@@ -169,7 +170,7 @@ class KVCache:
         room = self.storage.rows if self.storage is not None else rows_for(rows)
         n_heads, head_dim = self.keys[0].shape[1], self.keys[0].shape[3]
         storage = RowStorage.allocate(room, len(self.keys), n_heads, capacity_for(length + slots, self.limit),
-                                      head_dim, fresh=self.limit is not None)
+                                      head_dim, self.keys[0].dtype, fresh=self.limit is not None)
         for old, new in zip((*self.keys, *self.values), (*storage.keys, *storage.values)):
             new[:rows, :, :length] = old[:, :, :length]
         storage.mask[:rows, :length] = self.mask[:, :length]
@@ -321,7 +322,8 @@ class KVCache:
             # a join's or a gather's copy keeps the headroom: its rows may be short-lived, and fresh memory is paid
             # for page by page; the `limit` is taken when the buffers fill up (`reserve`)
             capacity, placed = (capacity_for(length + 1) if buffered else length), 0
-            storage = RowStorage.allocate(rows_for(total), n_layers, n_heads, capacity, head_dim) if buffered else None
+            storage = RowStorage.allocate(rows_for(total), n_layers, n_heads, capacity, head_dim,
+                                          reference.keys[0].dtype) if buffered else None
 
         def gather(layer: int | None, values: bool = False) -> np.ndarray:
             """Layer `layer`'s keys (or values), or the mask (None), of every kept row: each slot written once,
@@ -332,7 +334,7 @@ class KVCache:
             elif layer is None:
                 out = np.empty((total, capacity), np.int64)
             else:
-                out = np.empty((total, n_heads, capacity, head_dim), np.float32)
+                out = np.empty((total, n_heads, capacity, head_dim), reference.keys[0].dtype)
             axis = 1 if layer is None else 2
             start = sum(len(kept) for kept in rows[:placed])
             for (keys, values_, mask, _, first, width), kept in zip(sources[placed:], rows[placed:]):
@@ -403,7 +405,7 @@ def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray,
     # already aligned (a right-padded prompt): nothing moves; else used slots first, in their order
     order = None if (used == keep).all() else np.argsort(~used, axis=1, kind="stable")
     storage = RowStorage.allocate(storage_rows or rows, len(keys), keys[0].shape[1], capacity, keys[0].shape[3],
-                                  fresh=room is not None and limit is not None)
+                                  keys[0].dtype, fresh=room is not None and limit is not None)
 
     def move(array: np.ndarray, out: np.ndarray) -> None:  # (rows, heads, slots, head_dim)
         source = array if order is None else np.take_along_axis(array, order[:, None, :, None], axis=2)

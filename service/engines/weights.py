@@ -16,9 +16,11 @@ The derivations (`derive`):
 Either way only the MatMuls change; the rest of the graph (float16 storage of embeddings, fused attention, the
 in-place cache) is kept.
 
-A variant is its weights, optionally with `+gqa` (`VARIANTS`: fp32, int8, fp32+gqa, int8+gqa): the in-place step
-graph's attention then runs as ONNX Runtime's GroupQueryAttention (`service.engines.step_attention`); the graphs
-without one (a prompt pass, an encoder, an image model) are the weights variant's. Each variant's quality is
+A variant is its weights, optionally with `+gqa` or `+gqa+kv8` (`VARIANTS`: fp32, int8, fp32+gqa, int8+gqa,
+fp32+gqa+kv8, int8+gqa+kv8): the in-place step graph's attention then runs as ONNX Runtime's GroupQueryAttention
+(`service.engines.step_attention`), with `+kv8` over an int8 cache (`service.engines.kv_quantization`, scales read
+from beside the graph); the graphs without one (a prompt pass, an encoder, an image model) are the weights
+variant's. Each variant's quality is
 measured at export time (`export.variants`), not here.
 """
 
@@ -34,6 +36,7 @@ from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A,
                                         NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, attribute,
                                         drop_unread_initializers, float_constants, from_array, load, make_node,
                                         to_array, to_float32)
+from service.engines.kv_quantization import KV8, load_scales, quantize_step_cache
 from service.engines.projection_fusion import fuse_projections
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
 from service.engines.step_attention import (GQA, has_masked_step_attention, pack_query_key_value,
@@ -42,7 +45,10 @@ from service.engines.step_attention import (GQA, has_masked_step_attention, pack
 FP32, INT8 = "fp32", "int8"
 WEIGHTS = (FP32, INT8)
 VARIANT_SEPARATOR = "+"
-VARIANTS = (*WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{GQA}" for weights in WEIGHTS))
+# the step graph's attention: GroupQueryAttention over the float32 cache, or over an int8 one
+ATTENTIONS = (GQA, f"{GQA}{VARIANT_SEPARATOR}{KV8}")
+VARIANTS = (*WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{attention}" for attention in ATTENTIONS
+                        for weights in WEIGHTS))
 BITS = 8
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per row and block, int8 dot products
@@ -56,7 +62,8 @@ def compute_weights(stored: str) -> str:
 
 
 def split_variant(variant: str) -> tuple[str, str | None]:
-    """'int8+gqa' -> ('int8', 'gqa'); 'fp32' -> ('fp32', None); ValueError for a name not in `VARIANTS`."""
+    """'int8+gqa' -> ('int8', 'gqa'); 'int8+gqa+kv8' -> ('int8', 'gqa+kv8'); 'fp32' -> ('fp32', None);
+    ValueError for a name not in `VARIANTS`."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     weights, _, attention = variant.partition(VARIANT_SEPARATOR)
@@ -64,8 +71,15 @@ def split_variant(variant: str) -> tuple[str, str | None]:
 
 
 def changes_step_attention(variant: str | None) -> bool:
-    """Whether `variant` (None: as stored) runs the step graph's attention as GroupQueryAttention (`+gqa`)."""
-    return variant is not None and split_variant(variant)[1] == GQA
+    """Whether `variant` (None: as stored) runs the step graph's attention as GroupQueryAttention (`+gqa`,
+    `+gqa+kv8`)."""
+    return variant is not None and split_variant(variant)[1] is not None
+
+
+def quantizes_kv_cache(variant: str | None) -> bool:
+    """Whether `variant` (None: as stored) keeps the step graph's cache in int8 (`+gqa+kv8`,
+    `service.engines.kv_quantization`)."""
+    return variant is not None and split_variant(variant)[1] == ATTENTIONS[1]
 
 
 def graph_weights(model: ModelProto) -> str:
@@ -79,7 +93,8 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
     model = load(path)
     changed = False
     weights, attention = split_variant(variant) if variant is not None else (None, None)
-    if attention == GQA and has_masked_step_attention(model):
+    in_place_step = attention is not None and has_masked_step_attention(model)
+    if in_place_step:
         to_group_query_attention(model)
         changed = True
     if weights is not None and graph_weights(model) != weights:
@@ -92,8 +107,10 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
         changed = True
     if fuse and fuse_projections(model):
         changed = True
-        if attention == GQA:
+        if attention is not None:
             pack_query_key_value(model)
+    if in_place_step and quantizes_kv_cache(variant):
+        quantize_step_cache(model, load_scales(Path(path).parent))
     return model.SerializeToString() if changed else None
 
 

@@ -330,3 +330,34 @@ def test_a_join_that_the_buffers_cannot_take_is_a_copy_and_leaves_the_batch_as_i
     joined = KVCache.concatenate([running, *others], rows=[kept, *[None] * len(others)], in_place=True)
     assert joined is not running and joined.storage is not storage
     assert running.storage is storage and _graph_view(running) == before
+
+
+# --- an int8 cache (`service.engines.kv_quantization`) --------------------------------------------------------
+
+def _int8(c: KVCache) -> KVCache:
+    c.keys = [k.astype(np.int8) for k in c.keys]
+    c.values = [(v * 2).astype(np.int8) for v in c.values]
+    return c
+
+
+@pytest.mark.parametrize("limit", [None, 40])
+def test_every_copy_of_an_int8_cache_stays_int8_and_holds_the_same_values(limit):
+    """Buffers made for it (reserve, growth), joins (a copy, and in place), gathers and reorders keep its element
+    type: an int8 cache copied into float32 storage would be read by the kernel as other bytes."""
+    running = _int8(cache(3, 4))
+    running.limit = limit
+    running.reserve(1)
+    newcomer = _int8(cache(2, 2, start=50))
+    joined = KVCache.concatenate([running, newcomer], in_place=True)
+    copied = KVCache.concatenate([_int8(cache(3, 4)), _int8(cache(2, 2, start=50))])
+    for c in (joined, copied):
+        assert all(a.dtype == np.int8 for a in (*c.keys, *c.values))
+    assert _used(joined, 3) == [50, 51] and _used(joined, 0) == [0, 1, 2, 3]
+    joined.select(np.array([4, 0, 0]))  # a gather of most rows, repeats
+    assert joined.keys[0].dtype == np.int8 and _used(joined, 0) == [52, 53] and _used(joined, 2) == [0, 1, 2, 3]
+    capacity = joined.capacity
+    for _ in range(capacity):  # past the capacity: a growth
+        joined.open_slot()
+        joined.advance()
+    assert joined.capacity > capacity and _used(joined, 0)[:2] == [52, 53]
+    assert all(a.dtype == np.int8 for a in (*joined.keys, *joined.values))

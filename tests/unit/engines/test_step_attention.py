@@ -82,8 +82,9 @@ def test_the_steps_compute_what_the_masked_kernel_computes(step_repository, weig
 
 
 def test_variant_names_and_graphs_without_step_attention(step_repository):
-    assert VARIANTS == ("fp32", "int8", "fp32+gqa", "int8+gqa")
+    assert VARIANTS == ("fp32", "int8", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8")
     assert split_variant("int8+gqa") == ("int8", "gqa") and split_variant("fp32") == ("fp32", None)
+    assert split_variant("int8+gqa+kv8") == ("int8", "gqa+kv8")
     with pytest.raises(ValueError, match="variant must be one of"):
         split_variant("int4+gqa")
     version = ModelRepository(step_repository).get("gpt", 2)
@@ -98,18 +99,20 @@ def test_export_checks_the_gqa_variants_through_the_steps_only_where_there_is_a_
     repository = ModelRepository(step_repository)
     assert candidate_variants(repository.get("gpt", 1)) == ["int8"]  # no step graph: no attention to rewrite
     version = repository.get("gpt", 2)
-    assert candidate_variants(version) == ["int8", "fp32+gqa", "int8+gqa"]
+    assert candidate_variants(version) == ["int8", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8"]
     results = check_variants(version, str(data_dir))
-    assert set(results) == {"int8", "fp32+gqa", "int8+gqa"}
+    assert set(results) == {"int8", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8"}
     card = json.loads((version.path / "metrics.json").read_text())
-    for variant in ("fp32+gqa", "int8+gqa"):
+    for variant in ("fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8"):
         result = results[variant]
         assert result["passed"], result
         assert result["data"].endswith("scored through the decoding steps")
         assert result["reference"] == card["val_loss"]
         assert abs(result["measured"] - card["val_loss"]) <= result["tolerance"]
-    offered = ModelRepository(step_repository).get("gpt", 2).config["variants"]
-    assert {"fp32+gqa", "int8+gqa"} <= set(offered)
+    offered = ModelRepository(step_repository).get("gpt", 2).config
+    assert {"fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8"} <= set(offered["variants"])
+    assert offered["kv_cache_scales"]["file"] == "kv_cache_scales.npy"  # measured first, for the kv8 variants
+    assert (version.path / "kv_cache_scales.npy").is_file()
 
 
 @pytest.mark.parametrize("version", [1, 2])
