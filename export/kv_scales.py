@@ -52,19 +52,21 @@ def measure_peaks(version: ModelVersion, ids: np.ndarray, windows: int = CALIBRA
     return peaks
 
 
-def write_scales(version: ModelVersion, data_dir: str | None = None) -> dict:
-    """Measure the scales on the training text, write them beside the graphs and describe them in config.json;
-    returns that description."""
-    train_text, _ = data.load_shakespeare(data.resolve_data_dir(data_dir))
-    ids = np.asarray(version_tokenizer(version).encode(train_text).ids, dtype=np.int64)
+def calibration_peaks(version: ModelVersion, text_ids: np.ndarray | None) -> np.ndarray:
+    """The peaks over `RANDOM_WINDOWS` windows of random tokens and, when given, `CALIBRATION_WINDOWS` windows of
+    `text_ids`."""
     length = version.config["context_length"]
     random_ids = np.random.default_rng(RANDOM_SEED).integers(0, version.config["architecture"]["vocab_size"],
                                                              RANDOM_WINDOWS * length)
-    peaks = np.maximum(measure_peaks(version, ids), measure_peaks(version, random_ids, RANDOM_WINDOWS))
+    peaks = measure_peaks(version, random_ids, RANDOM_WINDOWS)
+    return peaks if text_ids is None else np.maximum(peaks, measure_peaks(version, text_ids))
+
+
+def save_scales(version: ModelVersion, peaks: np.ndarray, data: str) -> dict:
+    """Write the scales of `peaks` beside the graphs and describe them (measured on `data`) in config.json;
+    returns that description."""
     np.save(version.path / SCALES_FILE, scales_from_peaks(peaks))
-    described = {"file": SCALES_FILE, "shape": "layers, keys/values, heads, head_dim",
-                 "data": f"tinyshakespeare training text: {CALIBRATION_WINDOWS} windows of {length} tokens; "
-                         f"{RANDOM_WINDOWS} windows of random tokens (seed {RANDOM_SEED})",
+    described = {"file": SCALES_FILE, "shape": "layers, keys/values, heads, head_dim", "data": data,
                  "rule": "max |x| per channel / 127, through the stored prompt graph",
                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     config = json.loads((version.path / CONFIG_FILE).read_text())
@@ -72,6 +74,17 @@ def write_scales(version: ModelVersion, data_dir: str | None = None) -> dict:
     (version.path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     version.config[CONFIG_KEY] = described
     return described
+
+
+def write_scales(version: ModelVersion, data_dir: str | None = None) -> dict:
+    """Measure the scales on the training text and random tokens, write them beside the graphs and describe them in
+    config.json; returns that description."""
+    train_text, _ = data.load_shakespeare(data.resolve_data_dir(data_dir))
+    ids = np.asarray(version_tokenizer(version).encode(train_text).ids, dtype=np.int64)
+    length = version.config["context_length"]
+    return save_scales(version, calibration_peaks(version, ids),
+                       f"tinyshakespeare training text: {CALIBRATION_WINDOWS} windows of {length} tokens; "
+                       f"{RANDOM_WINDOWS} windows of random tokens (seed {RANDOM_SEED})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,10 +63,14 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[s
     export's rewrite (`export.repository.rewrite_graphs`), `runs_as`: the variant the engine derives from it when
     the graphs load (`service.engines.weights.VARIANTS`; None: as stored).
     """
+    from export.kv_scales import calibration_peaks, save_scales
     from service.decoding import GreedySearch
     from service.engines.gpt import GPTEngine
+    from service.engines.weights import quantizes_kv_cache
 
     version = ours_gpt_version(spec, workdir, variant)
+    if quantizes_kv_cache(runs_as):  # its int8 cache's scales: random weights, random prompts, random calibration
+        save_scales(version, calibration_peaks(version, None), "random tokens only (the bench's random-weight GPT)")
     engine = GPTEngine(version, _ours_runtime_options(runtime, "gpt", runs_as))
 
     def generate(prompts: np.ndarray) -> np.ndarray:

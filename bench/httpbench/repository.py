@@ -71,7 +71,8 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
     from export.repository import rewrite_graphs
     from models import data
     from models.tokenization import build_byte_tokenizer, train_translation_tokenizer
-    from service.models.repository import CONFIG_FILE, TOKENIZER_FILE
+    from export.kv_scales import calibration_peaks, save_scales
+    from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
 
     torch.set_num_threads(threads)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,9 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
             if variants[kind]:
                 rewrite_graphs(folder, described, **variants[kind])
             (folder / CONFIG_FILE).write_text(json.dumps(described, indent=2))
+            if "decoder_step" in described["files"]:  # the int8 KV cache's scales (`+gqa+kv8`), as the release has
+                version = ModelVersion(kind, 1, folder, described)
+                save_scales(version, calibration_peaks(version, None), "random tokens only (random weights)")
             print(f"  exported {kind} ({sum(p.stat().st_size for p in folder.iterdir()) / 1e6:.1f} MB)", flush=True)
         staging.rename(final)
     finally:
