@@ -34,12 +34,9 @@ WINDOWS_PER_PASS = 16
 CONFIG_KEY = "kv_cache_scales"
 
 
-def measure_peaks(version: ModelVersion, ids: np.ndarray, windows: int = CALIBRATION_WINDOWS) -> np.ndarray:
-    """Max |x| of the prompt pass's keys and values (layers, 2, heads, head_dim) over `windows` windows of the
-    context length taken evenly from `ids`."""
-    from service.engines.gpt import GPTEngine
-
-    engine = GPTEngine(version)  # as stored: float32 presents
+def measure_peaks(engine, ids: np.ndarray, windows: int = CALIBRATION_WINDOWS) -> np.ndarray:
+    """Max |x| of the prompt pass's keys and values (layers, 2, heads, head_dim) through `engine` (a GPTEngine as
+    stored: float32 presents) over `windows` windows of the context length taken evenly from `ids`."""
     length = min(engine.context_length, len(ids))
     starts = np.linspace(0, len(ids) - length, windows).astype(int)
     peaks = np.zeros((engine.n_layers, 2, engine.n_heads, engine.head_dim), np.float32)
@@ -54,12 +51,14 @@ def measure_peaks(version: ModelVersion, ids: np.ndarray, windows: int = CALIBRA
 
 def calibration_peaks(version: ModelVersion, text_ids: np.ndarray | None) -> np.ndarray:
     """The peaks over `RANDOM_WINDOWS` windows of random tokens and, when given, `CALIBRATION_WINDOWS` windows of
-    `text_ids`."""
-    length = version.config["context_length"]
-    random_ids = np.random.default_rng(RANDOM_SEED).integers(0, version.config["architecture"]["vocab_size"],
-                                                             RANDOM_WINDOWS * length)
-    peaks = measure_peaks(version, random_ids, RANDOM_WINDOWS)
-    return peaks if text_ids is None else np.maximum(peaks, measure_peaks(version, text_ids))
+    `text_ids`, through the version's prompt graph as stored."""
+    from service.engines.gpt import GPTEngine
+
+    engine = GPTEngine(version)
+    random_ids = np.random.default_rng(RANDOM_SEED).integers(0, engine.vocab_size,
+                                                             RANDOM_WINDOWS * engine.context_length)
+    peaks = measure_peaks(engine, random_ids, RANDOM_WINDOWS)
+    return peaks if text_ids is None else np.maximum(peaks, measure_peaks(engine, text_ids))
 
 
 def save_scales(version: ModelVersion, peaks: np.ndarray, data: str) -> dict:

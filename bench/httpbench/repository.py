@@ -67,11 +67,11 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
     started = time.perf_counter()
     import torch
 
+    from export.kv_scales import calibration_peaks, save_scales
     from export.onnx_export import EXPORTERS, OPSET
     from export.repository import rewrite_graphs
     from models import data
     from models.tokenization import build_byte_tokenizer, train_translation_tokenizer
-    from export.kv_scales import calibration_peaks, save_scales
     from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
 
     torch.set_num_threads(threads)

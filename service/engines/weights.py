@@ -36,7 +36,7 @@ from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A,
                                         NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, attribute,
                                         drop_unread_initializers, float_constants, from_array, load, make_node,
                                         to_array, to_float32)
-from service.engines.kv_quantization import KV8, load_scales, quantize_step_cache
+from service.engines.kv_quantization import KV8, SCALES_FILE, load_scales, quantize_step_cache
 from service.engines.projection_fusion import fuse_projections
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
 from service.engines.step_attention import (GQA, has_masked_step_attention, pack_query_key_value,
@@ -46,7 +46,8 @@ FP32, INT8 = "fp32", "int8"
 WEIGHTS = (FP32, INT8)
 VARIANT_SEPARATOR = "+"
 # the step graph's attention: GroupQueryAttention over the float32 cache, or over an int8 one
-ATTENTIONS = (GQA, f"{GQA}{VARIANT_SEPARATOR}{KV8}")
+GQA_KV8 = f"{GQA}{VARIANT_SEPARATOR}{KV8}"
+ATTENTIONS = (GQA, GQA_KV8)
 VARIANTS = (*WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{attention}" for attention in ATTENTIONS
                         for weights in WEIGHTS))
 BITS = 8
@@ -79,7 +80,7 @@ def changes_step_attention(variant: str | None) -> bool:
 def quantizes_kv_cache(variant: str | None) -> bool:
     """Whether `variant` (None: as stored) keeps the step graph's cache in int8 (`+gqa+kv8`,
     `service.engines.kv_quantization`)."""
-    return variant is not None and split_variant(variant)[1] == ATTENTIONS[1]
+    return variant is not None and split_variant(variant)[1] == GQA_KV8
 
 
 def graph_weights(model: ModelProto) -> str:
@@ -89,7 +90,7 @@ def graph_weights(model: ModelProto) -> str:
 
 @functools.lru_cache(maxsize=DERIVED_GRAPHS_KEPT)
 def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candidates: bool,
-             fuse: bool) -> bytes | None:
+             fuse: bool, scales_stamp: tuple[int, int] | None) -> bytes | None:
     model = load(path)
     changed = False
     weights, attention = split_variant(variant) if variant is not None else (None, None)
@@ -118,11 +119,14 @@ def derive(path: str | Path, variant: str | None, row_candidates: bool = False, 
     """The graph at `path` serialized in `variant` (`VARIANTS`; None: as stored), with the decoder's row
     candidates added when asked (`service.engines.row_candidates`) and with `fuse` its sibling projections fused
     (`service.engines.projection_fusion`), or None when the stored graph is that already. A graph derived once is
-    kept (`DERIVED_GRAPHS_KEPT`) while its file is unchanged."""
+    kept (`DERIVED_GRAPHS_KEPT`) while its file (and, for `+gqa+kv8`, the scales file beside it) is unchanged."""
     if variant is not None:
         split_variant(variant)  # a clear error for an unknown name
     stat = Path(path).stat()
-    return _derived(str(path), stat.st_mtime_ns, stat.st_size, variant, row_candidates, fuse)
+    scales = Path(path).parent / SCALES_FILE
+    scales_stamp = ((scales.stat().st_mtime_ns, scales.stat().st_size)
+                    if quantizes_kv_cache(variant) and scales.is_file() else None)
+    return _derived(str(path), stat.st_mtime_ns, stat.st_size, variant, row_candidates, fuse, scales_stamp)
 
 
 # --- int8 -> fp32 ---------------------------------------------------------------------------------------------

@@ -18,3 +18,14 @@ def copy_versions(source: Path, target: Path, kinds: Iterable[str], versions: It
         for version in versions:
             shutil.copytree(source / kind / SOURCE_VERSION, target / kind / version)
     return target
+
+
+def add_in_place_gpt(repository: Path, data_dir: Path) -> Path:
+    """The GPT's version 1 in `repository` converted by the real CLI (`export.convert`) into version 2: fused
+    attention and the in-place step graph; returns `repository`."""
+    from export.convert import main as convert_main
+
+    assert convert_main(["--repository", str(repository), "--name", "gpt", "--from-version", SOURCE_VERSION,
+                         "--to-version", "2", "--data-dir", str(data_dir), "--attention", "mha",
+                         "--kv-cache", "inplace"]) == 0
+    return repository

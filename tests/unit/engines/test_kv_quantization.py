@@ -4,7 +4,6 @@ writes), the float32-cache variant the oracle of the logits (within what int8 ke
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import onnx
@@ -12,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from export.convert import main as convert_main
+from tests.support.repository import add_in_place_gpt
 from export.kv_scales import write_scales
 from service.engines.gpt import GPTEngine
 from service.engines.kv_quantization import LEVELS, SCALES_FILE, load_scales, quantize, scales_from_peaks
@@ -79,12 +78,9 @@ def test_the_prompt_pass_quantises_as_the_kernel_writes_a_step():
 
 
 @pytest.fixture(scope="module")
-def kv8_version(tiny_repository, data_dir, tmp_path_factory):
+def kv8_version(tiny_repository_copy, data_dir):
     """The tiny GPT with an in-place step graph (converted from version 1) and its KV scales."""
-    repository = tmp_path_factory.mktemp("kv8")
-    shutil.copytree(tiny_repository / "gpt" / "1", repository / "gpt" / "1")
-    assert convert_main(["--repository", str(repository), "--name", "gpt", "--from-version", "1", "--to-version",
-                         "2", "--data-dir", str(data_dir), "--attention", "mha", "--kv-cache", "inplace"]) == 0
+    repository = add_in_place_gpt(tiny_repository_copy("kv8", ("gpt",)), data_dir)
     version = ModelRepository(repository).get("gpt", 2)
     with pytest.raises(ValueError, match=SCALES_FILE):  # no scales yet: no int8 cache
         derive(version.path / version.config["files"]["decoder_step"], "fp32+gqa+kv8")
@@ -150,3 +146,22 @@ def test_scales_are_one_per_layer_kind_head_and_channel_and_bad_ones_are_refused
         np.save(tmp_path / SCALES_FILE, bad)
         with pytest.raises(ValueError, match="expected positive scales"):
             load_scales(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_rewritten_scales_file_is_what_the_next_derivation_reads(kv8_version):
+    """The derived step graph is cached by its file and by the scales file beside it: scales measured again (a
+    model-control reload after `export.kv_scales`) reach the step graph, as they reach the engine's prompt pass."""
+    step = kv8_version.path / kv8_version.config["files"]["decoder_step"]
+    path = kv8_version.path / SCALES_FILE
+    scales = load_scales(kv8_version.path)
+    before = derive(step, "fp32+gqa+kv8")
+    try:
+        np.save(path, scales * 2)
+        after = derive(step, "fp32+gqa+kv8")
+        assert after != before
+        assert onnx.numpy_helper.to_array(next(t for t in onnx.load_from_string(after).graph.initializer
+                                                if t.name == "kv8/0/key_scale")).tolist() == (scales[0, 0] * 2).tolist()
+    finally:
+        np.save(path, scales)
+    assert derive(step, "fp32+gqa+kv8") == before

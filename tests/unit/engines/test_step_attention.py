@@ -5,13 +5,12 @@ stored (ONNX Runtime's own masked kernel is the oracle), and their quality check
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import onnx
 import pytest
 
-from export.convert import main as convert_main
+from tests.support.repository import add_in_place_gpt
 from service.engines.gpt import GPTEngine
 from service.engines.onnx_graph import load
 from service.engines.runtime import RuntimeOptions
@@ -30,13 +29,9 @@ LOGITS_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def step_repository(tiny_repository, data_dir, tmp_path_factory):
+def step_repository(tiny_repository_copy, data_dir):
     """The tiny GPT (version 1: no step graph) and its fused-attention in-place conversion (version 2)."""
-    repository = tmp_path_factory.mktemp("step-attention")
-    shutil.copytree(tiny_repository / "gpt" / "1", repository / "gpt" / "1")
-    assert convert_main(["--repository", str(repository), "--name", "gpt", "--from-version", "1", "--to-version",
-                         "2", "--data-dir", str(data_dir), "--attention", "mha", "--kv-cache", "inplace"]) == 0
-    return repository
+    return add_in_place_gpt(tiny_repository_copy("step-attention", ("gpt",)), data_dir)
 
 
 def _teacher_forced_logits(engine: GPTEngine, prompts: list[list[int]], tokens: np.ndarray) -> np.ndarray:
