@@ -31,9 +31,9 @@ from export.checks import ExportCheckError
 from export.kv_scales import write_scales
 from export.repository import check_quality, version_tokenizer
 from models.datasets import DataError
+from service.engines.kv_quantization import SCALES_FILE
 from service.engines.onnx_graph import load
 from service.engines.step_attention import has_masked_step_attention
-from service.engines.kv_quantization import SCALES_FILE
 from service.engines.weights import VARIANTS, changes_step_attention, compute_weights, quantizes_kv_cache
 from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 

@@ -28,8 +28,8 @@ from service.decoding import Search, run_search
 from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
-from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
 from service.engines.kv_quantization import load_scales, quantize
+from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
 from service.engines.weights import changes_step_attention, quantizes_kv_cache
 from service.models.repository import TOKENIZER_FILE, ModelVersion
 

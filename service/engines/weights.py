@@ -123,9 +123,11 @@ def derive(path: str | Path, variant: str | None, row_candidates: bool = False, 
     if variant is not None:
         split_variant(variant)  # a clear error for an unknown name
     stat = Path(path).stat()
+    scales_stamp = None
     scales = Path(path).parent / SCALES_FILE
-    scales_stamp = ((scales.stat().st_mtime_ns, scales.stat().st_size)
-                    if quantizes_kv_cache(variant) and scales.is_file() else None)
+    if quantizes_kv_cache(variant) and scales.is_file():
+        scales_stat = scales.stat()
+        scales_stamp = (scales_stat.st_mtime_ns, scales_stat.st_size)
     return _derived(str(path), stat.st_mtime_ns, stat.st_size, variant, row_candidates, fuse, scales_stamp)
 
 

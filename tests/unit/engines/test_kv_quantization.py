@@ -4,20 +4,19 @@ writes), the float32-cache variant the oracle of the logits (within what int8 ke
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from tests.support.repository import add_in_place_gpt
 from export.kv_scales import write_scales
 from service.engines.gpt import GPTEngine
 from service.engines.kv_quantization import LEVELS, SCALES_FILE, load_scales, quantize, scales_from_peaks
 from service.engines.runtime import RuntimeOptions
 from service.engines.weights import derive, quantizes_kv_cache
 from service.models.repository import ModelRepository
+from tests.support.repository import add_in_place_gpt
 
 PROMPTS = ["ROMEO:\nWhat", "A", "First Citizen:\nBefore we proceed", "KING HENRY", "O"]
 STEPS = 24

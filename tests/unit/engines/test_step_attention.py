@@ -10,7 +10,6 @@ import numpy as np
 import onnx
 import pytest
 
-from tests.support.repository import add_in_place_gpt
 from service.engines.gpt import GPTEngine
 from service.engines.onnx_graph import load
 from service.engines.runtime import RuntimeOptions
@@ -18,6 +17,7 @@ from service.engines.step_attention import has_masked_step_attention, to_group_q
 from service.engines import weights
 from service.engines.weights import VARIANTS, derive, split_variant
 from service.models.repository import ModelRepository
+from tests.support.repository import add_in_place_gpt
 
 pytestmark = pytest.mark.slow
 
