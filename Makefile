@@ -14,7 +14,7 @@ PORT ?= 8000
 
 .PHONY: venv serve repository test test-fast train-tiny clean
 
-# --- the locked install (requirements/, README "Quick start") ---------------------------------------------------
+# --- the locked install (requirements/, docs/operations.md "The install") ----------------------------------
 # Every venv and image installs exact versions with their hashes from a lock in requirements/ (`make lock` writes
 # them with uv from pyproject.toml, requirements/locust.in and bench/requirements.txt), never from pyproject's
 # ranges. dev.txt: the serving set and the train, dev and load extras (.venv); serving.txt: the serving set alone
@@ -104,6 +104,13 @@ test: venv kserve-venv
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Run every `$ curl` example of README.md and docs/api.md against a server on $(REPOSITORY) and compare its output
+# with the printed one (tests/support/readme_check.py; READMECHECK_ARGS=--rtol 1e-6 on another CPU than the docs').
+.PHONY: readme-check
+READMECHECK_ARGS ?=
+readme-check: repository
+	$(BIN)/python -m tests.support.readme_check --repository $(REPOSITORY) $(READMECHECK_ARGS)
+
 # Train the three tiny presets (seconds each) into $(RUNS)/<task>-tiny.
 train-tiny: venv
 	for task in translation gpt vit; do $(BIN)/python -m models.train $$task --preset tiny --out $(RUNS)/$$task-tiny || exit 1; done
@@ -189,7 +196,7 @@ compose:
 # Load testing (locust) and the static deployment checks.
 include deploy/Makefile.fragment
 
-# --- mutation testing (mutation/run.py; README "Testing") -----------------------------------------------------------
+# --- mutation testing (mutation/run.py; docs/testing.md) -------------------------------------------------------------
 # `make mutation`: mutmut 3 over the core the unit tests must pin down, package by package (mutation/packages.toml:
 # decoding, streaming, scheduling, the APIs' request -> parameters mapping, export/checks.py), each with its fast unit
 # tests; prints `mutation score: <package> <killed>/<total> = <x>%` per package and overall, and writes each package's

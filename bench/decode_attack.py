@@ -4,7 +4,7 @@ serving the ViT of a model repository with default settings (plus any KEY=VALUE 
 
 Prints one JSON object: the statuses, client-side latencies, the server's RSS before the attack, its peak during it
 (VmHWM, reset just before) and 2 s after, the CPU seconds the server used in those 2 s (decoding must stop at the
-deadline), and whether a normal image is classified afterwards. The README's figures come from:
+deadline), and whether a normal image is classified afterwards. docs/operations.md's figures come from:
 
     .venv/bin/python bench/decode_attack.py --size 4000 --requests 6 --images 16 --timeout-ms 2000
     .venv/bin/python bench/decode_attack.py --size 4000 --requests 6 --images 4 --timeout-ms 2000

@@ -342,7 +342,7 @@ PRESETS: dict[str, dict[str, tuple[Any, TrainConfig]]] = {
         "patch7": (
             # Version 3's release recipe (its card's `--preset release`). Patch 7 (16 tokens) trains 2.5x faster
             # per epoch than patch 4 (49 tokens) at the same loss per epoch, so the hour buys 80+ epochs instead of
-            # 26 (README, Training). The last 5,000 training images are the validation split: the kept epoch is
+            # 26 (docs/training.md). The last 5,000 training images are the validation split: the kept epoch is
             # chosen on them (`keep_best`), the test set is measured once, at the end. 55,000 x 85 epochs: 36,465
             # steps, about 55 minutes (version 3, 91.63% served).
             ViTConfig(patch_size=7, d_model=128, n_heads=4, n_layers=6, d_ff=256, dropout=0.0),

@@ -1,5 +1,5 @@
 """The deployment files are valid and agree with the service: Prometheus config and alert rules (promtool, with
-unit tests of the alerts; every alert's runbook_url an anchor of README.md's runbooks), docker-compose.yml
+unit tests of the alerts; every alert's runbook_url an anchor of docs/deployment.md's runbooks), docker-compose.yml
 (docker-compose config; published ports on loopback unless TSERVE_BIND_ADDRESS says otherwise), the nginx config
 (nginx -t), the Dockerfiles and .dockerignore, the Kubernetes manifests (kubernetes-validate, offline schemas), the
 Grafana dashboard (its "Replicas ready" stat red below the expected count), and no drift: every metric a dashboard
@@ -30,6 +30,7 @@ import yaml
 from service.client.launcher import ServiceProcess
 from service.settings import Settings
 from tests.support.deploy import TOOLS, render_nginx_conf, require_tool
+from tests.support.markdown import sections
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.slow
 DEPLOY = ROOT / "deploy"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 RULE_FILES = ("alerts.yml", "replicas.yml")  # prometheus.yml's rule_files
-README = ROOT / "README.md"
+RUNBOOKS = ROOT / "docs" / "deployment.md"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tserve.json"
 K8S = DEPLOY / "k8s"
 # tools .ci/run installs (Debian packages; deploy/ci-packages.txt)
@@ -123,25 +124,6 @@ def recorded_names() -> set[str]:
 ALERTS = [rule for rule in rules() if "alert" in rule]
 
 
-def github_anchor(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading: lower case, punctuation but - and _ dropped, spaces to -."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def readme_sections() -> dict[str, str]:
-    """README.md's headings by anchor, each with the text up to the next heading (code blocks skipped)."""
-    sections, anchor, fenced = {}, None, False
-    for line in README.read_text().splitlines():
-        fenced ^= line.startswith("```")
-        heading = re.match(r"#{1,6} (.*)", line) if not fenced else None
-        if heading:
-            anchor = github_anchor(heading.group(1).replace("`", ""))
-            sections[anchor] = ""
-        elif anchor is not None:
-            sections[anchor] += line + "\n"
-    return sections
-
-
 def rule_test_series() -> set[str]:
     tests = yaml.safe_load((PROMETHEUS_DIR / "alerts.test.yml").read_text())
     return {re.match(r"[a-zA-Z_:][\w:]*", series["series"]).group(0)
@@ -193,18 +175,18 @@ def test_prometheus_config_and_alert_rules():
 
 
 @pytest.mark.parametrize("alert", ALERTS, ids=[rule["alert"] for rule in ALERTS])
-def test_every_alert_has_a_runbook_in_the_readme(alert):
-    """runbook_url is `README.md#<anchor>` and README.md has that heading, whose entry names the alert and says
-    what it means, what to check and what to do."""
+def test_every_alert_has_a_runbook(alert):
+    """runbook_url is `docs/deployment.md#<anchor>` and that document has the heading, whose entry names the alert and
+    says what it means, what to check and what to do."""
     url = alert["annotations"].get("runbook_url", "")
-    assert re.fullmatch(r"README\.md#[\w-]+", url), f"{alert['alert']}: runbook_url {url!r} is not a README anchor"
+    assert re.fullmatch(r"docs/deployment\.md#[\w-]+", url), f"{alert['alert']}: runbook_url {url!r} is not a runbook"
     anchor = url.partition("#")[2]
-    sections = readme_sections()
-    assert anchor in sections, f"{alert['alert']}: README.md has no heading with the anchor #{anchor}"
-    entry = sections[anchor]
+    entries = sections(RUNBOOKS)
+    assert anchor in entries, f"{alert['alert']}: docs/deployment.md has no heading with the anchor #{anchor}"
+    entry = entries[anchor]
     assert alert["alert"] in entry or alert["alert"].lower() in anchor
     for part in ("Means", "Check", "Do"):
-        assert re.search(rf"\*\*{part}\b", entry), f"README.md#{anchor}: no **{part}** part in the runbook entry"
+        assert re.search(rf"\*\*{part}\b", entry), f"docs/deployment.md#{anchor}: no **{part}** part in the runbook"
 
 
 def test_prometheus_scrapes_every_replica_directly():

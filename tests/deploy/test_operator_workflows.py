@@ -8,7 +8,7 @@
   it was started with; promtool checks the copy), and refuses a count that is not a whole number;
 - the README's example images (`ankle_boot.png`, `pullover.png`) are written by the command the README gives,
   from the data folder or, without one, from the committed fixtures;
-- the README's "Rolling a model version without a restart" block, run for real command by command in a copy of
+- docs/api.md's "Rolling a model version without a restart" block, run for real command by command in a copy of
   the committed repository (never model_repository/ itself), gives the outputs it shows.
 """
 
@@ -32,6 +32,7 @@ from tests.support.deploy import require_tool
 from tests.support import ROOT
 
 README = ROOT / "README.md"
+API_DOC = ROOT / "docs" / "api.md"  # the full examples: the README shows one per API
 ENTRYPOINT = ROOT / "deploy" / "prometheus" / "entrypoint.sh"
 REGISTRY_FREE_FILES = "-f docker-compose.yml -f docker-compose.test.yml"
 
@@ -133,8 +134,9 @@ def test_prometheus_entrypoint_writes_the_expected_replica_count(tmp_path, env, 
 
 
 def readme_example_images() -> set[str]:
-    """The image files the README's example requests send (curl -F files=@..., base64 ..., open(...))."""
-    text = README.read_text()
+    """The image files the example requests of the README and docs/api.md send (curl -F files=@..., base64 ...,
+    open(...))."""
+    text = README.read_text() + API_DOC.read_text()
     return (set(re.findall(r"files=@([\w.-]+\.png)", text)) | set(re.findall(r"base64 -w0 ([\w.-]+\.png)", text))
             | {name for group in re.findall(r"open\(f, \"rb\"\).read\(\) for f in \(([^)]*)\)", text)
                for name in re.findall(r'"([\w.-]+\.png)"', group)})
@@ -178,13 +180,14 @@ def test_example_images_reject_an_index_outside_the_test_set(tmp_path, data_dir)
     assert not list(tmp_path.glob("*.png")), "nothing is written when an index is wrong"
 
 
-# --- the README's "Rolling a model version without a restart", for real ------------------------------------------
+# --- docs/api.md's "Rolling a model version without a restart", for real -----------------------------------------
 
 
 def readme_rolling_steps() -> list[tuple[str, list[str]]]:
-    """(command, the comment lines after it) of the bash block under "Rolling a model version without a restart"."""
-    text = README.read_text()
-    section = text[text.index("### Rolling a model version without a restart"):]
+    """(command, the comment lines after it) of the bash block under docs/api.md's "Rolling a model version without a
+    restart"."""
+    text = API_DOC.read_text()
+    section = text[text.index("## Rolling a model version without a restart"):]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
     steps: list[tuple[str, list[str]]] = []
     for line in block.splitlines():
@@ -226,7 +229,7 @@ def test_the_readme_rolling_example_runs_as_written(tmp_path, tiny_runs, data_di
                                     timeout=300)
             assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
             if command.startswith("curl"):
-                assert comments, f"README.md shows no output for {command}"
+                assert comments, f"docs/api.md shows no output for {command}"
                 expected, actual = expected_json(comments[0]), json.loads(result.stdout)
                 if isinstance(expected, list) and comments[0].rstrip().endswith(", ...]"):
                     actual = actual[:len(expected)]

@@ -6,7 +6,7 @@ OpenAI's response objects and server-sent event chunks (ending with `data: [DONE
 request field has its rule (`service.api.openai.field_rules`): the ignored ones a request sent are named in the
 response's X-Ignored-Fields header, streamed or not.
 
-Semantics where the service has a choice (README, "OpenAI-compatible API"): `finish_reason` is "stop" for an end of
+Semantics where the service has a choice (docs/api.md, "OpenAI-compatible API"): `finish_reason` is "stop" for an end of
 text or a stop string, "length" at `max_tokens`; `logprobs` are of the model's raw distribution (before
 temperature, top-p and penalties, as vLLM's default); `best_of` samples and keeps the `n` best by log-probability
 per token, or with temperature 0 is a beam search of that width; `n` choices sample with seeds `seed + i`. A
@@ -29,7 +29,7 @@ from service.api.openai.protocol import (
 )
 from service.api.openai.errors import OPENAI, ModelNotFound
 from service.api.openai.field_rules import IGNORED_FIELDS_HEADER
-from service.api.openai.render import ChatRender, CompletionRender
+from service.api.openai.render import ChatRender, CompletionRender, echo_text
 from service.errors import BadInput
 from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, with_body
 from service.models.repository import GPT
@@ -121,7 +121,7 @@ async def completions(body, request: Request):
     prompts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
     ids = await generation.encode_prompts(loaded, prompts, params.max_new_tokens, "max_tokens")
     tokenizer = loaded.engine.tokenizer
-    echoed = [(p if isinstance(p, str) else tokenizer.decode(i)) if body.echo else "" for p, i in zip(prompts, ids)]
+    echoed = [echo_text(tokenizer, p, i) if body.echo else "" for p, i in zip(prompts, ids)]
     deadline = deadline_of(request, None)
     render = CompletionRender(loaded.name, tokenizer, n, sum(len(i) for i in ids), body.include_usage(), echoed,
                               logprobs=body.logprobs, prompt_ids=ids, echo_logprobs=body.echo_logprobs,

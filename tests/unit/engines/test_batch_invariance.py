@@ -4,10 +4,10 @@ masked slot ever sits before a row's tokens; `export.kv_inplace`: each row write
 converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV); the GPTs' logits
 also in their `+gqa` variants (GroupQueryAttention steps).
 
-The released translator steps by concatenation (the in-place option costs it 4-13% of its throughput, README);
+The released translator steps by concatenation (the in-place option costs it 4-13% of its throughput, docs/export.md);
 its weights with the in-place step graph are checked per step here. Versions that step by concatenation are not
 covered: a row that joins a running batch is left-padded there, and ONNX Runtime's attention reductions then group
-its slots differently (last-bit changes that int8 activations can turn into another token); README, "Batch
+its slots differently (last-bit changes that int8 activations can turn into another token); docs/architecture.md, "Batch
 invariance". Neither is the tiny translator's in-place variant: with its head_dim of 16, masked source slots
 after a source change its cross-attention's last bits (1.7e-6); the released translator's (head_dim 64) do not.
 """
