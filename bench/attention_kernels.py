@@ -86,7 +86,7 @@ def compare_step_graphs(args) -> int:
     from service.engines.runtime import RuntimeOptions
     from service.engines.step_attention import GQA
     from service.engines.weights import compute_weights
-    from service.models.repository import ModelRepository
+    from service.repository import ModelRepository
 
     stored = ModelRepository(args.repository).get("gpt", args.version)
     weights = compute_weights(stored.config.get("weights", "fp32"))

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C: stop the servers, report, exit 130
     from models.data import resolve_data_dir
-    from service.models.repository import ModelRepository
+    from service.repository import ModelRepository
 
     data_dir = resolve_data_dir(args.data_dir)
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if args.spin else "PASSIVE"  # for the export, if it runs

@@ -25,7 +25,7 @@ from bench.cpuinfo import describe  # noqa: E402
 from service.engines.gpt import GPTEngine  # noqa: E402
 from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS, RuntimeOptions  # noqa: E402
 from service.models.kinds import GPT_CALIBRATION_PROMPT  # noqa: E402
-from service.models.repository import ModelRepository  # noqa: E402
+from service.repository import ModelRepository  # noqa: E402
 
 SHORT_STEPS = 16  # the calibration's length before it took a served request's
 

@@ -28,7 +28,7 @@ from service.decoding import BeamSearch, GreedySearch  # noqa: E402
 from service.engines.gpt import GPTEngine  # noqa: E402
 from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS, RuntimeOptions  # noqa: E402
 from service.engines.translation import TranslationEngine  # noqa: E402
-from service.models.repository import ModelRepository  # noqa: E402
+from service.repository import ModelRepository  # noqa: E402
 
 THREADS = 2
 BEAMS = 4

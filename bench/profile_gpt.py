@@ -36,7 +36,7 @@ from service.decoding import GreedySearch  # noqa: E402
 import service.decoding.batch_step as batch_step  # noqa: E402
 from service.engines.gpt import GPTEngine  # noqa: E402
 from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS, RuntimeOptions  # noqa: E402
-from service.models.repository import ModelRepository  # noqa: E402
+from service.repository import ModelRepository  # noqa: E402
 
 # The prompt every row starts from (bytes of the GPT's byte-level vocabulary); its length is the prompt pass's.
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"

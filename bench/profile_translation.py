@@ -31,7 +31,7 @@ from cpuinfo import describe as describe_cpu  # noqa: E402
 from session_timing import timed_session_runs  # noqa: E402
 from service.decoding import BeamSearch  # noqa: E402
 from service.engines.translation import TranslationEngine  # noqa: E402
-from service.models.repository import ModelRepository  # noqa: E402
+from service.repository import ModelRepository  # noqa: E402
 
 ORT_RUN = "onnxruntime_pybind11_state.run"  # ONNX Runtime's session run, as cProfile names the built-in
 TOP_FUNCTIONS = 15

@@ -26,7 +26,7 @@ CALIBRATION_TIMEOUT_S = 600  # a first calibration of the three release models t
 
 def shipped_variant(kind: str) -> dict[str, str]:
     """`rewrite_graphs`'s options for the release model of `kind` (empty: served as exported)."""
-    from service.models.repository import ModelRepository
+    from service.repository import ModelRepository
 
     config = ModelRepository(REPOSITORY).get(kind).config
     return {option: config[option] for option in VARIANT_OPTIONS if option in config}
@@ -36,7 +36,7 @@ def shipped_choices(kind: str) -> dict[str, object]:
     """The model-config fields the release model of `kind` was exported with that its evaluation chose (the ViT's
     `flip_average`), to build the benchmark's random-weight model alike."""
     from models.config import CHOSEN_AT_EVALUATION
-    from service.models.repository import ModelRepository
+    from service.repository import ModelRepository
 
     architecture = ModelRepository(REPOSITORY).get(kind).config.get("architecture", {})
     return {name: architecture[name] for name in CHOSEN_AT_EVALUATION if name in architecture}

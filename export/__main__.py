@@ -21,7 +21,7 @@ from export.checks import ExportCheckError
 from export.repository import ATTENTION, KV_CACHE, WEIGHTS, export_run
 from export.variants import check_variants, describe_result
 from models.datasets import DataError
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 
 def main(argv: list[str] | None = None) -> int:

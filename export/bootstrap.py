@@ -15,7 +15,7 @@ from pathlib import Path
 from export.repository import export_run
 from models.datasets import DataError
 from models.train import main as train_main
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from export.repository import (
 )
 from export.tolerances import TOLERANCES
 from models.datasets import DataError
-from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
+from service.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 PARITY_INPUTS = {"gpt": "50 validation prompts", "translation": "50 validation sentences",
                  "vit": "the first 1,000 test images"}

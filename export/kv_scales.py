@@ -25,7 +25,7 @@ from export.repository import version_tokenizer
 from models import data
 from models.datasets import DataError
 from service.engines.kv_quantization import SCALES_FILE, scales_from_peaks
-from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
+from service.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 CALIBRATION_WINDOWS = 128  # windows of the context length, spread evenly over the training text
 RANDOM_WINDOWS = 32  # windows of uniformly random token ids (seeded)

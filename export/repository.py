@@ -32,7 +32,7 @@ from export.tolerances import TOLERANCES, quality_tolerance, within
 from models import data
 from service.decoding import GreedySearch
 from service.engines.weights import changes_step_attention
-from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
+from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelRepository, ModelVersion
 
 DATA_NOTES = {
     "translation": "Multi30k task 1 (de-en): 29,000 training pairs; BLEU on test_2016_flickr (1,000) and val (1,014).",

@@ -35,7 +35,7 @@ from service.engines.kv_quantization import SCALES_FILE
 from service.engines.onnx_graph import load
 from service.engines.step_attention import has_masked_step_attention
 from service.engines.weights import VARIANTS, changes_step_attention, compute_weights, quantizes_kv_cache
-from service.models.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
+from service.repository import CONFIG_FILE, ModelRepository, ModelVersion, RepositoryError
 
 METRICS_FILE, CARD_FILE = "metrics.json", "README.md"
 CARD_SECTION = "## Weights variants"

@@ -39,7 +39,7 @@ from PIL import Image
 from models import data
 from service.client.launcher import ServiceProcess
 from export.tolerances import SERVED_ACCURACY_FLOOR, SERVED_BLEU_TOLERANCE, TOLERANCES, accuracy_tolerance
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 # The served GPT's nats per character against its card's validation loss: the graph variants' own tolerance (the
 # rolling windows score each token with at most a context's worth of text before it, as the card's windows do).

@@ -113,3 +113,43 @@ def test_the_serving_side_never_imports_the_training_stack():
                        else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             offenders += [f"{name}: {m}" for m in modules if m.split(".")[0] in TRAINING_ONLY]
     assert not offenders, offenders
+
+
+# The serving side's layers, bottom up: a module may import its own layer's and the layers below, never one above
+# (docs/architecture.md, "How a request flows"; http/ is the transport the API packages' routes use). The base
+# modules (settings, errors, the repository reader, the observability package) sit below them all; the settings
+# alone read upwards, to validate TSERVE_VARIANT with the variants' own parser, and are not checked.
+LAYERS = ("service.decoding", "service.engines", "service.scheduling", "service.models", "service.serving",
+          "service.http", "service.api")
+BASE = ("service.settings", "service.errors", "service.repository", "service.observability")
+
+
+def _layer(module: str) -> int | None:
+    for index, layer in enumerate(LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return index
+    return -1 if module.startswith(BASE) else None
+
+
+def test_the_layers_import_downwards_only():
+    upward = []
+    for name, imports in _graph().items():
+        own = _layer(name)
+        if own is None or name == "service.settings":
+            continue
+        upward += [f"{name} -> {m}" for m in sorted(imports)
+                   if (other := _layer(m)) is not None and other > own and not m.startswith(BASE)]
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in tests/support/; a test module imported by another would run its tests twice
+    and tie the two together."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(ROOT)}: {m}" for m in modules
+                          if m.startswith("tests.") and m.rpartition(".")[2].startswith("test_")]
+    assert not offenders, offenders

@@ -146,7 +146,7 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
     `variant` (`export.repository.rewrite_graphs`) if given: the folder name carries the spec, and the marker the
     hash of the model/export sources, so edits there re-export."""
     from export.onnx_export import EXPORTERS
-    from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
+    from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
 
     sources = sorted(PROJECT_ROOT.glob("models/*.py")) + sorted(PROJECT_ROOT.glob("export/*.py"))
     digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()

@@ -72,7 +72,7 @@ def build_repository(workdir: Path, data_dir: Path, threads: int) -> Path:
     from export.repository import rewrite_graphs
     from models import data
     from models.tokenization import build_byte_tokenizer, train_translation_tokenizer
-    from service.models.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
+    from service.repository import CONFIG_FILE, TOKENIZER_FILE, ModelVersion
 
     torch.set_num_threads(threads)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ from service.api.openai.protocol import OpenAIError
 from service.errors import BadInput, NotFound
 from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, with_body
 from service.models.registry import LoadedModel
-from service.models.repository import GPT, TRANSLATION
+from service.repository import GPT, TRANSLATION
 from service.serving.context import label, resolve
 from service.settings import Settings
 

@@ -31,7 +31,7 @@ from service.engines.kv_cache import KVCache
 from service.engines.kv_quantization import load_scales, quantize
 from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
 from service.engines.weights import changes_step_attention, quantizes_kv_cache
-from service.models.repository import TOKENIZER_FILE, ModelVersion
+from service.repository import TOKENIZER_FILE, ModelVersion
 
 
 class GPTEngine:

@@ -28,7 +28,7 @@ from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
-from service.models.repository import TOKENIZER_FILE, ModelVersion
+from service.repository import TOKENIZER_FILE, ModelVersion
 
 DEFAULT_LENGTH_PENALTY = 1.0  # beam search's, for a version whose config.json does not choose one (transformers')
 # A request that sets no max_new_tokens gets TARGET_PER_SOURCE_TOKEN tokens per source token plus

@@ -10,7 +10,7 @@ from PIL import Image
 from service.decoding.distributions import softmax, top_k_indices
 from service.engines import onnx_schema as schema
 from service.engines.runtime import RuntimeOptions, active_provider, create_session
-from service.models.repository import ModelVersion
+from service.repository import ModelVersion
 
 TRANSPARENT_MODES = ("RGBA", "LA", "PA")
 # Rows composited on white at a time: the RGBA copies that compositing needs exist for one strip, not for the

@@ -16,7 +16,7 @@ import sys
 from service.models.calibration import CalibrationCache
 from service.models.kinds import KIND_TABLE
 from service.models.registry import parse_model_spec, runtime_options
-from service.models.repository import ModelRepository, RepositoryError
+from service.repository import ModelRepository, RepositoryError
 from service.models.variants import load_engine, pin_for
 from service.settings import SettingsInvalid, load_settings
 

@@ -32,7 +32,7 @@ from typing import Any
 import onnxruntime as ort
 
 from service.engines.runtime import RuntimeOptions
-from service.models.repository import ModelVersion
+from service.repository import ModelVersion
 
 log = logging.getLogger(__name__)
 

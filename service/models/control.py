@@ -24,8 +24,8 @@ from starlette.concurrency import run_in_threadpool
 
 from service.errors import BadInput, NotFound, ServiceError
 from service.models.registry import LoadedModel, ModelRegistry, freeze_long_lived_objects
-from service.models.repository import MAX_VERSION, RepositoryError, VersionNotFound
-from service.models.repository import parse_version as parse_version_text
+from service.repository import MAX_VERSION, RepositoryError, VersionNotFound
+from service.repository import parse_version as parse_version_text
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ inference, the workload its weights variants are timed with (`service.models.cal
 metrics count. The registry loads a version through its kind's entry; no other module branches on a kind's name to
 learn these.
 
-The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.models.repository`'s, where a version's config.json is
+The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.repository`'s, where a version's config.json is
 read and its kind checked. Each kind's tensors in the Open Inference Protocol are `service.api.oip.signatures`'.
 
 - translation: `TranslationEngine` (encoder once per source, decoder steps), a continuous batcher of at most
@@ -28,7 +28,7 @@ from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS
 from service.engines.translation import TranslationEngine
 from service.engines.vit import ViTEngine
 from service.models.calibration import decode_workload
-from service.models.repository import GPT, TRANSLATION, VIT, ModelVersion
+from service.repository import GPT, TRANSLATION, VIT, ModelVersion
 from service.models.warmup import check_length_penalty, grey_images, warm_up_images, warm_up_text
 from service.observability.metrics import BEAM, GREEDY, SAMPLE, Metrics
 from service.scheduling.continuous import ContinuousBatcher

@@ -28,7 +28,7 @@ from service.engines.runtime import RuntimeOptions
 from service.errors import NotFound, Unavailable
 from service.models.calibration import CalibrationCache
 from service.models.kinds import KIND_TABLE
-from service.models.repository import ModelRepository, RepositoryError, parse_version
+from service.repository import ModelRepository, RepositoryError, parse_version
 from service.models.variants import Choice, load_engine, pin_for
 from service.observability.metrics import Metrics
 from service.settings import Settings

@@ -31,7 +31,7 @@ from typing import Any
 from service.engines.runtime import RuntimeOptions
 from service.engines.weights import VARIANTS, compute_weights
 from service.models.calibration import CalibrationCache, calibration_key, measure
-from service.models.repository import ModelVersion
+from service.repository import ModelVersion
 
 log = logging.getLogger(__name__)
 

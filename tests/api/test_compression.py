@@ -23,8 +23,8 @@ import tritonclient.http as triton
 from service.client.sse import parse_sse
 from service.http.compression import DecodedBody, response_coding
 from service.http.errors import ClientBodyError
-from tests.api.test_oip_api import text_input
 from tests.support.images import png_bytes
+from tests.support.triton_inputs import text_input
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
 from service.engines.kv_cache import KVCache
 from service.engines.runtime import RuntimeOptions
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow

@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.support import ROOT
 from tests.support.images import png_bytes
+from tests.support.triton_inputs import text_input
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +51,6 @@ def images(data_dir) -> np.ndarray:
     from models.data import load_fashion_mnist
 
     return load_fashion_mnist(data_dir, "test")[0][:6]  # (6, 28, 28) uint8
-
-
-def text_input(name: str, texts: list[str], binary: bool = True) -> triton.InferInput:
-    tensor = triton.InferInput(name, [len(texts)], "BYTES")
-    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object), binary_data=binary)
-    return tensor
 
 
 def test_health_and_metadata(client):

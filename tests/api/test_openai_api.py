@@ -98,7 +98,7 @@ def gpt_engine(tiny_repository):
     """The server's tiny GPT, loaded here too: the reference the ranked choices are checked against."""
     from service.engines.gpt import GPTEngine
     from service.engines.runtime import RuntimeOptions
-    from service.models.repository import ModelRepository
+    from service.repository import ModelRepository
 
     return GPTEngine(ModelRepository(tiny_repository).get("gpt"), RuntimeOptions(intra_op_threads=1))
 

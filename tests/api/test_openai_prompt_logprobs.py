@@ -18,7 +18,7 @@ import pytest
 
 from service.engines.gpt import GPTEngine
 from service.engines.runtime import RuntimeOptions
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from service.scheduling.text_batch import score_prompt
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
 from service.engines.runtime import create_session
 from service.engines.translation import TranslationEngine
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 pytestmark = pytest.mark.slow
 

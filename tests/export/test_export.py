@@ -7,7 +7,7 @@ import pytest
 
 from export.__main__ import main as export_main
 from service.engines import onnx_schema as schema
-from service.models.repository import ModelRepository, RepositoryError
+from service.repository import ModelRepository, RepositoryError
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
 from service.engines.kv_cache import KVCache
 from service.engines.vit import ViTEngine
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import sacrebleu
 from PIL import Image
 
 from service.engines.runtime import RuntimeOptions
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from service.settings import Settings
 from tests.support import ROOT
 

@@ -37,7 +37,7 @@ from service.api.native.protocol import ClassifyResponse, ErrorResponse, Predict
 from service.engines.imaging import EncodedImage
 from service.http.apis import NATIVE
 from service.http.errors import ClientBodyError, media_type
-from service.models.repository import VIT
+from service.repository import VIT
 from service.serving import classify as classification
 from service.serving.context import label, resolve
 from service.settings import Settings

@@ -26,7 +26,7 @@ from service.api.native.protocol import (
 from service.client.sse import event as sse_event
 from service.http.apis import NATIVE
 from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, sse_response, with_body
-from service.models.repository import GPT, TRANSLATION
+from service.repository import GPT, TRANSLATION
 from service.observability.metrics import SCORE
 from service.serving import generate as generation
 from service.serving import score as scoring

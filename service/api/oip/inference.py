@@ -34,7 +34,7 @@ from service.api.oip.signatures import signature
 from service.engines.imaging import EncodedImage
 from service.errors import BadInput
 from service.models.registry import LoadedModel
-from service.models.repository import GPT, TRANSLATION, VIT
+from service.repository import GPT, TRANSLATION, VIT
 from service.serving import classify as classification_service
 from service.serving import generate as generation
 from service.serving import translate as translation

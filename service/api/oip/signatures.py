@@ -1,6 +1,6 @@
 """The Open Inference Protocol's tensor signature of each model kind: its inputs and outputs as (name, datatype,
 shape), what the model metadata reports and what an inference request's inputs are checked against. One table
-keyed by kind (the kinds of `service.models.repository`, whose other traits are `service.models.kinds`'), as
+keyed by kind (the kinds of `service.repository`, whose other traits are `service.models.kinds`'), as
 Triton's model configuration lists a model's `input` and `output`; -1 is a dimension of any size, as the protocol
 writes it.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.models.registry import LoadedModel
-from service.models.repository import GPT, TRANSLATION, VIT
+from service.repository import GPT, TRANSLATION, VIT
 
 ANY = -1  # a dimension of any size (the batch, a text's shape)
 TensorSpec = tuple[str, str, list[int]]  # name, datatype, shape

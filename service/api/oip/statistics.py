@@ -28,7 +28,7 @@ import math
 from collections import defaultdict
 
 from service.models.registry import LoadedModel
-from service.models.repository import VIT
+from service.repository import VIT
 from service.observability.metrics import Metrics
 
 NS_PER_S = 1_000_000_000

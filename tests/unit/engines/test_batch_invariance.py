@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from export.convert import main as convert_main
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from service.settings import Settings
 from tests.support import ROOT
 

@@ -12,7 +12,7 @@ from service.decoding import BeamSearch, GreedySearch, SamplingSearch
 from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def test_the_serving_side_never_imports_torch(tiny_repository):
         from service.engines.gpt import GPTEngine
         from service.engines.translation import TranslationEngine
         from service.engines.vit import ViTEngine
-        from service.models.repository import ModelRepository
+        from service.repository import ModelRepository
         repo = ModelRepository({str(tiny_repository)!r})
         t = TranslationEngine(repo.get("translation"))
         out = t.translate_ids([t.source_ids("Ein Hund.")], lambda i: GreedySearch(10, t.eos_id))

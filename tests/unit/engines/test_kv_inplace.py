@@ -16,7 +16,7 @@ from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
 from service.engines.kv_cache import CAPACITY_STEP
 from service.engines.translation import TranslationEngine
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from service.engines.gpt import GPTEngine
 from service.engines.kv_quantization import LEVELS, SCALES_FILE, load_scales, quantize, scales_from_peaks
 from service.engines.runtime import RuntimeOptions
 from service.engines.weights import derive, quantizes_kv_cache
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from tests.support.repository import add_in_place_gpt
 
 PROMPTS = ["ROMEO:\nWhat", "A", "First Citizen:\nBefore we proceed", "KING HENRY", "O"]

@@ -15,7 +15,7 @@ from service.decoding import BeamSearch, GreedySearch
 from service.engines.gpt import GPTEngine
 from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, create_session
 from service.engines.translation import TranslationEngine
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow

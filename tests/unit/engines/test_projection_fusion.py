@@ -19,7 +19,7 @@ from service.engines.projection_fusion import fuse_projections, fused_projection
 from service.engines.runtime import RuntimeOptions
 from service.engines.translation import TranslationEngine
 from service.engines.vit import ViTEngine
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from tests.support import ROOT
 
 D, ROWS = 64, 7

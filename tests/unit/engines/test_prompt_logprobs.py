@@ -21,7 +21,7 @@ from service.engines.gpt import GPTEngine
 from service.engines.runtime import RuntimeOptions
 from service.engines.weights import FP32
 from service.errors import BadInput
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from service.scheduling.jobs import TextJob
 from service.scheduling.text_batch import TextBatch, score_prompt
 from service.serving.generate import GenerationParams, ScoreOnly, check_prompt_scoring

@@ -13,7 +13,7 @@ from service.decoding.distributions import log_softmax
 from service.engines import onnx_schema as schema
 from service.engines.translation import TranslationEngine
 from service.engines.weights import derive
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau in einem roten Kleid singt.",
           "Kinder spielen am Strand.", "Ein alter Mann liest eine Zeitung im Park."]

@@ -16,7 +16,7 @@ from service.engines.runtime import RuntimeOptions
 from service.engines.step_attention import has_masked_step_attention, to_group_query_attention
 from service.engines import weights
 from service.engines.weights import VARIANTS, derive, split_variant
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from tests.support.repository import add_in_place_gpt
 
 pytestmark = pytest.mark.slow

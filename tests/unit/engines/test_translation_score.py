@@ -14,7 +14,7 @@ from models.data import load_multi30k
 from service.decoding import GreedySearch
 from service.engines import translation
 from service.engines.translation import TranslationEngine
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 
 pytestmark = pytest.mark.slow
 

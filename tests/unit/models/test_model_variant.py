@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.models.repository import ModelVersion
+from service.repository import ModelVersion
 
 
 @pytest.mark.parametrize("config, variant", [

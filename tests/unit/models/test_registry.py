@@ -41,7 +41,7 @@ def test_a_model_that_failed_to_load_says_why(tiny_repository, tmp_path, spec):
 
 def test_the_kinds_table_has_one_entry_per_kind_a_config_may_name():
     from service.models.kinds import KIND_TABLE
-    from service.models.repository import KINDS
+    from service.repository import KINDS
 
     assert tuple(KIND_TABLE) == KINDS and all(entry.name == kind for kind, entry in KIND_TABLE.items())
 

@@ -17,7 +17,7 @@ from service.engines.runtime import RuntimeOptions
 from service.models import variants as V
 from service.models.calibration import CalibrationCache, calibration_key, cpu_identity
 from service.models.kinds import KIND_TABLE
-from service.models.repository import ModelRepository, ModelVersion
+from service.repository import ModelRepository, ModelVersion
 from service.settings import Settings
 
 ROWS = (1, 4)  # batch sizes calibrated here: small, so that the tiny model's measurements take milliseconds

@@ -10,7 +10,7 @@ from service.decoding import BeamSearch, GreedySearch, SamplingSearch
 from service.engines.gpt import GPTEngine
 from service.engines.translation import TranslationEngine
 from service.errors import Cancelled, DeadlineExceeded, QueueFull
-from service.models.repository import ModelRepository
+from service.repository import ModelRepository
 from service.observability.metrics import Metrics
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.jobs import TextJob
