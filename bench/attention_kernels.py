@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--used", type=int, default=228, help="slots each row uses, the new token's included")
-    parser.add_argument("--capacity", type=int, default=288, help="the buffer's slots (kv_cache.capacity_for)")
+    parser.add_argument("--capacity", type=int, default=288, help="the buffer's slots (kv_storage.capacity_for)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--step-graph", action="store_true", help="compare in a served GPT's step graph")
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")

@@ -70,9 +70,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.image_decoder = ImageDecoder(settings)  # its own bounded pool of decoder threads
+        # before the models start loading: a gRPC port that cannot be bound fails the start with no thread running
+        app.state.grpc = await grpc_server.start(app, ApiKeys(keys))  # None when TSERVE_GRPC_PORT is 0
         registry.start_loading()
         _hook_sigterm(registry, settings.drain_delay_s)
-        app.state.grpc = await grpc_server.start(app, ApiKeys(keys))  # None when TSERVE_GRPC_PORT is 0
         yield
         if app.state.grpc is not None:
             await app.state.grpc.stop(settings.drain_timeout_s)

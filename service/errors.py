@@ -3,11 +3,11 @@ reason that the metrics count; every layer (scheduling, engines, models, serving
 them needs HTTP code to do so. How they become responses, in each API's shape, is `service.http.errors`.
 
 Bad input is 400/413/415 and never a 500; 404 unknown model or version; 501 a part of a protocol not offered; 429
-(with Retry-After) full queue; 503 not ready or draining; 504 deadline expired; 499 (never read) the client went
-away; 500 `ModelOutputError` when a model computes what no response may hold (NaN or infinite scores). The message
-helpers are here too, for every layer: an error message that echoes a client's text is written with its lone
-surrogates escaped (`printable`), so rendering an error never fails; `json_error_reason` says why a body is not
-JSON, `describe_validation` which fields are invalid.
+(with Retry-After) full queue; 503 not ready, draining, or the request's version unloaded under it; 504 deadline
+expired; 499 (never read) the client went away; 500 `ModelOutputError` when a model computes what no response may
+hold (NaN or infinite scores). The message helpers are here too, for every layer: an error message that echoes a
+client's text is written with its lone surrogates escaped (`printable`), so rendering an error never fails;
+`json_error_reason` says why a body is not JSON, `describe_validation` which fields are invalid.
 """
 
 from __future__ import annotations
@@ -69,6 +69,13 @@ class QueueFull(ServiceError):
 
 class Unavailable(ServiceError):
     status, type, reason = 503, "unavailable", "unavailable"
+
+
+class VersionUnloaded(Unavailable):
+    """A request accepted by a model version that was unloaded (model control) before it finished: the server
+    serves on, and a retry that names no version reaches the model's active one."""
+
+    type, reason = "model_unloaded", "unloaded"
 
 
 class DeadlineExceeded(ServiceError):

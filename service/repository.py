@@ -4,9 +4,10 @@
 The loader takes the highest version unless told otherwise. The repository is read live (operators copy versions
 into it while the server runs), so what is in it is never trusted: a model folder whose name a request or
 `TSERVE_MODELS` could not name, a version folder whose name is not a canonical version number (`03`, `²`,
-`latest`), or a version whose `config.json` is missing, half-written or of an unknown kind is skipped, logged once
-and reported by `problems()` (the repository index shows it as UNAVAILABLE with the reason), never an error for
-the listing. Hidden folders (the exporter's staging copies) are ignored. Nothing here imports torch.
+`latest`), or a version whose `config.json` is missing, half-written, of an unknown kind or not what its kind's
+schema says (`service.config_schema`: the field named) is skipped, logged once and reported by `problems()` (the
+repository index shows it as UNAVAILABLE with the reason), never an error for the listing. Hidden folders (the
+exporter's staging copies) are ignored. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -18,19 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.config_schema import GPT, KINDS, TRANSLATION, VARIANT_DEFAULTS, VIT, config_problems
 from service.errors import json_error_reason
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
-# The kinds a version's config.json may name (what each kind is, its engine, scheduler and warm-up:
-# `service.models.kinds`; they are named here, where a config is read, which the engines' modules import).
-TRANSLATION, GPT, VIT = "translation", "gpt", "vit"
-KINDS = (TRANSLATION, GPT, VIT)
-# How a version's graphs compute, as its config.json says (`python -m export` and `export.convert` write these keys;
-# a config without them is a plain float32 export): weights, attention, and for the text kinds the KV cache.
-VARIANT_DEFAULTS = {"weights": "fp32", "attention": "plain", "kv_cache": "concat"}
+# The kinds a version's config.json may name (`KINDS`: `TRANSLATION`, `GPT`, `VIT`) and how its graphs compute
+# (`VARIANT_DEFAULTS`) are its schema's (`service.config_schema`); the engines' modules import them from here.
 DECODING_KINDS = (TRANSLATION, GPT)  # the kinds with a KV cache
 # A version as a folder name or as a request writes it: ASCII digits without a leading zero (so `03` cannot stand
 # beside `3` as a second copy of it), at most 9 of them (every such number fits an int32, as Triton's versions do).
@@ -80,9 +77,15 @@ class Problem:
     version: str
     reason: str
 
+    @property
+    def folder(self) -> str:
+        """`name/version`, or the model folder's name."""
+        return f"{self.name}/{self.version}" if self.version else self.name
+
 
 def read_config(path: Path) -> dict[str, Any]:
-    """The `config.json` of a version folder, checked to be a JSON object of a known kind; RepositoryError else."""
+    """The `config.json` of a version folder, checked to be a JSON object of a known kind that its kind's schema
+    validates (`service.config_schema`); RepositoryError naming the file and the invalid fields else."""
     file = path / CONFIG_FILE
     if not file.is_file():
         raise RepositoryError(f"{file} does not exist")
@@ -94,6 +97,8 @@ def read_config(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict) or config.get("kind") not in KINDS:
         kind = config.get("kind") if isinstance(config, dict) else config
         raise RepositoryError(f"{file}: kind must be one of {KINDS}, got {kind!r}")
+    if (problems := config_problems(config["kind"], config)) is not None:
+        raise RepositoryError(f"{file}: {problems}")
     return config
 
 
@@ -111,8 +116,7 @@ class ModelRepository:
     def _report(self, problem: Problem) -> Problem:
         if problem not in self._reported:
             self._reported.add(problem)
-            where = f"{problem.name}/{problem.version}" if problem.version else problem.name
-            log.warning("model repository %s: skipping %s: %s", self.root, where, problem.reason)
+            log.warning("model repository %s: skipping %s: %s", self.root, problem.folder, problem.reason)
         return problem
 
     def _scan(self, name: str) -> tuple[dict[int, dict[str, Any]], list[Problem]]:

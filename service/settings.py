@@ -105,6 +105,10 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(5_000_000, ge=1)
     max_image_pixels: int = Field(16_000_000, ge=1)
     max_body_bytes: int = Field(40_000_000, ge=1)
+    # the tokenizer routes' own bound (service.api.tokenize): characters of a prompt to /tokenize, ids to
+    # /detokenize; far above a generation prompt (max_text_chars), as lm-eval tokenizes whole documents for
+    # perplexity (tinyshakespeare's validation split: 111,540 characters), and ~110 MB of tokenizer memory at most
+    max_tokenize_chars: int = Field(500_000, ge=1)
     # image decoding: a bounded pool of decoder threads (0 = one per CPU core), a memory budget for the pixels
     # being decoded at once by all requests together (a decode waits for room, up to its deadline), and a bound
     # on the pixels of all the images of one request
@@ -172,6 +176,9 @@ def load_settings() -> Settings:
         raise SettingsInvalid("\n".join(lines)) from None
     except SettingsError as error:  # a value pydantic-settings could not even decode
         raise SettingsInvalid(str(error)) from None
+    except (OSError, UnicodeDecodeError) as error:  # the .env file, there but unreadable as text
+        reason = "it is not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or repr(error)
+        raise SettingsInvalid(f"{Settings.model_config['env_file']}: cannot be read: {reason}") from None
 
 
 @lru_cache

@@ -117,11 +117,12 @@ def test_the_serving_side_never_imports_the_training_stack():
 
 # The serving side's layers, bottom up: a module may import its own layer's and the layers below, never one above
 # (docs/architecture.md, "How a request flows"; http/ is the transport the API packages' routes use). The base
-# modules (settings, errors, the repository reader, the observability package) sit below them all; the settings
-# alone read upwards, to validate TSERVE_VARIANT with the variants' own parser, and are not checked.
+# modules (settings, errors, the config schema and the repository reader, the observability package) sit below them
+# all; the settings alone read upwards, to validate TSERVE_VARIANT with the variants' own parser, and are not checked.
 LAYERS = ("service.decoding", "service.engines", "service.scheduling", "service.models", "service.serving",
           "service.http", "service.api")
-BASE = ("service.settings", "service.errors", "service.repository", "service.observability")
+BASE = ("service.settings", "service.errors", "service.config_schema", "service.repository",
+        "service.observability")
 
 
 def _layer(module: str) -> int | None:

@@ -1,30 +1,17 @@
-"""The tokenizer endpoints, vLLM's (`vllm/entrypoints/serve/tokenize`): `POST /tokenize`, `POST /detokenize` and
-`GET /tokenizer_info`, for the models that have a tokenizer (`gpt`, the default, and `translation`), so that a client
-needs no local copy of it: lm-evaluation-harness's `tokenizer_backend=remote` (`lm_eval.utils.RemoteTokenizer`)
-calls exactly these three, at the server's root, without a `model`.
+"""vLLM's tokenizer endpoints (`vllm/entrypoints/serve/tokenize`), for the models with a tokenizer (`gpt`, the
+default, and `translation`): what lm-eval's `tokenizer_backend=remote` calls. `/tokenize`: a `prompt`, or chat
+`messages` rendered as `/v1/chat/completions` renders them -> `{count, max_model_len, tokens, token_strs}`, never
+truncated (`add_special_tokens` adds what the model adds to a text: the translator's end-of-source token);
+`/detokenize`: `tokens` -> `{prompt}`, special tokens kept (ids -> text -> ids round-trips); `/tokenizer_info`:
+what a `tokenizer_config.json` says.
 
-The tokenizer is the one the model version serves with (`engine.tokenizer`, loaded with the version), leased for the
-request like every model use (`service.serving.context.resolve`); encoding and decoding run on a worker thread.
-
-- `/tokenize`: `{"prompt"}` or a chat's `{"messages"}` (rendered by the GPT's chat template,
-  `service.api.openai.chat_template`, as `/v1/chat/completions` renders them; `add_generation_prompt`, default
-  true, ends it with the model's turn; `continue_final_message` leaves the last message open instead) ->
-  `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs`, the vocabulary's strings, with
-  `return_token_strs`; else null). `add_special_tokens` (default true for a prompt, false for messages, as vLLM)
-  adds what the model adds to a text it is fed: nothing for the GPT, the end-of-source token for the translator.
-  The ids are not truncated: `count` above `max_model_len` (the GPT's context, the translator's longest source)
-  says the model would not take them all.
-- `/detokenize`: `{"tokens"}` -> `{"prompt"}`, special tokens kept (as vLLM, so that ids -> text -> ids round-trips).
-- `/tokenizer_info`: what a `tokenizer_config.json` says (`tokenizer_class`, the special tokens, `model_max_length`,
-  `added_tokens_decoder`), `?model=` naming the model; vLLM's has no chat template when the model has no Jinja one,
-  and neither has this.
-
-Errors are in OpenAI's shape (`service.api.openai.errors`, as vLLM answers these routes): 400 naming the field for
-a body that does not conform, an id outside the vocabulary or both or neither of `prompt` and `messages`; 404 naming
-`model` for an unknown model or one without a tokenizer (the ViT). A prompt may be as long as the body limit
-(`TSERVE_MAX_BODY_BYTES`): tokenizing runs no model, and lm-eval tokenizes whole documents for perplexity.  Unlike
-vLLM's, these routes need the API key when keys are configured (`service.http.auth`): they run the served models'
-tokenizers on bodies up to the body limit.
+The tokenizer is the model version's own (`engine.tokenizer`), leased like every model use; encoding and decoding run
+on a worker thread through `tokenizers`' batch calls, which release the GIL (its single `encode`/`decode` hold it,
+and the event loop would wait). The bound is the routes' own (`TSERVE_MAX_TOKENIZE_CHARS`: a prompt's characters,
+`tokens`' ids), above a generation prompt's, as lm-eval tokenizes whole documents; memory grows with it (~220 bytes
+a character in the GPT's byte tokenizer). Errors in OpenAI's shape: 400 naming the field (past the bound, an id
+outside the vocabulary), 404 naming `model` (unknown, or without a tokenizer). Unlike vLLM's, these routes need the
+API key when keys are configured.
 """
 
 from __future__ import annotations
@@ -40,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from service.api.fields import MAX_JSON_INTEGER, MAX_NAME_CHARS, STRICT, Name, ValidUnicode, integer
 from service.api.openai import chat_template
 from service.api.openai.errors import OPENAI
-from service.api.openai.protocol import OpenAIError
+from service.api.openai.responses import OpenAIError
 from service.errors import BadInput, NotFound
 from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, with_body
 from service.models.registry import LoadedModel
@@ -108,11 +95,13 @@ class TokenizeRequestModels:
 
 
 def tokenize_request_models(settings: Settings, chat_request: type[BaseModel]) -> TokenizeRequestModels:
-    """The request schemas, with the server's limits: a prompt or a token list as long as a body may be, and a
-    chat's `messages` exactly as `/v1/chat/completions` takes them (`chat_request`'s field)."""
+    """The request schemas, with the server's limits: a prompt or a token list up to the tokenizer routes' bound
+    (`max_tokenize_chars`), and a chat's `messages` exactly as `/v1/chat/completions` takes them (`chat_request`'s
+    field)."""
     messages = chat_request.model_fields["messages"]
     Messages = Annotated[messages.annotation, *messages.metadata]
-    Prompt = Annotated[str, Field(max_length=settings.max_body_bytes)]
+    most = settings.max_tokenize_chars
+    Prompt = Annotated[str, Field(max_length=most)]
     TokenId = integer(ge=0, le=MAX_JSON_INTEGER)
 
     class TokenizeRequest(ValidUnicode):
@@ -120,7 +109,8 @@ def tokenize_request_models(settings: Settings, chat_request: type[BaseModel]) -
             {"model": "gpt", "prompt": "ROMEO:\n", "return_token_strs": True}]})
 
         model: Name | None = Field(None, description="gpt (the default) or translation.")
-        prompt: Prompt | None = Field(None, description="A text (or give `messages`).")
+        prompt: Prompt | None = Field(None, description=f"A text of up to {most} characters "
+                                      "(TSERVE_MAX_TOKENIZE_CHARS), or give `messages`.")
         messages: Messages | None = Field(None, description="A chat, rendered as /v1/chat/completions renders it "
                                           "(or give `prompt`).")
         add_special_tokens: StrictBool | None = Field(
@@ -137,15 +127,15 @@ def tokenize_request_models(settings: Settings, chat_request: type[BaseModel]) -
             {"model": "gpt", "tokens": [82, 79, 77, 69, 79, 58, 10]}]})
 
         model: Name | None = Field(None, description="gpt (the default) or translation.")
-        tokens: Annotated[list[TokenId], Field(max_length=settings.max_body_bytes)] = Field(
-            ..., description="Token ids of the model's vocabulary.")
+        tokens: Annotated[list[TokenId], Field(max_length=most)] = Field(
+            ..., description=f"Up to {most} token ids of the model's vocabulary (TSERVE_MAX_TOKENIZE_CHARS).")
 
     return TokenizeRequestModels(TokenizeRequest, DetokenizeRequest)
 
 
 ERRORS = {status: {"model": OpenAIError, "description": text} for status, text in {
-    400: "The body does not conform (the message and `param` name the field), an id outside the vocabulary, or "
-         "both or neither of prompt and messages",
+    400: "The body does not conform (the message and `param` name the field), a prompt or token list past "
+         "TSERVE_MAX_TOKENIZE_CHARS, an id outside the vocabulary, or both or neither of prompt and messages",
     404: "Unknown model, or a model without a tokenizer (`param`: model)", 503: "Not ready or draining",
     NOT_JSON_STATUS: NOT_JSON_DESCRIPTION}.items()}
 
@@ -208,7 +198,8 @@ async def tokenize(body, request: Request) -> dict:
     tokenizer = loaded.engine.tokenizer
 
     def encode() -> tuple[list[int], list[str] | None]:
-        ids = tokenizer.encode(text, add_special_tokens=special).ids + (text_input.appended if special else [])
+        (encoding,) = tokenizer.encode_batch([text], add_special_tokens=special)  # the GIL released meanwhile
+        ids = encoding.ids + (text_input.appended if special else [])
         return ids, [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
 
     ids, strings = await run_in_threadpool(encode)
@@ -224,7 +215,7 @@ async def detokenize(body, request: Request) -> dict:
         if token >= vocabulary:
             raise BadInput(f"tokens.{index}: {token} is not a token id of model {loaded.name!r} (its vocabulary: "
                            f"[0, {vocabulary}))", param=f"tokens.{index}")
-    text = await run_in_threadpool(lambda: tokenizer.decode(body.tokens, skip_special_tokens=False))
+    (text,) = await run_in_threadpool(lambda: tokenizer.decode_batch([body.tokens], skip_special_tokens=False))
     return {"prompt": text}
 
 

@@ -1,27 +1,18 @@
 """`python -m service` in a subprocess, for the project's own clients: the end-to-end and deployment tests, the
-benchmarks (bench/) and `export.verify_served`.
+benchmarks (bench/) and `export.verify_served`. Standard library only: the serving install has no HTTP client.
 
     with ServiceProcess("verify", repository, models='["vit"]', log_level="WARNING") as server:
         urllib.request.urlopen(f"{server.url}/v1/models")
 
-- Settings: TSERVE_* variables only. Keyword arguments become TSERVE_<NAME> (`max_queue_size=2` ->
-  TSERVE_MAX_QUEUE_SIZE=2; JSON logs at INFO unless `log_format` / `log_level` say otherwise), on a clean
-  environment (this process's without any TSERVE_* variable), in a working directory outside the checkout (a
-  temporary one unless given), so that no inherited variable or stray .env file changes them. `env` adds others.
-- A free loopback port, chosen at `spawn()`; `start()` spawns and polls /health/ready, and spawns again on another
-  port when the port was taken meanwhile ("address already in use"). A server that exits or is not ready in time
-  is a ServiceStartError whose message has its output.
-- Output: stdout and stderr collected line by line by reader threads (`stdout`, `stderr`, `output()`,
-  `log_records()`, `access_records()`), or with `log_path` written to that file by the process itself: no thread
-  of this process spends time on it (what a benchmark wants).
-- `stop()`: SIGTERM, then SIGKILL after a grace period, to the process's group (it runs in its own session, so
-  a Ctrl-C in the terminal reaches the client only, which stops it); it always reaps the process. The port and
-  process-group helpers are `service.client.processes`.
-- `command(port)` runs something else that answers /health/ready (the benchmark's baseline server) the same way,
-  with `env` and no TSERVE_* defaults.
+Keyword arguments become TSERVE_<NAME> settings; `start()` spawns on a free loopback port and polls /health/ready
+(a server that exits or is not ready in time is a ServiceStartError with its output); `stop()` sends SIGTERM, then
+SIGKILL, to the process's group and reaps it. Output is collected by reader threads, or with `log_path` written
+by the process itself. `command(port)` launches something else that answers /health/ready the same way.
 
-Standard library only (urllib for the readiness poll): the serving install has no HTTP client, and the serving
-package never imports PyTorch or pytest.
+Invariant: a launched server's settings are only what its caller passed (and the defaults): it runs on a clean
+environment (no inherited TSERVE_* variable), in a working directory outside the checkout (no stray .env file).
+
+Design notes: docs/architecture.md, service/client/launcher.py.
 """
 
 from __future__ import annotations

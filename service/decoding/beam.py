@@ -1,28 +1,16 @@
 """Beam search with exactly the semantics of HF transformers 5.x ``generate(num_beams=N, do_sample=False)``.
 
-Follows ``GenerationMixin._beam_search`` and its helpers (``_get_top_k_continuations``,
-``_get_running_beams_for_next_iteration``, ``_update_finished_beams``, ``_check_early_stop_heuristic``,
-``_beam_search_has_unfinished_sequences``) for one batch item:
+Follows ``GenerationMixin._beam_search`` and its helpers for one batch item: log-softmax, then the
+``no_repeat_ngram_size`` and ``min_new_tokens`` masks (not renormalised); the top ``max(2, 1 + n_eos) * num_beams``
+continuations are candidates; of the best ``num_beams``, those that stop (EOS, or ``max_new_tokens`` reached) enter
+the finished set with score ``sum_logprobs / generated_len ** length_penalty`` (new tokens only, EOS included), and
+the best ``num_beams`` that did not stop run on, until HF's sticky early-stop heuristic (or ``early_stopping``)
+ends the search. Each rule in full: the design notes.
 
-* log-probs = log_softmax(logits); then ``no_repeat_ngram_size`` (``NoRepeatNGramLogitsProcessor`` over prefix +
-  generated tokens, one incremental `NGramBlocker` per beam) and ``min_new_tokens`` (EOS -> -inf while fewer
-  tokens were generated) mask to -inf; the masked log-probs are not renormalised.
-* The top ``K = max(2, 1 + n_eos) * num_beams`` continuations over all beams (by accumulated log-prob) are
-  candidates. A candidate "stops" if its token is an EOS or the sequence reaches ``max_new_tokens``. Of the best
-  ``num_beams`` candidates, the stopped ones enter the finished set with score
-  ``sum_logprobs / generated_len ** length_penalty`` where ``generated_len`` counts the new tokens including
-  the EOS (HF: ``cur_len + 1 - decoder_prompt_len``), for decoder-only and encoder-decoder models alike: neither
-  the prompt nor the decoder start token counts. The finished set keeps the best ``num_beams``.
-* The best ``num_beams`` non-stopped candidates are the next running beams.
-* Early-stop heuristic (sticky): continue only while the best running beam could still beat the worst finished
-  hypothesis, estimating its final length as the current generated length, or ``max_new_tokens`` when
-  ``early_stopping == "never"`` and ``length_penalty > 0``. With ``early_stopping=True`` the search also ends as
-  soon as ``num_beams`` hypotheses are finished. There is no final "add the running beams" pass: at
-  ``max_new_tokens`` every candidate stops, so the best ``num_beams`` of them are offered to the finished set.
+Rows: the search starts from one row (the prefill row: HF's beam scores [0, -1e9, ...] expand beam 0 only at step
+0; requires V >= K), then needs ``num_beams`` rows; ``parents`` say which row each new beam continues.
 
-Initially the search needs one row (the prefill row): HF starts with beam scores [0, -1e9, ...] so only beam 0
-expands at step 0, which is the same as expanding a single row (requires V >= K). After step 0 it needs
-``num_beams`` rows; ``parents`` say which row each new beam continues.
+Design notes: docs/architecture.md, service/decoding/beam.py.
 """
 
 from __future__ import annotations
@@ -38,10 +26,10 @@ from .types import Hypothesis, Search, StepResult, eos_ids, finished_step
 
 __all__ = ["BeamSearch"]
 
-# HF marks unfilled finished slots with -1e9; the early-stop heuristic compares against it.
 # The range of a length penalty (the exponent of the generated length a beam's score is divided by), a request's
 # and a model config's default alike: beyond it the scores are dominated by length alone.
 MAX_LENGTH_PENALTY = 5.0
+# HF marks unfilled finished slots with -1e9; the early-stop heuristic compares against it.
 _EMPTY_SLOT_SCORE = -1.0e9
 # HF keeps max(2, 1 + n_eos) candidates per beam: enough that num_beams of them go on even when the rest stop.
 _MIN_CANDIDATES_PER_BEAM = 2

@@ -2,23 +2,16 @@
 processing (greedy decoding is its temperature 0, see `GreedySearch`), and `step_single_rows`, the step of many
 such searches at once through the batched sampler (`service.decoding.sampler`).
 
-Per step, on the raw logits of the single row, in the order of HF ``GenerationMixin._get_logits_processor``:
-repetition penalty (prompt/prefix + generated tokens, ``RepetitionPenaltyLogitsProcessor``), then OpenAI's
-``frequency_penalty`` / ``presence_penalty`` (not in HF; vLLM's ``apply_penalties`` order and formula:
-``logits[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``, ``count[j]`` = how often
-``j`` was generated, prompt/prefix excluded), ``no_repeat_ngram_size`` (-inf for tokens that would repeat an
-n-gram of prefix + generated tokens, ``NoRepeatNGramLogitsProcessor``, see `NGramBlocker`), ``min_new_tokens``
-EOS masking, then the warpers temperature (``TemperatureLogitsWarper``), top-k (``TopKLogitsWarper``) and top-p
-(``TopPLogitsWarper``), then a draw from the softmax with ``np.random.default_rng(seed)`` (same seed, same
-output; HF's torch RNG is not reproduced). ``temperature == 0`` means greedy: argmax after the repetition
-penalty, the OpenAI penalties, the n-gram ban and the EOS masking. The hypothesis score is the sum of the
-model's log-probabilities of the chosen tokens (log-softmax of the raw logits, before any processing), EOS
-included when the sequence ends with it. With ``logprobs=N`` the search also records, per generated token (EOS
-excluded), that raw log-probability and the N most likely tokens of the same raw distribution (OpenAI
-``logprobs`` / ``top_logprobs``, see `TokenLogprob`).
+Per step, on the raw logits, in HF ``_get_logits_processor``'s order: repetition penalty, OpenAI's
+``frequency_penalty`` / ``presence_penalty`` (vLLM's order and formula), ``no_repeat_ngram_size``,
+``min_new_tokens`` EOS masking, then temperature, top-k and top-p, then a draw with ``np.random.default_rng(seed)``
+(same seed, same output; HF's torch RNG is not reproduced); temperature 0 is the argmax after the penalties and
+masks. Scores and ``logprobs`` are the raw logits' log-softmax, before any processing.
 
 A search holds its request's state; `step_single_rows` hands the sampler that state as arrays (`RowParams`) and
 each search the token chosen for it (`SamplingSearch.accept`).
+
+Design notes: docs/architecture.md, service/decoding/sampling.py.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The types every decoding strategy shares: the `Search` protocol, its `StepResult`s and finished `Hypothesis`es.
 
-A search is a small per-request state machine over *rows* (rows of a KV cache). A driver runs the model for
-all rows of all active searches, hands each search the next-token logits of its own rows, and the search answers
-with the tokens to append and, for every new row, which of its current rows it continues (`parents`). Beam
-reordering and dropping finished rows are therefore one and the same row-selection operation on the cache.
-
-Protocol (the same for every search, see `service.decoding.batch_step.run_search` for a complete driver):
-
-1. A new search needs exactly one row, the *prefill row*: the prompt for a decoder-only model, the decoder start
-   token (with the encoder output of its source) for an encoder-decoder model. The driver runs the prefill and
-   calls ``search.step(first_logits)`` with the logits at the last prefill position, shape (1, V).
-2. Every ``step(logits)`` returns a `StepResult`: new row ``i`` is current row ``parents[i]`` extended by
-   ``tokens[i]``. The driver selects the cache rows by ``parents``, feeds ``tokens`` and calls ``step`` again
-   with the logits of the new rows, shape (num_rows, V), in the order given by the result.
-3. Once ``done`` is true the result holds zero rows, the search needs no rows any more and ``results()`` gives
-   the finished hypotheses, best first.
+A search is a small per-request state machine over *rows* (rows of a KV cache): a driver runs the model for all
+rows of all active searches, hands each search the next-token logits of its own rows, and the search answers with
+the tokens to append and, for every new row, which current row it continues (`parents`), so beam reordering and
+dropping finished rows are one row-selection operation on the cache. Protocol (a complete driver:
+`service.decoding.batch_step.run_search`): a new search needs one row, the *prefill row*, and its first ``step``
+gets that row's last-position logits (1, V); each ``step(logits)`` returns a `StepResult`, new row ``i`` = row
+``parents[i]`` + ``tokens[i]``; once ``done``, ``results()`` gives the finished hypotheses, best first.
 
 The strategies follow Hugging Face transformers ``generate()`` semantics (greedy, multinomial sampling and the
 vectorised beam search of transformers 5.x). Everything is numpy: no torch, no ONNX, no asyncio.
+
+Design notes (the protocol step by step): docs/architecture.md, service/decoding/types.py.
 """
 
 from __future__ import annotations

@@ -4,17 +4,14 @@ One graph serves both: prefill feeds the right-padded prompts with an empty cach
 row with the cache. Rows of different lengths share a batch through explicit positions and the slot mask.
 A version with an in-place step graph (config `files["decoder_step"]`, `export.kv_inplace`) runs the steps on
 it instead: the cache becomes fixed-capacity buffers, bound through IO binding as the graph's past and present,
-so a step writes its slot without copying the past. With the step's attention as GroupQueryAttention (a `+gqa`
-variant), which reads each row's used slots only, the buffers take the context length at once (`KVCache.limit`)
-instead of growing by `kv_cache.HEADROOM` several times.
+so a step writes its slot without copying the past; a `+gqa` step's take the context length at once (`limit`).
 
-The prompt pass returns the logits at every prompt position (the graph's `logits` are (rows, positions, V)); the
-scheduler keeps the last position's for the next token and, for the prompts whose log-probabilities were asked for
-(OpenAI's `echo` + `logprobs`, vLLM's `prompt_logprobs`), the others too (`prefill_positions`): no second pass.
-Every exported variant returns them (float, int8, fused attention; the in-place step graph serves the steps only).
-A decoder graph whose logits held the last position only could neither score prompts nor end right-padded ones
-(`scores_prompts` is False: the serving layer refuses to score prompts on it, and its prompt pass raises rather
-than return another position's logits).
+The prompt pass returns the logits at every prompt position, so prompt log-probabilities (OpenAI's `echo` +
+`logprobs`, vLLM's `prompt_logprobs`) need no second pass (`prefill_positions`). A decoder graph whose logits held
+the last position only could neither score prompts nor end right-padded ones: `scores_prompts` is False and its
+prompt pass raises rather than return another position's logits.
+
+Design notes: docs/architecture.md, service/engines/gpt.py.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.kv_quantization import load_scales, quantize
 from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
+from service.engines.vocabulary import check_vocabulary, graphs_of
 from service.engines.weights import changes_step_attention, quantizes_kv_cache
 from service.repository import TOKENIZER_FILE, ModelVersion
 
@@ -63,6 +61,8 @@ class GPTEngine:
             options.weights) else None
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
+        check_vocabulary(self.tokenizer, self.vocab_size, graphs_of(config["files"], self.session, self._in_place),
+                         {"eos_id": self.eos_id})
         self.scores_prompts = returns_every_position(self.session)
 
     def _run(self, cache: KVCache, ids: np.ndarray, positions: np.ndarray, new_mask: np.ndarray) -> np.ndarray:

@@ -2,23 +2,15 @@
 on a bounded pool of decoder threads, under one memory budget shared by every request, within each request's
 deadline.
 
-Why it is its own concern: a file's size says nothing about its pixels. A 4000x4000 RGBA PNG of one colour is
-70 KB on the wire and 64 MB in memory once decoded (plus its preprocessing copies), so a few small uploads could make
-the server hold gigabytes and keep its cores busy long after their clients gave up. Everything that can be known
-without decoding is checked first, from the headers; pixels are then decoded only within a budget of bytes,
-only before the deadline, and only while someone waits for them:
-
-- `decode_cost`: the bytes an image holds from its decode to the end of `engine.preprocess`, from its header;
-- `DecodeBudget`: those bytes, reserved first come, first served (a large image is never starved by a stream of
-  small ones), waited for on the event loop, given back by the decoder thread when it is done;
-- `ImageDecoder`: the pool (`TSERVE_IMAGE_DECODE_THREADS` threads, not Starlette's 40) and the budget
-  (`TSERVE_IMAGE_DECODE_BUDGET_BYTES`); `await decoder.decode(images, engine, deadline)` reads every header
-  (the per-image limits and `TSERVE_MAX_REQUEST_PIXELS` for the request, before any pixel is decoded), then
-  decodes image by image as the budget allows, and answers `DeadlineExceeded` at the deadline whatever the
-  threads are doing. An image not yet started is never started after the deadline or once the request is
-  abandoned; one that is being decoded finishes in its thread and gives its bytes back then.
-
+A file's size says nothing about its pixels (a 4000x4000 RGBA PNG of one colour: 70 KB on the wire, 64 MB decoded),
+so everything that can be known without decoding is checked first, from the headers: `decode_cost` (the bytes an
+image holds until the end of `engine.preprocess`), `DecodeBudget` (those bytes, reserved first come, first served),
+`ImageDecoder` (the pool, `TSERVE_IMAGE_DECODE_THREADS`, and the budget, `TSERVE_IMAGE_DECODE_BUDGET_BYTES`).
+Invariant: pixels are decoded only within the budget, only before the deadline and only while someone waits; an
+image not yet started is never started after the deadline or once the request is abandoned.
 Bad input is a `ServiceError` that names the image: 400 for what cannot be decoded, 413 for what is too large.
+
+Design notes: docs/architecture.md, service/engines/imaging.py.
 """
 
 from __future__ import annotations

@@ -1,116 +1,32 @@
 """The KV cache of a batch of decoding rows: keys/values per layer, the slot mask and each row's next position.
 
 After text-generation-inference's `Batch` (`filter`, `concatenate`) and gpt-fast's small cache module: a tiny API
-that the engines and the batching scheduler share.
-- `feeds()` the past tensors of the graph; `append(presents)` adopts the graph's present tensors (one slot more);
-- `select(rows)` keeps/reorders rows: beam reordering and dropping finished requests are the same operation;
-- `concatenate(caches)` merges batches of different lengths by left-padding the shorter ones with masked slots,
-  which is how a request joins a running batch at a step boundary.
+that the engines and the batching scheduler share. `feeds()` / `append(presents)` step exact storage (the graph's
+presents adopted); `open_slot()` / `advance()` step buffers written in place (`export.kv_inplace`'s graph, bound by
+`service.engines.iobinding.InPlaceStep`); `select(rows)` keeps/reorders rows (beam reordering and dropping finished
+requests are the same operation); `concatenate(caches)` is how requests join a running batch at a step boundary
+(`in_place=True`: into its own buffers while they have room). Storage layout: `service.engines.kv_storage`.
 
-Layout: keys[i], values[i] float32, or int8 for a quantised cache (`service.engines.kv_quantization`; every copy
-here keeps the cache's element type) (rows, heads, capacity, head_dim); mask int64 (rows, capacity), 1 where a slot
-holds a real token; positions int64 (rows,), the position id of each row's next token. Slots are shared by all
-rows (length is common), so a row's own tokens may start after some masked slots. For encoder-decoder models,
-encoder_row int64 (rows,) says which encoded source each row attends to; it moves with its row.
+Invariant: buffers keep every row where it would be alone (slot 0 onwards), whatever the batch; joins, reorders
+and growth only ever add slots after a row's. This makes a row's logits bit-identical alone and in any batch
+(ONNX Runtime's attention reductions group a row's slots by their offset in the row).
 
-Two storage modes, after vLLM's and gpt-fast's pre-allocated caches:
-- exact (`lengths` None): capacity == length; the graph's presents (past + new, a fresh copy) are adopted;
-- buffers (`lengths` = each row's slots in use): every row's tokens sit in slots [0, lengths[row]), the slots
-  after them are zero and masked. A step writes each row's token into its own slot `lengths[row]` in place
-  (`export.kv_inplace`'s graph, with the buffers bound as both past and present); capacity grows with a headroom
-  (`capacity_for`), so attention over the whole buffer costs at most 1 + HEADROOM times the used length, or, for an
-  attention that reads the used slots only, takes a fixed `limit` (the context length) at once.
-  `service.engines.iobinding.InPlaceStep` runs such steps with one IO binding that lasts as long as the buffers do.
-  Buffers also keep room for more rows than they hold (`RowStorage`, `ROW_HEADROOM`; the rows are views of its
-  first rows), so that a request joins a running batch by writing its rows after the others and a departure
-  closes the gap by moving the rows after it (`concatenate(..., in_place=True)`, `select`), after vLLM's
-  preallocated blocks, instead of copying the whole cache into a new one at every join (TGI's `concatenate`).
-
-Buffers keep every row where it would be alone (slot 0 onwards), whatever the batch: this is what makes a row's
-logits bit-identical alone and in any batch (batch invariance). ONNX Runtime's attention reductions (softmax sum,
-probabilities x values) group a row's slots by their offset in the row, so masked slots BEFORE a row's tokens
-change the last bits (measured: up to 0.07 in the int8 GPT's logits, once its activations are re-quantised)
-while masked slots after them change nothing; joins, reorders and growth only ever add slots after a row's.
+Design notes: docs/architecture.md, service/engines/kv_cache.py.
 """
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.engines.kv_storage import HEADROOM, RowStorage, aligned_storage, capacity_for, rows_for
 from service.engines.onnx_schema import past_names
 
-CAPACITY_STEP = 16  # buffer capacities are multiples of this many slots
-# A full buffer is replaced by one with this much headroom: attention over the buffer costs at most 1 + HEADROOM
-# times the used slots, and a growth (one copy of the cache) happens about every HEADROOM x length steps, so its
-# copy costs about 1 / HEADROOM slots per step, where concatenating copies the whole past every step. Measured on
-# the release GPT (16 + 128 tokens, int8 weights, fused attention): doubling made steps slower than concatenating
-# at batch 16 and 64 (attention over up to twice the slots); growing by 16 slots made them faster at batch 16 and
-# 64 (1.24x, 1.16x) but copied the cache every 16 steps.
-HEADROOM = 0.25
-# Buffers grown to a limit at least this large are fresh anonymous pages, zeroed by the kernel when first written.
-FRESH_PAGES_BYTES = 1 << 20
-# Buffers hold this much more rows than they are made for (`RowStorage`), at least ROW_STEP, so that joins write
-# into them instead of copying every row into new ones: a join copied the whole cache (every row, every used
-# slot) and, with a `limit`, its next growth copied it again (12-16% of a decoding thread's time at 32 streams of
-# 64 tokens, py-spy, bench_http's gpt). Unused rows are zero pages, paid for when first written.
-ROW_HEADROOM = 0.25
-ROW_STEP = 4
 # A same-size reorder that moves at most this fraction of the rows (beams swapping a few parents) copies just those
 # rows in place; one that moves more gathers every row into a fresh cache in one pass instead.
 IN_PLACE_REORDER_FRACTION = 0.5
-
-
-def zeroed(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """`np.zeros` for a buffer grown to `KVCache.limit` at once: mostly slots never written (its attention reads the
-    used slots only), so, when large, fresh anonymous pages, which the kernel zeroes when first written; `np.zeros`
-    (calloc) zeroes eagerly when the heap recycles a freed chunk: gpt/4's +gqa buffers at 64 rows are 201 MB, and
-    that memset made their first step 89 ms instead of 22 (bench/calibration_length.py). Buffers grown with a
-    headroom are read whole by their attention, so they stay `np.zeros` (fresh pages only add faults there)."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if size < FRESH_PAGES_BYTES:
-        return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE), dtype).reshape(shape)  # unmapped when freed
-
-
-def capacity_for(slots: int, limit: int | None = None) -> int:
-    """The buffer capacity for `slots` used slots: `HEADROOM` more, rounded up to a multiple of CAPACITY_STEP; with
-    a `limit` (`KVCache.limit`), that limit, or `slots` where they are more."""
-    if limit is not None:
-        return max(slots, limit)
-    return max(CAPACITY_STEP, -(-int(slots * (1 + HEADROOM)) // CAPACITY_STEP) * CAPACITY_STEP)
-
-
-def rows_for(rows: int) -> int:
-    """The rows a buffers' storage is made with for `rows` rows: `ROW_HEADROOM` more, a multiple of ROW_STEP."""
-    return max(ROW_STEP, -(-int(rows * (1 + ROW_HEADROOM)) // ROW_STEP) * ROW_STEP)
-
-
-@dataclass
-class RowStorage:
-    """Buffers with room for more rows than a cache holds: a buffered cache's keys, values and mask are views of
-    the first rows of these arrays. Every slot no row uses, in every row of the storage, is zero."""
-
-    keys: list[np.ndarray]  # per layer (row capacity, heads, slot capacity, head_dim), the cache's element type
-    values: list[np.ndarray]
-    mask: np.ndarray  # (row capacity, slot capacity) int64
-
-    @classmethod
-    def allocate(cls, rows: int, n_layers: int, n_heads: int, capacity: int, head_dim: int, dtype=np.float32,
-                 fresh: bool = False) -> RowStorage:
-        """Zeroed storage for `rows` rows of `capacity` slots, keys and values of `dtype` (in fresh pages, `zeroed`,
-        when `fresh`)."""
-        allocate = zeroed if fresh else np.zeros
-        shape = (rows, n_heads, capacity, head_dim)
-        return cls([allocate(shape, dtype) for _ in range(n_layers)],
-                   [allocate(shape, dtype) for _ in range(n_layers)], np.zeros((rows, capacity), np.int64))
-
-    @property
-    def rows(self) -> int:
-        return self.mask.shape[0]
 
 
 @dataclass
@@ -158,12 +74,12 @@ class KVCache:
     def reserve(self, slots: int) -> None:
         """Switch to buffer storage with room for `slots` more slots in every row, growing (one copy) only when
         full, to `capacity_for` them or to `limit`. From exact storage each row's used slots move to the front, in
-        order (`_aligned`). The new buffers keep room for more rows (`RowStorage`)."""
+        order (`aligned_storage`). The new buffers keep room for more rows (`RowStorage`)."""
         if self.buffered and self.length + slots <= self.capacity:
             return
         if not self.buffered:  # aligned straight into buffers of the grown capacity: one copy of the past, not two
-            storage, self.lengths = _aligned(self.keys, self.values, self.mask, slots, self.limit,
-                                             rows_for(self.rows))
+            storage, self.lengths = aligned_storage(self.keys, self.values, self.mask, slots, self.limit,
+                                                    rows_for(self.rows))
             self._adopt(storage, self.rows)
             return
         length, rows = self.length, self.rows
@@ -297,7 +213,7 @@ class KVCache:
                 if cache.buffered:
                     keys, values, mask, lengths = cache.keys, cache.values, cache.mask, cache.lengths
                 else:
-                    aligned, lengths = _aligned(cache.keys, cache.values, cache.mask)
+                    aligned, lengths = aligned_storage(cache.keys, cache.values, cache.mask)
                     keys, values, mask = aligned.keys, aligned.values, aligned.mask
                 sources.append((keys, values, mask, lengths, 0, int(lengths[kept].max(initial=0))))
             else:
@@ -388,32 +304,3 @@ class KVCache:
         if moved.size:
             mask[moved, :length] = mask[kept[moved], :length]
         mask[n : self.rows, :length] = 0
-
-
-def _aligned(keys: list[np.ndarray], values: list[np.ndarray], mask: np.ndarray, room: int | None = None,
-             limit: int | None = None, storage_rows: int | None = None) -> tuple[RowStorage, np.ndarray]:
-    """Exact storage moved into the buffer layout: each row's used slots first, in their order, zeros after;
-    returns (storage, lengths): a storage of the same rows and width, or, with `room`, of the capacity that
-    `reserve(room)` grows to (`capacity_for` the longest row's slots + `room`, `limit`), the keys and values in
-    fresh pages (`zeroed`) when that is the limit, and with `storage_rows` rows (the first ones hold these)."""
-    used = mask.astype(bool)
-    lengths = used.sum(axis=1).astype(np.int64)
-    rows, width = mask.shape
-    capacity = width if room is None else capacity_for(int(lengths.max(initial=0)) + room, limit)
-    copied = min(width, capacity)  # slots past the longest row are masked in every row: zeros either way
-    keep = np.arange(width) < lengths[:, None]  # (rows, slots) in the new layout
-    # already aligned (a right-padded prompt): nothing moves; else used slots first, in their order
-    order = None if (used == keep).all() else np.argsort(~used, axis=1, kind="stable")
-    storage = RowStorage.allocate(storage_rows or rows, len(keys), keys[0].shape[1], capacity, keys[0].shape[3],
-                                  keys[0].dtype, fresh=room is not None and limit is not None)
-
-    def move(array: np.ndarray, out: np.ndarray) -> None:  # (rows, heads, slots, head_dim)
-        source = array if order is None else np.take_along_axis(array, order[:, None, :, None], axis=2)
-        # what is masked is zero, as in a fresh buffer
-        np.multiply(source[:, :, :copied], keep[:, None, :copied, None].astype(array.dtype),
-                    out=out[:rows, :, :copied])
-
-    for array, out in zip((*keys, *values), (*storage.keys, *storage.values)):
-        move(array, out)
-    storage.mask[:rows, :copied] = keep[:, :copied]
-    return storage, lengths

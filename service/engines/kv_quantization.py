@@ -35,9 +35,12 @@ def load_scales(directory: str | Path) -> np.ndarray:
     path = Path(directory) / SCALES_FILE
     if not path.is_file():
         raise ValueError(f"{path} is missing: an int8 KV cache ({KV8}) needs the scales `export.kv_scales` measures")
-    scales = np.load(path).astype(np.float32)
-    if scales.ndim != 4 or scales.shape[1] != 2 or not (scales > 0).all():
-        raise ValueError(f"{path}: expected positive scales of shape (layers, 2, heads, head_dim), got "
+    try:
+        scales = np.asarray(np.load(path, allow_pickle=False), dtype=np.float32)
+    except (OSError, ValueError, EOFError, TypeError) as error:  # not a .npy file of numbers, or cut short
+        raise ValueError(f"{path} is not a NumPy file of scales: {error}") from None
+    if scales.ndim != 4 or scales.shape[1] != 2 or not (np.isfinite(scales) & (scales > 0)).all():
+        raise ValueError(f"{path}: expected finite positive scales of shape (layers, 2, heads, head_dim), got "
                          f"{scales.shape}")
     return scales
 

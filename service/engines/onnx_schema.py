@@ -2,20 +2,12 @@
 
 Follows the convention of Optimum and onnxruntime-genai: `past_key_values.{i}.key` in, `present.{i}.key` out.
 Every graph takes int64 ids/positions and int64 masks (1 = real token) and float32 tensors; cache tensors are
-laid out (batch, heads, sequence, head_dim).
+laid out (batch, heads, sequence, head_dim). Graphs per model kind: gpt `decoder.onnx`; translation `encoder.onnx`
+(-> `cross_attention.{i}.key/value`, once per source) and `decoder.onnx` (`encoder_row[r]`: the encoded source row
+r decodes, shared by its beams by index); vit `model.onnx`; gpt and translation may add `decoder_step.onnx`
+(`export.kv_inplace`: one-token steps over fixed-capacity caches, the new slot at `cache_slot`).
 
-Graphs per model kind:
-- gpt: `decoder.onnx`  (input_ids, position_ids, attention_mask, past_key_values.*) -> (logits, present.*)
-- translation: `encoder.onnx` (input_ids, attention_mask) -> cross_attention.{i}.key/value
-               `decoder.onnx` (input_ids, position_ids, attention_mask, encoder_attention_mask, encoder_row,
-                               past_key_values.*, cross_attention.*) -> (logits, present.*)
-  `encoder_row[r]` says which encoded source row r decodes: the cross-attention keys/values are computed once
-  per source and shared by its beams by index, never recomputed per beam or per step.
-- vit: `model.onnx` (pixel_values) -> logits
-- gpt and translation may add `decoder_step.onnx` (config `files["decoder_step"]`): the decoder rewritten by
-  `export.kv_inplace` for one-token steps over fixed-capacity caches: one more input, `cache_slot` (int64
-  scalar, the slot the new token's keys/values are written to); past, present and attention_mask all span the
-  capacity, and the present outputs are meant to be bound to the past buffers themselves.
+Design notes (each graph's inputs and outputs): docs/architecture.md, service/engines/onnx_schema.py.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Sibling projections fused into one MatMul, the load-time rewrite: the MatMuls that read the same input with
 constant weights (an attention's Q, K and V projections; the translator encoder's cross-attention keys and values
-of every decoder layer) become one MatMul of their weights side by side, then a `Split` of its output.
+of every decoder layer) become one MatMul of their weights side by side, then a `Split` of its output, as in
+CTranslate2 (one QKV GEMM, one K/V GEMM for all cross-attention layers) and onnxruntime-genai (packed QKV). On a
+step of a few rows each MatMul's hand-off to the thread pool, not its arithmetic, is most of its time: one call for
+three projections pays it once.
 
-ONNX Runtime runs each MatMul as its own kernel call, and with several intra-op threads each call hands work to
-the pool and waits for it: on a decoding step of a few rows that hand-off, not the arithmetic, is most of a
-projection's time (a 256 x 256 projection of 4 rows took ~34 us for ~3 us of multiply-adds; docs/benchmarks.md).
-One call for three projections pays it once. The fused projections used by CTranslate2 (one QKV GEMM per
-self-attention, one K/V GEMM for all cross-attention layers) and onnxruntime-genai's models (packed QKV) do the
-same.
+Invariant: the outputs are the same bit for bit (tests/unit/engines/test_projection_fusion.py), only the number of
+kernel calls changes; so only like fuse with like (float MatMuls with float MatMuls, MatMulNBits with MatMulNBits of
+the same K, bits, block size and accuracy level and without zero points), and MatMulNBits of which only some add a
+bias are left as they are.
 
-Every output element is the same dot product over the same input row as before, in the same order: MLAS splits a
-MatMul among threads by rows and columns of the output, never along the inner dimension, and an 8-bit
-MatMulNBits quantises its input per row and block of that dimension, whatever the width. So the outputs are the
-same bit for bit (tests/unit/engines/test_projection_fusion.py checks the release models), and only the number of
-kernel calls changes. Float MatMuls (float32 weights, or float16 stored + Cast, `export.compress`) fuse with
-float MatMuls, MatMulNBits with MatMulNBits of the same K, bits, block size and accuracy level and without zero
-points. The members' bias Adds become one Add before the Split (a MatMulNBits' bias input) when every member has
-one; ONNX Runtime folds a MatMulNBits' bias Add into its kernel, so MatMulNBits of which only some add a bias are
-left as they are (fusing them would change those members' rounding).
+Design notes: docs/architecture.md, service/engines/projection_fusion.py.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """The in-place step graph's attention as ONNX Runtime's `GroupQueryAttention`: the load-time rewrite of the `gqa`
-variants (`service.engines.weights`).
+variants (`service.engines.weights`), after how onnxruntime-genai runs its CPU decoders over a shared KV buffer.
 
-The in-place step graph (`export.kv_inplace`) writes each row's new keys/values into slot `cache_slot[row]` of the
-shared buffers with two ScatterND per layer, then runs `com.microsoft.MultiHeadAttention` over the whole
-fixed-capacity buffer with the unused slots masked. `com.microsoft.GroupQueryAttention` (here with as many key/value
-heads as query heads) does both in one kernel: it takes the new token's keys/values and the buffers as its past,
-writes the new slot itself (with the buffer bound as both past and present, in place) and attends over each row's
-own length only, `seqlens_k[row] + 1` slots, where the masked kernel reads the whole capacity. This is how
-onnxruntime-genai runs its CPU decoders over a shared KV buffer.
+The in-place step graph (`export.kv_inplace`) scatters each row's new keys/values into slot `cache_slot[row]`, then
+runs a masked `MultiHeadAttention` over the whole buffer; GroupQueryAttention does both in one kernel and attends
+over each row's own `seqlens_k[row] + 1` slots only. Where the projections were fused
+(`service.engines.projection_fusion`), `pack_query_key_value` feeds it the fused QKV whole and the Split goes.
 
-It relies on the buffers' layout (`service.engines.kv_cache`): every row's tokens sit in slots [0, cache_slot[row]),
-so the slots before the new one are exactly the row's, and `seqlens_k` = `cache_slot` (the past length), the total
-length = max(cache_slot) + 1. The attention mask is then not read. Another kernel sums in another order: outputs
-may differ from the masked kernel's in the last bits (and a greedy choice between near-equal tokens with them), so
-the variant is quality-checked at export like a weights variant (`export.variants`), on the steps it changes.
-Rows stay batch-invariant: each row's attention reads its own slots only.
+Invariant: it relies on the buffers' layout (`service.engines.kv_storage`): every row's tokens sit in slots
+[0, cache_slot[row]), so `seqlens_k` = `cache_slot` and the attention mask is not read; rows stay batch-invariant.
+Another kernel sums in another order (outputs may differ in the last bits), so the variant is quality-checked at
+export like a weights variant (`export.variants`).
 
-Where the projections were fused (`service.engines.projection_fusion`: one MatMul for Q, K and V, then a Split),
-`pack_query_key_value` hands GroupQueryAttention the fused output whole, as its packed QKV input (what
-onnxruntime-genai's CPU models feed it), and the Split goes: the same numbers, one node less per layer (measured
-on the release GPT int8+gqa, three in-process A/B pairs: +4 / +8 / +15% at batch 1; 0 / -2 / -6% at 16 and
-0 / 0 / -5% at 64, inside the runs' ~5% noise; docs/benchmarks.md).
+Design notes: docs/architecture.md, service/engines/step_attention.py.
 """
 
 from __future__ import annotations

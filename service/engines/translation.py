@@ -28,6 +28,7 @@ from service.engines import onnx_schema as schema
 from service.engines.iobinding import step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
+from service.engines.vocabulary import check_vocabulary, graphs_of
 from service.repository import TOKENIZER_FILE, ModelVersion
 
 DEFAULT_LENGTH_PENALTY = 1.0  # beam search's, for a version whose config.json does not choose one (transformers')
@@ -131,15 +132,17 @@ class TranslationEngine:
                                                                   self.encoder, calls)
         special = config["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad_id"], special["bos_id"], special["eos_id"]
+        check_vocabulary(self.tokenizer, self.vocab_size, graphs_of(config["files"], self.decoder, self._in_place),
+                         {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id})
         self.max_source_length = config["max_source_length"]
         self.max_target_length = config["max_target_length"]
         # beam search's default length penalty: the one chosen on validation (export, from models.evaluate)
         self.length_penalty = float(config.get("generation", {}).get("length_penalty", DEFAULT_LENGTH_PENALTY))
 
     def source_ids(self, text: str) -> list[int]:
-        """Tokenise a German sentence: ids + EOS, truncated to the longest source the model accepts."""
-        ids = self.tokenizer.encode(text).ids[: self.max_source_length - 1]
-        return ids + [self.eos_id]
+        """Tokenise a German sentence: ids + EOS, all of them (never cut: `encode` refuses a source longer than
+        `max_source_length`, which the serving layer checks first, `service.serving.translate.source_ids`)."""
+        return self.tokenizer.encode(text).ids + [self.eos_id]
 
     def encode(self, sources: Sequence[Sequence[int]]) -> EncodedSources:
         length = max(len(s) for s in sources)

@@ -3,25 +3,15 @@ the other, so that the repository stores each model once and the service runs th
 (`service.models.variants` measures and chooses).
 
 - `fp32`: every MatMul computes in float32 on float32 weights (stored as float32 or as float16, `export.compress`);
-- `int8`: every MatMul with a constant weight is ONNX Runtime's `com.microsoft.MatMulNBits`: 8-bit symmetric
-  blocks of `BLOCK_SIZE` along the input dimension, one float scale each, `accuracy_level` 4 (the CPU kernel
-  quantises the activations per row and block, and runs int8 dot products): what `export.quantize` stores.
+- `int8`: every MatMul with a constant weight is ONNX Runtime's `com.microsoft.MatMulNBits` (8-bit symmetric blocks
+  of `BLOCK_SIZE`, `accuracy_level` 4): what `export.quantize` stores;
+- `+gqa`, `+gqa+kv8` (`VARIANTS`): the in-place step graph's attention as GroupQueryAttention
+  (`service.engines.step_attention`), with `+kv8` over an int8 cache (`service.engines.kv_quantization`).
+`derive` dequantises (int8 -> fp32) or quantises with ONNX Runtime's own blockwise kernel (fp32 -> int8: the blocks
+and scales the exporter would store). Invariant: only the MatMuls (and a `+gqa` step's attention) change, the rest of
+the graph is kept. Each variant's quality is measured at export time (`export.variants`), not here.
 
-The derivations (`derive`):
-- int8 -> fp32 dequantises each MatMulNBits' weights once into a float32 (K, N) initializer read by a plain MatMul
-  (and an Add of its bias, if any): the same int8-rounded weights, float32 activations;
-- fp32 -> int8 quantises each constant 2-D MatMul weight with ONNX Runtime's own blockwise kernel
-  (`quantize_matmul_8bits`, the one its `MatMulNBitsQuantizer` calls for `export.quantize`), so the blocks and
-  scales are those the exporter would store from the same weights.
-Either way only the MatMuls change; the rest of the graph (float16 storage of embeddings, fused attention, the
-in-place cache) is kept.
-
-A variant is its weights, optionally with `+gqa` or `+gqa+kv8` (`VARIANTS`: fp32, int8, fp32+gqa, int8+gqa,
-fp32+gqa+kv8, int8+gqa+kv8): the in-place step graph's attention then runs as ONNX Runtime's GroupQueryAttention
-(`service.engines.step_attention`), with `+kv8` over an int8 cache (`service.engines.kv_quantization`, scales read
-from beside the graph); the graphs without one (a prompt pass, an encoder, an image model) are the weights
-variant's. Each variant's quality is
-measured at export time (`export.variants`), not here.
+Design notes: docs/architecture.md, service/engines/weights.py.
 """
 
 from __future__ import annotations

@@ -1,32 +1,17 @@
 """Optional API keys: `Authorization: Bearer <key>` on every request under /v1/ and /v2/ and on the tokenizer routes.
 
-The keys are the union of `api_keys` (`TSERVE_API_KEYS`, a JSON list) and the lines of `api_keys_file`
-(`TSERVE_API_KEYS_FILE`: one key per line, stripped; blank lines and lines starting with # ignored). No key at all =
-no authentication (the default). A bad configuration fails at app creation (`ApiKeyConfigError`, naming the
-setting, never showing a key): a file that is set but cannot be read or holds no key, a key shorter than
-`MIN_KEY_CHARS`, or a key with characters other than visible ASCII (it could not travel in a header as it is).
+The keys are the union of `api_keys` (`TSERVE_API_KEYS`) and the lines of `api_keys_file` (`TSERVE_API_KEYS_FILE`);
+no key at all = no authentication (the default); a bad configuration fails at app creation (`ApiKeyConfigError`).
+Only the Bearer scheme is accepted (its name case-insensitive, RFC 7235; the key case-sensitive). A rejected request
+gets 401 with `WWW-Authenticate: Bearer` in the error shape the OpenAI SDK reads; a rejected WebSocket is closed
+(1008). A pure ASGI middleware inside the request middleware (`service.http.middleware`), so that a rejected request
+still gets its request id and is logged and counted there like any other.
 
-When keys are configured, every HTTP request whose path is /v1 or /v2 or starts with /v1/ or /v2/ (the inference
-and model-listing routes, today's and later ones: OpenAI-compatible and Open Inference Protocol routes live there),
-and vLLM's tokenizer routes at the root (/tokenize, /detokenize, /tokenizer_info: they read whole documents with the
-served models' tokenizers; lm-eval's remote tokenizer sends the key it is given), needs `Authorization: Bearer
-<key>`; everything else (/health/*, /metrics, /docs, /openapi.json, /redoc) stays open.
-Only the Bearer scheme is accepted: no `X-API-Key` header, no query parameter. The scheme name is
-case-insensitive (RFC 7235 section 2.1: `bearer <key>` is accepted), the key itself is case-sensitive; more than one
-Authorization header is rejected. CORS preflights (OPTIONS) are not special-cased. A WebSocket under those paths
-without a valid key is closed before it is accepted (1008, policy violation).
+Invariant: no key leaks. The comparison takes the same time whichever key matches, or none (SHA-256 digests compared
+with `hmac.compare_digest` against every configured key, no early return); the keys themselves are not kept, and are
+never logged, counted or echoed.
 
-A rejected request gets 401 with `WWW-Authenticate: Bearer` and the error shape the OpenAI SDK reads (a superset of
-this service's `{"error": {"type", "message"}}`): `{"error": {"message", "type": "authentication_error",
-"param": null, "code": "invalid_api_key"}}`. The message says what was missing or wrong, never the key given.
-
-The comparison takes the same time whichever key matches, or none: the SHA-256 of the key given is compared with
-`hmac.compare_digest` against the SHA-256 of every configured key, all of them, with no early return (comparing
-digests of equal length also hides the keys' lengths). The keys themselves are not kept, and are never logged,
-counted or echoed.
-
-A pure ASGI middleware (not `BaseHTTPMiddleware`), installed inside the request middleware (`service.http.middleware`),
-so that a rejected request still gets its request id and is logged and counted there like any other, by its status.
+Design notes: docs/architecture.md, service/http/auth.py.
 """
 
 from __future__ import annotations

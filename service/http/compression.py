@@ -1,20 +1,16 @@
 """HTTP content codings (RFC 9110 section 8.4): compressed request bodies decoded, responses compressed when asked.
 
-Requests: a body with `Content-Encoding: gzip` (or `x-gzip`) or `deflate` (the zlib format, RFC 1950, as RFC 9110
-section 8.4.1.2 and tritonclient's `request_compression_algorithm` have it) reaches the routes decoded, on every
-route that reads a body, whatever its API. The body is inflated incrementally as it arrives (`DecodedBody`), at
-most `DECODE_STEP_BYTES` per receive, and the decoded size is held to the body limit the request middleware holds
-the received bytes to (`TSERVE_MAX_BODY_BYTES`): a small gzip bomb gets 413 once its decoded bytes pass the limit,
-having never held more than the limit in memory. A stream that does not decode (corrupt, truncated, data after the
-end of a deflate stream) is a 400 naming its coding; any other coding, or more than one, a 415 with
-`Accept-Encoding: gzip, deflate` (RFC 7694). `identity` is no coding. These errors are raised into whatever reads
-the body as `ClientBodyError`s, so each comes in the shape of the request's API (`service.http.errors`), like the
-413 and 408 of the raw body; the routes see neither `Content-Encoding` nor the coded `Content-Length`.
+Requests: a body with `Content-Encoding: gzip` (or `x-gzip`) or `deflate` (the zlib format, RFC 1950) reaches every
+route that reads a body decoded, inflated incrementally as it arrives (`DecodedBody`); a stream that does not decode
+is a 400, any other coding a 415 with `Accept-Encoding: gzip, deflate` (RFC 7694), each a `ClientBodyError` in the
+shape of the request's API. Responses: gzip or deflate, whichever the client's `Accept-Encoding` weights highest
+(gzip on a tie), when the body is at least `MIN_COMPRESSED_BYTES`, by Starlette's GZip responders, which never touch
+`text/event-stream`.
 
-Responses: compressed with gzip or deflate, whichever the client's `Accept-Encoding` weights highest (gzip on a
-tie), when the body is at least `MIN_COMPRESSED_BYTES`. Starlette's GZip responders do the work (gzip; deflate is
-the same stream in the zlib format) and never touch `text/event-stream`, so a stream still flushes per event, nor
-a response that already has a coding.
+Invariant: the decoded size is held to the body limit of the received bytes (`TSERVE_MAX_BODY_BYTES`): a small gzip
+bomb gets 413 once its decoded bytes pass the limit, having never held more than the limit in memory.
+
+Design notes: docs/architecture.md, service/http/compression.py.
 """
 
 from __future__ import annotations

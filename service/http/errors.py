@@ -94,6 +94,7 @@ def install_error_handlers(app: FastAPI, apis: ApiTable) -> None:
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
+        request.state.failure_reason = error.reason  # the error's own (a 503 may be `unavailable` or `unloaded`)
         return respond(request, error.status, error.type, error.message, error.headers, error.param)
 
     @app.exception_handler(RequestValidationError)

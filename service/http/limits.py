@@ -1,35 +1,17 @@
 """Limits on HTTP/1.1 request heads (request line + headers), enforced in uvicorn's protocol before the app runs.
 
-uvicorn has no request-head timeout (its keep-alive timer only runs between requests) and, with httptools, no
-bound on the size or number of headers: a client trickling its head, or sending nothing, held a connection open
-indefinitely, and a 1 MB header or 5,000 headers were buffered and handed to the app. `limited_http_protocol`
-returns a subclass of uvicorn's `HttpToolsProtocol` that enforces, per request:
+`limited_http_protocol` returns a subclass of uvicorn's `HttpToolsProtocol` (uvicorn has no request-head timeout
+and, with httptools, no bound on the size or number of headers) that enforces, per request: the head complete
+within `header_timeout_s` (408), at most `max_header_bytes` long, counted as the bytes arrive (431), at most
+`max_header_count` headers (431); a head the parser cannot read is a 400 naming the parser's reason. A rejected
+connection gets a complete JSON error response; `on_reject(reason)` is called once per rejected connection.
 
-- the head must be complete within `header_timeout_s` of the connection opening (first request) or of the first
-  byte of the next request on a keep-alive connection (408); an idle keep-alive connection is left to uvicorn's
-  `timeout_keep_alive`;
-- the head may be at most `max_header_bytes` long, counted as the bytes arrive, so that one huge header is
-  stopped while it streams in rather than after it was buffered (431);
-- at most `max_header_count` headers (431).
+Invariant: an answer is never turned into a TCP reset by closing at once. A rejected connection and a response sent
+before its request's body arrived (413, 408) are half-closed and what the client still sends is read and discarded
+(nginx's lingering close, bounded by `LINGER_S` and `LINGER_MAX_S`); at shutdown an idle keep-alive connection stays
+open `SHUTDOWN_IDLE_GRACE_S` for a request already on its way (503 while draining).
 
-A rejected connection gets a complete JSON error response (`{"error": {"type", "message"}}`, `connection:
-close`), is half-closed, and what the client still sends is read and discarded for at most `LINGER_S` before
-the socket is closed: closing a socket with unread data sends a TCP reset, which can destroy the response
-before the client reads it. If a response is in progress on the connection (pipelining), no second response is
-written into it: the connection is closed once that response completes. `on_reject(reason)` is called once per
-rejected connection (the metrics), and a warning is logged on `tserve.http` with the peer and the reason.
-
-Two more places where closing at once would turn an answer into a TCP reset:
-
-- A response sent before its request's body has arrived (a 413 for a body over the limit, chunked or not, a 408)
-  ends with `connection: close`; uvicorn would close the socket while the client is still sending, and the reset
-  destroys the 413 before the client reads it. The connection is half-closed instead and what the client still
-  sends is read and discarded, as nginx's lingering close does: until the client closes, or `LINGER_S` passes
-  without a byte, or `LINGER_MAX_S` in all.
-- At shutdown uvicorn closes idle keep-alive connections at once, racing a request the client is sending on one
-  (with `TSERVE_DRAIN_DELAY_S=0`, 6 of 762 such requests got a reset). An idle connection is kept for
-  `SHUTDOWN_IDLE_GRACE_S` instead: a request that arrives is answered (503 while draining) with `connection:
-  close`, and the connection closes after that response or at the end of the grace.
+Design notes: docs/architecture.md, service/http/limits.py.
 """
 
 from __future__ import annotations
@@ -56,9 +38,10 @@ LINGER_MAX_S = 30.0
 # request's transit time, well below Kubernetes' 30 s termination grace.
 SHUTDOWN_IDLE_GRACE_S = 1.0
 HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS = "header_timeout", "headers_too_large", "too_many_headers"
-# A head that did not arrive in time (408), one too large or with too many headers (431).
-HEADER_TIMEOUT_STATUS, HEADERS_TOO_LARGE_STATUS = 408, 431
-REJECT_REASONS = (HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS)
+BAD_REQUEST = "bad_request"
+# A head that did not arrive in time (408), one too large or with too many headers (431), one not HTTP (400).
+HEADER_TIMEOUT_STATUS, HEADERS_TOO_LARGE_STATUS, BAD_REQUEST_STATUS = 408, 431, 400
+REJECT_REASONS = (HEADER_TIMEOUT, HEADERS_TOO_LARGE, TOO_MANY_HEADERS, BAD_REQUEST)
 # bytes of a head that httptools' callbacks do not report: "<method> <url> HTTP/1.1\r\n" spaces and version,
 # the final empty line, and per header ": " and "\r\n"
 REQUEST_LINE_OVERHEAD = len(b"  HTTP/1.1\r\n") + len(b"\r\n")
@@ -129,10 +112,10 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
                 self.parser.feed_data(data)
             except httptools.HttpParserCallbackError as error:
                 if not isinstance(error.__context__, _Rejected):
-                    self._bad_request()
+                    self._bad_request(error)
                 return
-            except httptools.HttpParserError:
-                self._bad_request()
+            except httptools.HttpParserError as error:
+                self._bad_request(error)
                 return
             except httptools.HttpParserUpgrade:
                 if self._should_upgrade():
@@ -145,10 +128,8 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
                 if self._head_bytes > max_bytes:
                     self._reject_too_large()
 
-        def _bad_request(self) -> None:
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+        def _bad_request(self, error: BaseException) -> None:
+            self._reject(BAD_REQUEST_STATUS, BAD_REQUEST, unreadable_request(error))
 
         # parser callbacks
         def on_message_begin(self) -> None:
@@ -251,6 +232,15 @@ def limited_http_protocol(settings: Settings, on_reject: Callable[[str], None]) 
             self._timer = self.loop.call_at(min(self.loop.time() + LINGER_S, self._linger_ends), self.transport.close)
 
     return LimitedHttpToolsProtocol
+
+
+def unreadable_request(error: BaseException) -> str:
+    """What a 400 says of a request the parser could not read (`error`: httptools', or what a callback raised)."""
+    reason = str(error.args[0]) if error.args else type(error).__name__
+    hint = ""
+    if isinstance(error, httptools.HttpParserInvalidURLError):  # e.g. a raw byte that is not ASCII in the path
+        hint = "; a request target is ASCII: percent-encode any other byte (RFC 3986)"
+    return f"not a valid HTTP/1.1 request: {reason}{hint}"
 
 
 class _LingeringClose:

@@ -3,18 +3,15 @@ unexpected, the request metrics and the access log, and the request's trace span
 (`service.observability.tracing`; its trace id goes into the access log).
 
 A pure ASGI middleware (not `BaseHTTPMiddleware`), so streamed responses pass through untouched and the request
-duration runs to the last byte. The request's API and endpoint label come from its route (`service.http.apis`):
-the metrics count the routes that have an endpoint label, with their API's `api` label; errors sent here take the
-API's shape. Routes put `model`, `version` and `mode` into `request.state` for the labels, and
-`failure_reason` when a request fails after its status was sent (a stream); each request counts as one failure at
-most, here, by that reason or by its status.
+duration runs to the last byte. The request's API and endpoint label come from its route (`service.http.apis`);
+routes put `model`, `version`, `mode` (and `failure_reason` for a stream that fails) into `request.state`. The body
+limits hold for chunked bodies too: the receive channel counts the bytes and the time, and raises `ClientBodyError`
+(413 or 408) into whatever reads the body.
 
-The body limits hold for chunked bodies too (no Content-Length): the receive channel counts the bytes and the time,
-and raises `ClientBodyError` (413 or 408) into whatever reads the body. These are the bytes as they travel; a
-compressed body is held to the same size limit once decoded (`service.http.compression`). An unexpected exception
-before the response started becomes a JSON 500 here, so uvicorn never sees it and keeps the connection open for the
-client's next request; once a response has started, the connection has to be cut (re-raised), as its body cannot be
-completed.
+Invariant: each request counts as one failure at most, here; an unexpected exception before the response started
+becomes a JSON 500 and the connection stays usable, after it the connection is cut (re-raised).
+
+Design notes: docs/architecture.md, service/http/middleware.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
-"""Calibration: how fast each weights variant of a model version runs on this host, measured through its engine, and
-the measurements cached per kind of host so that a restart on the same machine (or an identical one sharing the
-cache file) does not measure again.
+"""Calibration: how fast each weights variant of a model version runs on this host, measured through its engine
+(`measure`), and the measurements cached per kind of host (`CalibrationCache`: one JSON file,
+`TSERVE_CALIBRATION_CACHE`) so that a restart on the same machine (or an identical one sharing the cache file) does
+not measure again.
 
-What is measured (`measure`): for each variant and each batch size (rows), the seconds per item of its kind's
-workload (`service.models.kinds`: a text model's prompt pass over `rows` copies of a short input, then one-token
-steps, as many as a request of its kind generates (`DECODE_STEPS` for a translation), per generated token; the
-ViT's batch of `rows` images, per image), through the same engine calls the schedulers make. Every variant and
-size runs once untimed (first-run allocations), then the variants take turns for `ROUNDS` rounds and each keeps its
-median: the host's noise falls on all of them alike.
+`measure` times, per variant and batch size, the seconds per item of its kind's workload (`service.models.kinds`)
+through the same engine calls the schedulers make: one untimed run each, then `ROUNDS` interleaved rounds, the
+median kept. The cache is keyed (`calibration_key`) by what decides the timings: the CPU and its ISA flags, ONNX
+Runtime's version and provider, the session options, the graph files, the batch sizes and the variants offered.
 
-The cache (`CalibrationCache`: one JSON file, `TSERVE_CALIBRATION_CACHE`) is keyed (`calibration_key`) by what
-decides the timings: the CPU (its model name and the ISA flags ONNX Runtime's kernels are chosen by), ONNX
-Runtime's version and provider, the session options (threads, spinning, one-thread small steps), the version's
-graph files (SHA-256) and the batch sizes measured.
+Invariant: only a valid measurement of that key is used (`CacheEntry`, a schema); any other file or entry is
+ignored with one log line naming the file and the reason, and the version is measured again.
+
+Design notes: docs/architecture.md, service/models/calibration.py.
 """
 
 from __future__ import annotations
@@ -27,11 +26,13 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import onnxruntime as ort
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from service.engines.runtime import RuntimeOptions
+from service.errors import json_error_reason
 from service.repository import ModelVersion
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 HASH_CHUNK = 1 << 20
 KEY_DIGITS = 16  # hex digits of a cache key
+MEASURED_AT_FORMAT, MEASURED_AT_PATTERN = "%Y-%m-%dT%H:%M:%SZ", r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$"
+# A cache of a few hundred entries (~1 kB each) is far below this; a larger file is not one this service wrote.
+MAX_CACHE_BYTES = 16 << 20
+MAX_REASON_CHARS = 300  # of why a cache or entry is ignored, in its log line
+REASON_ERRORS = 3  # schema errors named in that line
 
 # (engine, rows) -> how many items (generated tokens, images) the run produced
 Workload = Callable[[Any, int], int]
@@ -77,16 +83,16 @@ def graph_digest(model: ModelVersion) -> str:
     return digest.hexdigest()
 
 
-def calibration_key(model: ModelVersion, provider: str, options: RuntimeOptions, rows: Sequence[int]
-                    ) -> dict[str, Any]:
+def calibration_key(model: ModelVersion, provider: str, options: RuntimeOptions, rows: Sequence[int],
+                    offered: Sequence[str]) -> dict[str, Any]:
     """Everything the timings of `model`'s variants depend on; its hash (`key_hash`) names the cache entry. The
     session options that change a step's speed are in it (threads, spinning, the one-thread sessions of small
-    steps, the fused projections); the weights are what is measured."""
+    steps, the fused projections); the weights are what is measured: `offered`, the stored variant first."""
     return {**cpu_identity(), "onnxruntime": ort.__version__, "provider": provider,
             "threads": options.intra_op_threads, "spin": options.spin,
             "single_thread_rows": options.single_thread_rows, "fuse_projections": options.fuse_projections,
             "model": f"{model.name}:{model.version}",
-            "graphs": graph_digest(model), "rows": list(rows)}
+            "graphs": graph_digest(model), "rows": list(rows), "offered": list(offered)}
 
 
 def key_hash(key: Mapping[str, Any]) -> str:
@@ -118,41 +124,115 @@ def decode_workload(engine, prompt: Sequence[int], rows: int, steps: int = DECOD
     return rows * (steps + 1)
 
 
+Seconds = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]  # per item; an int is a float here
+Rows = Annotated[int, Field(gt=0)]  # a JSON object's key: the text of a batch size
+
+
+class CacheEntry(BaseModel):
+    """One measurement as `CalibrationCache.put` writes it, valid for the key it is read for (the validation
+    context's `key`): that very key, and timings of the stored variant and of no variant the key does not offer,
+    each at exactly the key's batch sizes."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: dict[str, Any]
+    measured_at: Annotated[str, Field(strict=True, pattern=MEASURED_AT_PATTERN)]
+    timings: Annotated[dict[str, dict[Rows, Seconds]], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _measures_the_key(self, info: ValidationInfo) -> CacheEntry:
+        key = (info.context or {}).get("key", self.key)
+        if self.key != key:
+            raise ValueError(f"it was measured elsewhere ({key_difference(self.key, key)})")
+        offered, rows = list(key.get("offered") or []), sorted(key.get("rows") or [])
+        if not offered or offered[0] not in self.timings or not set(self.timings) <= set(offered):
+            raise ValueError(f"it times the variants {sorted(self.timings)}: the stored one (the first of {offered}) "
+                             f"must be timed, and no other than those offered")
+        for variant, by_rows in self.timings.items():
+            if sorted(by_rows) != rows:
+                raise ValueError(f"timings.{variant} has the batch sizes {sorted(by_rows)}, not {rows}")
+        return self
+
+
+def differing(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """The fields in which a cached key differs from the one wanted."""
+    return sorted(f for f in set(found) | set(wanted) if found.get(f) != wanted.get(f))
+
+
+def key_difference(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
+    """"cpu 'AMD EPYC 9654', here 'Intel(R) Xeon(R) ...'": where a cached key differs from this host's."""
+    return "; ".join(f"{f} {found.get(f)!r}, here {wanted.get(f)!r}" for f in differing(found, wanted))
+
+
+def schema_reason(error: ValidationError) -> str:
+    """A ValidationError as one line: the first `REASON_ERRORS` problems, each with where it is."""
+    problems = [f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg'].removeprefix('Value error, ')}"
+                for e in error.errors()[:REASON_ERRORS]]
+    return "; ".join(problems) + (f" (and {error.error_count() - REASON_ERRORS} more)"
+                                  if error.error_count() > REASON_ERRORS else "")
+
+
 class CalibrationCache:
     """Measured timings in one JSON file: key hash -> {"key": what was measured where, "measured_at", "timings"}.
-    Unreadable or unwritable: logged, and calibration measures every time (the service still starts)."""
+    A file or entry that is not a valid measurement of the key asked for is ignored with one log line saying why,
+    and the caller measures again; unwritable: logged, and calibration measures at every start (the service still
+    starts)."""
 
     def __init__(self, path: Path | None):
         self.path = path
 
-    def _read(self) -> dict[str, Any]:
+    def _entries(self) -> tuple[dict[str, Any], str | None]:
+        """The file's entries (key hash -> entry as stored, unchecked), and why it has none if it cannot be read
+        as a JSON object (None: it is such an object, or there is no file)."""
         if self.path is None or not self.path.exists():
-            return {}
+            return {}, None
         try:
-            entries = json.loads(self.path.read_text())
-            return entries if isinstance(entries, dict) else {}
-        except (OSError, ValueError) as error:
-            log.warning("calibration cache %s unreadable (%s): measuring again", self.path, error)
-            return {}
+            if (size := self.path.stat().st_size) > MAX_CACHE_BYTES:
+                return {}, f"it has {size} bytes, more than the {MAX_CACHE_BYTES} a cache can have"
+            entries = json.loads(self.path.read_bytes())
+        except OSError as error:
+            return {}, f"it cannot be read: {error.strerror or type(error).__name__}"
+        except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+            return {}, f"it is not JSON: {json_error_reason(error)}"
+        if not isinstance(entries, dict):
+            return {}, f"it is a JSON {type(entries).__name__}, not an object of entries"
+        return entries, None
 
-    def get(self, key: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The cached entry for `key`, with its timings as variant -> rows (int) -> seconds; None if there is none."""
-        entry = self._read().get(key_hash(key))
-        if not isinstance(entry, dict) or entry.get("key") != dict(key):
+    def get(self, key: Mapping[str, Any]) -> CacheEntry | None:
+        """The valid cached measurement for `key`; None (logged, with the reason) if there is none."""
+        if self.path is None:
             return None
-        try:
-            timings = {v: {int(r): float(s) for r, s in by_rows.items()} for v, by_rows in entry["timings"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-        return {**entry, "timings": timings}
+        entries, reason = self._entries()
+        entry, level = entries.get(key_hash(key)), logging.WARNING
+        if entry is not None:
+            try:
+                return CacheEntry.model_validate(entry, context={"key": dict(key)})
+            except ValidationError as error:
+                reason = f"its entry for this host is not a valid measurement: {schema_reason(error)}"
+        elif reason is None:  # not damaged: measured elsewhere, or not yet
+            reason, level = self._missing(entries, key), logging.INFO
+        log.log(level, "calibration cache %s not used for %s (%s): measuring", self.path, key["model"],
+                reason[:MAX_REASON_CHARS])
+        return None
+
+    def _missing(self, entries: Mapping[str, Any], key: Mapping[str, Any]) -> str:
+        """Why a readable cache has no entry for `key`: the closest entry of the same version, if any, and where
+        its key differs."""
+        if not self.path.exists():
+            return "there is no such file yet"
+        same_model = [e["key"] for e in entries.values() if isinstance(e, dict) and isinstance(e.get("key"), dict)
+                      and e["key"].get("model") == key["model"]]
+        if not same_model:
+            return "it has no entry for this version"
+        closest = min(same_model, key=lambda found: len(differing(found, key)))
+        return f"it has no entry for this host; the closest was measured with {key_difference(closest, key)}"
 
     def put(self, key: Mapping[str, Any], timings: Mapping[str, Mapping[int, float]]) -> str:
         """Store `timings` under `key` (written to a temporary file, then renamed over the cache); the time
         recorded as measured_at."""
-        measured_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        measured_at = time.strftime(MEASURED_AT_FORMAT, time.gmtime())
         if self.path is None:
             return measured_at
-        entries = self._read()
+        entries, _ = self._entries()
         entries[key_hash(key)] = {"key": dict(key), "measured_at": measured_at,
                                   "timings": {v: {str(r): s for r, s in by_rows.items()}
                                               for v, by_rows in timings.items()}}

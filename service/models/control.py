@@ -1,17 +1,18 @@
 """Loading and unloading model versions while the server runs (Triton's explicit model-control mode), without
-interrupting traffic:
+interrupting traffic. Off unless `TSERVE_MODEL_CONTROL=true`; loads and unloads run one at a time.
 
-- load: the version's sessions are created and warmed with one real inference in a worker thread (its outputs
-  checked, `service.models.registry`), and only then does it take requests; it becomes the model's active version
-  (requests that name no version move to it). A version that fails to load, or whose folder is not a valid model
-  (a missing or unreadable `config.json`), answers 400 with the reason and leaves what is serving untouched; the
-  index says why.
-- unload: the version leaves routing at once (new requests go to the model's other loaded versions, or get 404);
-  its in-flight requests finish (the server waits until no request holds a lease on it and its scheduler is idle,
-  at most `TSERVE_DRAIN_TIMEOUT_S`), then its scheduler stops and its sessions are freed.
+- load: the version's sessions are created and warmed with one real inference in a worker thread, and only then
+  does it take requests, as the model's active version; a version that fails to load answers 400 with the reason.
+- unload: the version leaves routing at once; its in-flight requests finish (at most `TSERVE_DRAIN_TIMEOUT_S`),
+  then its scheduler stops and its sessions are freed; a request still running then fails with a 503 saying its
+  version was unloaded (`VersionUnloaded`), not that the server shut down.
 
-Off unless `TSERVE_MODEL_CONTROL=true` (refused before anything of the request is read); loads and unloads run one
-at a time. The index lists the folders the repository skips (`ModelRepository.problems`) as UNAVAILABLE, with why.
+The index lists the folders the repository skips (`ModelRepository.problems`) as UNAVAILABLE, with why.
+
+Invariant: traffic is not interrupted: a failed load leaves what is serving untouched, and an unloaded version's
+in-flight requests finish before its scheduler stops (within `TSERVE_DRAIN_TIMEOUT_S`).
+
+Design notes: docs/architecture.md, service/models/control.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from service.errors import BadInput, NotFound, ServiceError
 from service.models.registry import LoadedModel, ModelRegistry, freeze_long_lived_objects
 from service.repository import MAX_VERSION, RepositoryError, VersionNotFound
 from service.repository import parse_version as parse_version_text
+from service.scheduling.queueing import unloading
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,8 @@ class ModelControl:
         loaded.wait_unleased(self.drain_timeout_s)
         while (loaded.scheduler.queue_depth or loaded.scheduler.running) and time.monotonic() < deadline:
             time.sleep(IDLE_POLL_S)
-        loaded.scheduler.stop(timeout=max(0.0, deadline - time.monotonic()))
+        loaded.scheduler.stop(timeout=max(0.0, deadline - time.monotonic()),
+                              closing=unloading(loaded.name, loaded.version, self.drain_timeout_s))
         log.info("model control: %s version %d unloaded", loaded.name, loaded.version)
 
 

@@ -1,20 +1,17 @@
 """What each kind of model is, in one table (`KIND_TABLE`): its engine, how its scheduler is built, its warm-up
 inference, the workload its weights variants are timed with (`service.models.calibration`) and the decoding modes its
-metrics count. The registry loads a version through its kind's entry; no other module branches on a kind's name to
-learn these.
+metrics count. The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.repository`'s; their tensors in the Open
+Inference Protocol are `service.api.oip.signatures`'.
 
-The kinds' names (`TRANSLATION`, `GPT`, `VIT`) are `service.repository`'s, where a version's config.json is
-read and its kind checked. Each kind's tensors in the Open Inference Protocol are `service.api.oip.signatures`'.
+- translation: `TranslationEngine`, a continuous batcher of at most `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows per
+  worker (`TSERVE_DECODING_WORKERS` of them);
+- gpt: `GPTEngine`, a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows per worker;
+- vit: `ViTEngine`, the dynamic batcher (`TSERVE_VIT_MAX_BATCH_SIZE` images, waiting `TSERVE_VIT_MAX_QUEUE_DELAY_MS`).
 
-- translation: `TranslationEngine` (encoder once per source, decoder steps), a continuous batcher of at most
-  `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows per worker (`TSERVE_DECODING_WORKERS` of them), warmed up by
-  translating `TRANSLATION_WARM_UP_SOURCE`, timed by translating copies of `TRANSLATION_CALIBRATION_SOURCE` (per
-  generated token);
-- gpt: `GPTEngine` (prompt pass, decoder steps), a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows
-  per worker, warmed up by continuing `GPT_WARM_UP_PROMPT`, timed by continuing copies of `GPT_CALIBRATION_PROMPT`
-  by `GPT_CALIBRATION_STEPS` tokens (per generated token);
-- vit: `ViTEngine` (batched classification), the dynamic batcher (`TSERVE_VIT_MAX_BATCH_SIZE` images, waiting at
-  most `TSERVE_VIT_MAX_QUEUE_DELAY_MS` for more), warmed up and timed by classifying images of grey `WARM_UP_GREY`.
+Invariant: the registry loads a version through its kind's entry; no other module branches on a kind's name to
+learn these. Each kind's vocabulary is checked against its graphs before the version serves.
+
+Design notes: docs/architecture.md, service/models/kinds.py.
 """
 
 from __future__ import annotations
@@ -44,12 +41,8 @@ WARM_UP_GREY = 0.5
 # The calibration inputs: a source and a prompt of typical length (a Multi30k-like sentence, a line of verse)
 TRANSLATION_CALIBRATION_SOURCE = "Ein Mann mit einem orangefarbenen Hut starrt auf etwas."
 GPT_CALIBRATION_PROMPT = "ROMEO:\nBut soft, what light"
-# ... and the steps they are continued by, a served request's length: a translation's (`DECODE_STEPS`, about a
-# Multi30k sentence) and a GPT continuation's (the engine benchmark's 128 new tokens; the README's examples generate
-# 60-200). The GPT's length decides its choice: its variants differ in what a step costs as the cache fills (the
-# in-place buffers' attention reads 1.25x the used slots, `+gqa`'s reads the used slots of a buffer allocated to
-# the context at once), so 16 steps ranked int8 ahead of int8+gqa at 64 rows (0.202 vs 0.236 ms per token, gpt/4,
-# AMD EPYC) where 128 steps, what the service runs, rank them the other way (0.184 vs 0.141).
+# ... and the steps they are continued by, a served request's length (a translation's is `DECODE_STEPS`): a GPT
+# continuation's 128 new tokens, a length that decides the GPT's choice of variant (see the module's design notes).
 GPT_CALIBRATION_STEPS = 128
 
 # (engine, the version, metrics, settings) -> its scheduler, not yet started

@@ -1,18 +1,17 @@
 """The models this process serves: loading them (engine + scheduler) from the repository, looking them up for a
-request, readiness, and stopping their schedulers on shutdown.
+request, readiness, and stopping their schedulers on shutdown. Follows Kubernetes' startup pattern: models load in
+a background thread after the server starts, so `/health/live` answers at once and `/health/ready` says 503, with
+reasons, until every configured model has a loaded version.
 
-Models load in a background thread after the server starts, so `/health/live` answers at once and
-`/health/ready` says 503, with reasons, until every configured model is loaded (Kubernetes' startup pattern), and
-again whenever a configured model has no loaded version (every version unloaded through model control).
+A version is loaded as its kind says (`service.models.kinds`), in the weights variant chosen for this host
+(`service.models.variants`), and warmed with one real inference, its outputs checked (`service.models.warmup`).
+Each model's active version (the version loaded last; at start, the highest) answers requests that name none.
 
-A version is loaded as its kind says (`service.models.kinds`: engine, scheduler, warm-up), in the weights variant
-chosen for this host (`service.models.variants`: pinned, or the fastest measured), and warmed with one real
-inference, its outputs checked (`service.models.warmup`), before it takes a request: a version that fails the
-warm-up is not loaded (a model-control load answers 400 with the reason), so a version that loads serves.
+Invariant: a version that loads serves (one that fails the warm-up, or whose tokenizer does not fit its graphs, is
+not loaded), and a request holds a lease on its version until its response has ended, so that an unloaded version
+is stopped only once no request can still reach it.
 
-Each model has an active version, the one a request that names no version gets: the version loaded last (at start,
-the highest). A request holds a lease on the model version it resolved until its response has ended, so that a
-version being unloaded (`service.models.control`) is stopped only once no request can still reach it.
+Design notes: docs/architecture.md, service/models/registry.py.
 """
 
 from __future__ import annotations
@@ -120,8 +119,10 @@ class ModelRegistry:
         configured = self.configured()
         self.expected = sorted({name for name, _ in configured})
         self.pending = [f"{n}:{v}" if v else n for n, v in configured]
-        if not self.pending:
-            self.errors["repository"] = f"no models found in {self.repository.root}"
+        if not self.pending:  # and why each folder there is skipped, when there is one (an invalid config.json)
+            skipped = "; ".join(f"{p.folder}: {p.reason}" for p in self.repository.problems())
+            self.errors["repository"] = f"no models found in {self.repository.root}" + (
+                f" (skipped {skipped})" if skipped else "")
         self._loader = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
         self._loader.start()
 
@@ -130,6 +131,9 @@ class ModelRegistry:
             label = f"{name}:{version}" if version else name
             try:
                 self.load(name, version)
+            except RepositoryError as error:  # no such model, or not a valid one: the reason says which field
+                log.error("could not load %s: %s", label, error)
+                self.errors[label] = str(error)
             except Exception as error:  # a broken model must not take the others down
                 log.exception("could not load %s", label)
                 self.errors[label] = str(error)

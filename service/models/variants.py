@@ -1,23 +1,16 @@
-"""Which variant each model version runs (`load_engine`): the one `TSERVE_VARIANT` pins, else the fastest on
-this host of those the version offers, as `service.models.calibration` measures them (or cached them).
-
-A version offers (`offered`) the variant it is stored in (config.json `weights`; float16 storage computes in
-float32) and each other one that `export.variants` derived from it with the serving code and quality-checked at
-export against the model card (config.json `variants`: variant -> its check); nothing unchecked, so a variant
-that would answer worse than its card is never chosen. The others are derived when their graphs load
-(`service.engines.weights`); the repository stores each model once.
-
-The choice (`fastest`) weighs every batch size measured (one row and the scheduler's largest batch) alike: each
-variant's time per item over the fastest one's at that size, multiplied over the sizes (a geometric mean of the
-slowdowns). The stored variant keeps its place unless another beats it by more than `MARGIN`, so that noise
-between two equal variants does not flip the choice from one start to the next.
-
+"""Which variant each model version runs (`load_engine`): the one `TSERVE_VARIANT` pins (`parse_pins`), else the
+fastest on this host of those the version offers, as `service.models.calibration` measures them (or cached them).
 `python -m service.models.calibrate` is the explicit calibration step (the same choice, ahead of a start).
 
-`TSERVE_VARIANT` (`parse_pins`): `auto` (the default: calibrate), `stored` (no calibration), a variant for every
-model (`fp32`, `int8`, `fp32+gqa`, `int8+gqa`: `service.engines.weights.VARIANTS`), or per model: `gpt=fp32,translation=stored` (the models it does not name: auto). A pinned
-variant the version does not offer (no quality check recorded) still runs, as an operator's explicit override
-(and as `export.variants` measures one before it is offered): logged as a warning, and its reason says so.
+A version offers (`offered`) the variant it is stored in and each other one that `export.variants` derived from it
+and quality-checked at export against the model card (config.json `variants`). The choice (`fastest`) is the
+geometric mean of each variant's slowdowns over the batch sizes measured; the stored variant keeps its place unless
+another beats it by more than `MARGIN`, so that noise does not flip the choice from one start to the next.
+
+Invariant: nothing unchecked is chosen, so a variant that would answer worse than its card is never chosen; a
+pinned variant the version does not offer still runs (an operator's explicit override), logged as a warning.
+
+Design notes: docs/architecture.md, service/models/variants.py.
 """
 
 from __future__ import annotations
@@ -123,10 +116,10 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
         return engine, Choice(stored, variants, ONLY, "the only variant this version offers (its "
                               "config.json records no other checked one)")
     engines = {stored: kind.engine(model, replace(options, weights=stored))}
-    key = {**calibration_key(model, engines[stored].provider, options, rows), "offered": list(variants)}
-    cached = cache.get(key)
-    if cached is not None and stored in cached["timings"] and set(cached["timings"]) <= set(variants):
-        timings, chosen_by, when = cached["timings"], CACHED, f"measured {cached['measured_at']}, cached"
+    key = calibration_key(model, engines[stored].provider, options, rows, variants)
+    cached = cache.get(key)  # None, and logged why, unless a valid measurement of this key
+    if cached is not None:
+        timings, chosen_by, when = cached.timings, CACHED, f"measured {cached.measured_at}, cached"
     else:
         for weights in variants[1:]:
             try:  # built and run once: a variant this provider cannot build or run is not a candidate

@@ -5,7 +5,9 @@ The inference initialises the sessions and makes their first-run allocations, so
 pay for them; the checks make a version that would answer every request with an error or a non-finite number
 fail here (`WarmUpFailed`, and it is not loaded), so that a version that loads serves. What is checked: the ViT's
 config (labels, a finite normalisation with `std > 0`) and outputs (one score per label), a text model's logits
-(covering its tokenizer's vocabulary), the translator's default length penalty, and that every output is finite.
+after its prompt pass and after a decoding step (one per token of its vocabulary; that the tokenizer fits the
+graphs is checked earlier, when its engine is built: `service.engines.vocabulary`), the translator's default
+length penalty, and that every output is finite.
 Which input each kind warms up with is `service.models.kinds`'.
 """
 
@@ -24,10 +26,12 @@ class WarmUpFailed(RuntimeError):
 
 def warm_up_text(engine, prompt: Sequence[int]) -> None:
     """A text engine's prompt pass over `prompt` (token ids) and one decoding step (the in-place step graph, where
-    there is one); the prompt pass's logits checked against the tokenizer's vocabulary."""
+    there is one); the logits of both checked against the vocabulary the engine was built with (config.json
+    `architecture.vocab_size`, which `service.engines.vocabulary` held the tokenizer and the graphs to)."""
     logits, state = engine.prefill([prompt])
-    engine.step(state, logits.argmax(-1))
-    check_logits(logits, engine.tokenizer.get_vocab_size(), "the tokenizer's vocabulary", False, "a short prompt")
+    check_logits(logits, engine.vocab_size, "the config's architecture.vocab_size", True, "a short prompt")
+    stepped = engine.step(state, logits.argmax(-1))
+    check_logits(stepped, engine.vocab_size, "the config's architecture.vocab_size", True, "a decoding step")
 
 
 def check_length_penalty(engine) -> None:

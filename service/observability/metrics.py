@@ -19,7 +19,9 @@ BATCH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 # for forced decoding of given targets, or `classify` for an image request.
 GREEDY, BEAM, SAMPLE, SCORE, CLASSIFY = "greedy", "beam", "sample", "score", "classify"
 
-FAILURE_REASONS = ("bad_input", "unauthorized", "queue_full", "timeout", "cancelled", "internal", "unavailable")
+# `unloaded`: a request whose version was unloaded (model control) before it finished (a 503, as `unavailable`)
+FAILURE_REASONS = ("bad_input", "unauthorized", "queue_full", "timeout", "cancelled", "internal", "unavailable",
+                   "unloaded")
 # A failed request's reason by its final status (unless the request set its own); 499 = the client went away. A gRPC
 # call is counted by the HTTP status of its error (`service.api.oip.grpc.calls`), so one table serves every API.
 FAILURE_BY_STATUS = {400: "bad_input", 401: "unauthorized", 403: "bad_input", 404: "bad_input", 405: "bad_input",
@@ -72,7 +74,8 @@ class Metrics:
             ["model", "version", "reason"], registry=r)
         self.rejected_connections = Counter(
             "tserve_rejected_connections",
-            "Connections closed before their request reached the app: slow or oversized request heads.",
+            "Connections closed before their request reached the app: slow, oversized or unreadable request "
+            "heads.",
             ["reason"], registry=r)
         self.model_load_seconds = Gauge(
             "tserve_model_load_seconds", "Time it took to load a model's sessions.", ["model", "version"], registry=r)

@@ -1,20 +1,14 @@
 """The SERVER span of one HTTP request (`service.observability.tracing.start_request` starts it while tracing is
-on), after the stable HTTP semantic conventions of OpenTelemetry.
+on), after the stable HTTP semantic conventions of OpenTelemetry; a gRPC request's (`start_rpc`) after the RPC ones.
 
-`POST /v1/generate` (SERVER; `{method} {route template}`, or the method alone when no route matched): started by
-the request middleware (`service.http.middleware`) before anything else, a child of the caller's trace when the
-request carries a W3C `traceparent` (and `tracestate`) header; the attributes `http.request.method`, `url.path`,
-`url.scheme`, `http.route`, `http.response.status_code`, `server.*`, `client.address`, `network.protocol.version`,
-`user_agent.original` and this service's `tserve.request_id`, `tserve.model`, `tserve.version`, `tserve.mode`. Its
-trace id goes into the request's access-log line (`trace_id`). Status ERROR for a 5xx, a 499 (the client went
-away) or a failure after the status was sent (a stream); other 4xx are the client's errors and leave the status
-unset, as the conventions say. The probes and the scrape (`/health/*`, `/metrics`) are not traced, as they are not
-access-logged. The span's start and end are taken on the clock of the jobs' phase spans, so they nest exactly.
+Started by the request middleware (`service.http.middleware`) before anything else, named `{method} {route
+template}` (or the method alone when no route matched), a child of the caller's trace when the request carries a
+W3C `traceparent` header; its trace id goes into the request's access-log line (`trace_id`). Status ERROR for a
+5xx, a 499 (the client went away) or a failure after the status was sent; other 4xx leave it unset, as the
+conventions say. The probes and the scrape (`/health/*`, `/metrics`) are not traced, as they are not access-logged.
+Invariant: the span's start and end are taken on the clock of the jobs' phase spans, so they nest exactly.
 
-A gRPC request (`start_rpc`) gets the same span after the RPC conventions: named `inference.GRPCInferenceService/
-ModelInfer`, with `rpc.system` "grpc", `rpc.service`, `rpc.method`, `client.address`, `tserve.request_id`, the
-`tserve.*` labels, and the HTTP status its outcome maps to as `http.response.status_code` (the one status every
-API's metrics and spans share; `service.api.oip.grpc.calls`).
+Design notes (the attributes): docs/architecture.md, service/observability/request_span.py.
 """
 
 from __future__ import annotations

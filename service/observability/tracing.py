@@ -1,24 +1,15 @@
-"""OpenTelemetry tracing: one SERVER span per HTTP request, with child spans for the scheduler's phases of its
-work. Off unless the standard `OTEL_*` environment variables ask for it; when off, nothing of the SDK exists and
-the request path pays one module-attribute check (`tracer is None`).
+"""OpenTelemetry tracing: one SERVER span per HTTP request (`service.observability.request_span`), with child spans
+for the scheduler's phases of its work (`service.observability.job_spans`). Off unless the standard `OTEL_*`
+environment variables ask for it; when off, nothing of the SDK exists and the request path pays one
+module-attribute check (`tracer is None`).
 
-Switching it on (`configure_from_environment()`, called by `create_app`), following the OpenTelemetry SDK
-environment-variable specification, except that an unset exporter means "off" rather than "otlp":
-- `OTEL_SDK_DISABLED=true`: off, whatever else is set;
-- `OTEL_TRACES_EXPORTER`: a comma-separated list of `otlp` (OTLP over HTTP/protobuf), `console` (spans as JSON
-  on stdout) and `none`; on when it names anything but `none`;
-- unset, tracing is on (exporter `otlp`) when `OTEL_EXPORTER_OTLP_ENDPOINT` (the exporter posts to
-  `<endpoint>/v1/traces`) or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (posted to as it is) is set, else off.
-The SDK reads the rest itself: `OTEL_SERVICE_NAME` (default here: "tserve") and `OTEL_RESOURCE_ATTRIBUTES`, the
-sampler (`OTEL_TRACES_SAMPLER`, default parentbased_always_on: a caller's sampling decision is followed), the batch
-processor (`OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BSP_MAX_QUEUE_SIZE`, ...) and the exporter's headers, timeout,
-compression and certificates (`OTEL_EXPORTER_OTLP_*`). Only the HTTP/protobuf protocol is installed (the OTLP
-receivers of the Collector, Jaeger and Tempo listen for it on port 4318). Tests and embedders call `setup(exporter)`.
+`configure_from_environment()` (called by `create_app`) follows the OpenTelemetry SDK environment-variable
+specification, except that an unset exporter means "off" rather than "otlp": `OTEL_SDK_DISABLED`,
+`OTEL_TRACES_EXPORTER` (`otlp` over HTTP/protobuf, `console`, `none`), else on when an OTLP endpoint variable is
+set; the SDK reads the rest itself. Tests and embedders call `setup(exporter)`. The phases' times, stamped by the
+schedulers, become epoch nanoseconds (`epoch_ns`) by one offset taken at setup.
 
-The spans: one SERVER span per HTTP request (`start_request`, `service.observability.request_span`) and, per
-scheduler job, the spans of its phases (`text_spans`, `image_spans`, `service.observability.job_spans`), created by
-the serving layer from the times the schedulers stamp on the jobs, converted to epoch nanoseconds (`epoch_ns`) by
-one offset taken at setup.
+Design notes (every variable): docs/architecture.md, service/observability/tracing.py.
 """
 
 from __future__ import annotations

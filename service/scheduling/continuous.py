@@ -1,31 +1,17 @@
 """Iteration-level (continuous) batching for the text models, after Orca (Yu et al., OSDI 2022) and
 text-generation-inference's router.
 
-A worker thread owns the decoding batch; ONNX Runtime never runs on the event loop. Each iteration:
-1. admit waiting requests at the step boundary: one prefill (prompt pass, or encoder pass + start token) for the
-   newcomers, whose rows are concatenated after the running rows;
-2. retire requests that were cancelled (client gone) or passed their deadline: their rows are not selected for
-   the next step, so they are freed within one step (a finished request left when its last step was delivered);
-3. one decoding step over every row of every running request (a request's beams are rows of the batch); each
-   request's search picks its next tokens and which of its rows continue (`parents`), and the batch rows are
-   re-selected accordingly (`TextBatch.generate_token`). The scheduler reads only the step's `Generation`s: it
-   streams their tokens, completes the requests that are done and fails those whose search raised.
+A worker thread owns the decoding batch (ONNX Runtime never runs on the event loop). Each iteration admits waiting
+requests at the step boundary (one prefill for the newcomers, their rows concatenated after the running rows),
+retires the cancelled and expired ones, and runs one decoding step over every row (`TextBatch.generate_token`);
+the scheduler reads only the step's `Generation`s. The queue in front is bounded (429 with Retry-After). A batch
+holds at most `max_rows` rows; `workers` > 1 runs that many such loops (`_Lane`s) over one queue and one engine.
 
-A request's output does not depend on its batch: the searches see only their own rows' logits, and the engines
-mask padding slots. The queue in front is bounded (429 with Retry-After); every accepted request ends in a result
-or an explicit error, and a failure fails exactly the requests it concerns: a prefill that raises fails its
-newcomers (the running batch goes on), a search that raises fails its own request, and only a decoding step that
-raises fails the whole batch (its cache is then unusable). The batch never holds more than `max_rows` rows (a
-request counts with its widest row count, its beam width), except that an empty batch takes one request wider
-than that rather than none. Waiting requests that were cancelled or passed their deadline leave the queue at the
-next step boundary, wherever they are in it.
+Invariant: a request's output does not depend on its batch or its lane (the searches see only their own rows'
+logits, the engines mask padding slots), and every accepted request ends in a result or an explicit error: a
+failure fails exactly the requests it concerns.
 
-`workers` > 1 runs that many such loops on threads of their own, each with its own batch (a `_Lane`), over the one
-queue and the one engine (ONNX Runtime sessions take concurrent runs): while one batch is in ONNX Runtime, the
-other's searches run in Python, on the core the first leaves idle between its graph runs. A waiting request goes
-to a lane still within its share of all the rows, or holding no more than the others (vLLM's data-parallel
-ranks, within one process); what it decodes does
-not depend on its lane (batch invariance). Each lane holds at most `max_rows` rows.
+Design notes: docs/architecture.md, service/scheduling/continuous.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """The jobs the schedulers take, and what one decoding step hands back for each, after text-generation-inference's
 router `Entry` (the request, where its responses go, its span's times) and its server's `Generation`.
 
-- `TextJob` / `ImageJob`: the request a serving module submits (prompt and search, or pixels; the deadline) and
-  the handle it keeps (`future`, `cancel()`, for text the `on_tokens` stream callback);
-- `TextPhases` / `ImagePhases`: when a job crossed each phase boundary (time.monotonic()), stamped by the scheduler's
-  worker thread and read afterwards by the trace spans (`service.observability.job_spans`), which the worker never
-  creates itself;
-- `Generation`: one text job's outcome of one step of the batch (`TextBatch.generate_token`): the new tokens, done
-  and its hypotheses, or the error that concerns it alone. The scheduler reads nothing else of a step.
-- `PromptLogprobs`: the log-probabilities of a prompt's tokens, from its prompt pass, for a job that asked
-  (`TextJob.prompt_logprobs`); the batch puts them on the job (`TextJob.prompt_scores`) before its first step's
-  outcome is delivered.
+- `TextJob` / `ImageJob`: the request a serving module submits and the handle it keeps (`future`, `cancel()`, for
+  text the `on_tokens` stream callback);
+- `TextPhases` / `ImagePhases`: when a job crossed each phase boundary, stamped by the scheduler's worker thread
+  and read afterwards by the trace spans (`service.observability.job_spans`);
+- `Generation`: one text job's outcome of one step of the batch (`TextBatch.generate_token`);
+- `PromptLogprobs`: the log-probabilities of a prompt's tokens, for a job that asked (`TextJob.prompt_logprobs`).
 
-The scheduler's own per-job state stays in the scheduler, the batch's (rows, pending tokens, what was handed back)
-in the batch, and the search is stepped by the batch alone.
+Invariant: the scheduler's own per-job state stays in the scheduler, the batch's in the batch, and the search is
+stepped by the batch alone; the scheduler reads nothing of a step but its `Generation`s.
+
+Design notes: docs/architecture.md, service/scheduling/jobs.py.
 """
 
 from __future__ import annotations

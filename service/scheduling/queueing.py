@@ -2,16 +2,16 @@
 stop they share), settling a request's future exactly once from any thread, the Retry-After estimate of a full
 queue, and gauges that read the scheduler's own state.
 
-- `settle` / `fail`: a future may be resolved by the worker thread, by `stop()` on another thread, or cancelled
-  by its caller; the first outcome wins and the others are ignored, never raised. `fail_if_gone` ends a request
-  whose client went away or whose deadline passed.
-- `RetryAfter`: a full queue answers 429 with the time until it has room for one more request, estimated from
-  the measured rate at which requests leave it (admitted, expired or cancelled), and never longer than the
-  refused request itself may wait: a client told to come back later than its deadline could never be served.
-  `retry_after_seconds` is the one rounding of that estimate to the header's whole seconds.
-- `bind_gauges`: queue depth and running requests are read from the scheduler when Prometheus scrapes, so they
-  equal the truth after any mix of success, timeout, cancellation, rejection and error (a gauge that is `set()`
-  on some paths goes stale on the others).
+`settle` / `fail` / `fail_if_gone` end a request; `RetryAfter` and `queue_full` make the one 429 of every route
+that refuses work for want of room (`Retry-After` and `retry-after-ms` from one estimate, the measured rate at
+which requests leave the queue); `bind_gauges` reads queue depth and running requests when Prometheus scrapes;
+`Closing` says why a scheduler stops (`SHUTDOWN`, or its model version `unloading`).
+
+Invariant: a future is settled once: the first outcome (the worker thread, `stop()` on another thread, or the
+caller's cancel) wins and the others are ignored, never raised. A Retry-After is never longer than the refused
+request itself may wait.
+
+Design notes: docs/architecture.md, service/scheduling/queueing.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 
 from service.errors import (
     Cancelled,
@@ -30,6 +31,7 @@ from service.errors import (
     QueueFull,
     ServiceError,
     Unavailable,
+    VersionUnloaded,
 )
 from service.observability.metrics import Metrics
 
@@ -53,6 +55,21 @@ def retry_after_seconds(estimate_s: float, may_wait_s: float = math.inf) -> int:
     more than the whole seconds the refused request may still wait (`may_wait_s`; infinite: no cap)."""
     cap = math.floor(may_wait_s) if math.isfinite(may_wait_s) else math.ceil(estimate_s)
     return max(MIN_RETRY_AFTER_S, min(math.ceil(estimate_s), cap))
+
+
+def retry_after_ms(estimate_s: float, may_wait_s: float = math.inf) -> int:
+    """OpenAI's `retry-after-ms` for an estimate: spread by up to RETRY_JITTER of itself, so that the clients
+    refused together do not all come back at the same instant; at least 1 ms, at most what the refused request may
+    still wait (`may_wait_s`)."""
+    spread = estimate_s * (1 + RETRY_JITTER * random.random())
+    return max(1, math.ceil(MS_PER_S * min(spread, may_wait_s)))  # at least 1 ms, as a wait just ending
+
+
+def queue_full(message: str, estimate_s: float, may_wait_s: float) -> QueueFull:
+    """The 429 of every route that refuses work for want of room, its retry hints both from `estimate_s` (the
+    seconds until there is room) and both within what the refused request may still wait (`may_wait_s`): whole
+    seconds in Retry-After (`retry_after_seconds`), milliseconds in retry-after-ms (`retry_after_ms`)."""
+    return QueueFull(message, retry_after_seconds(estimate_s, may_wait_s), retry_after_ms(estimate_s, may_wait_s))
 
 
 def settle(future: Future, result) -> bool:
@@ -85,8 +102,30 @@ def fail_if_gone(future: Future, cancelled: bool, deadline: float, now: float, w
     return True
 
 
+@dataclass(frozen=True)
+class Closing:
+    """Why a scheduler stops: the error its requests get, with what a request submitted once it stopped accepting
+    is told (`refused`) and what a request still waiting or running when the drain ended is told (`unfinished`)."""
+
+    error: type[ServiceError]
+    refused: str
+    unfinished: str
+
+
+SHUTDOWN = Closing(Unavailable, "the server is shutting down", "the server shut down before this request finished")
+
+
+def unloading(model: str, version: int, drain_timeout_s: float) -> Closing:
+    """A scheduler stopped because its model version is unloaded (model control) while the server serves on."""
+    retry = "retry: a request that names no version goes to the model's active one"
+    return Closing(VersionUnloaded, f"model {model!r} version {version} is being unloaded; {retry}",
+                   f"model {model!r} version {version} was unloaded before this request finished (it was still "
+                   f"running when the drain timeout, TSERVE_DRAIN_TIMEOUT_S={drain_timeout_s:g}, ended); {retry}")
+
+
 class RetryAfter:
-    """Seconds until a full queue has room for one more request, from the measured departure rate."""
+    """Seconds until a full queue (or a set of busy slots) has room for one more request, from the measured
+    departure rate."""
 
     def __init__(self):
         self._interval = INITIAL_DEPARTURE_INTERVAL_S  # moving average of seconds between departures
@@ -110,10 +149,14 @@ class RetryAfter:
         return retry_after_seconds(self._estimate(waiting, capacity), may_wait_s)
 
     def milliseconds(self, waiting: int, capacity: int, may_wait_s: float) -> int:
-        """The same estimate in milliseconds (OpenAI's `retry-after-ms`), spread by up to RETRY_JITTER of itself so
-        that the clients refused together do not all come back at the same instant; capped at `may_wait_s`."""
-        estimate = self._estimate(waiting, capacity) * (1 + RETRY_JITTER * random.random())
-        return max(1, math.ceil(MS_PER_S * min(estimate, may_wait_s)))  # at least 1 ms, as a wait just ending
+        """The same estimate in milliseconds (`retry_after_ms`: OpenAI's `retry-after-ms`, spread), capped at
+        `may_wait_s`."""
+        return retry_after_ms(self._estimate(waiting, capacity), may_wait_s)
+
+    def refusal(self, message: str, waiting: int, capacity: int, may_wait_s: float) -> QueueFull:
+        """The 429 (`queue_full`) for a request refused while `waiting` requests hold a room for `capacity`
+        (queued requests, or busy slots): room for it once they have drained by one, at the measured rate."""
+        return queue_full(message, self._estimate(waiting, capacity), may_wait_s)
 
     def _estimate(self, waiting: int, capacity: int) -> float:
         return max(1, waiting - capacity + 1) * self._interval
@@ -164,6 +207,7 @@ class QueuedScheduler:
         self._waiting: deque = deque()
         self._active: list = []
         self._accepting = True
+        self._closing = SHUTDOWN  # why it stops, once `stop` is called
         self._stop = False
         self._retry = RetryAfter()
         self._counts_rows = rows is not None
@@ -186,12 +230,10 @@ class QueuedScheduler:
         """Queue a request; raises QueueFull (429, Retry-After) when the queue is full, Unavailable when stopping."""
         with self._changed:
             if not self._accepting:
-                raise Unavailable("the server is shutting down")
+                raise self._closing.error(self._closing.refused)
             if len(self._waiting) >= self.max_queue:
-                may_wait = job.deadline - time.monotonic()
-                raise QueueFull(f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)",
-                                self._retry.seconds(len(self._waiting), self.max_queue, may_wait),
-                                self._retry.milliseconds(len(self._waiting), self.max_queue, may_wait))
+                message = f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)"
+                raise self._retry.refusal(message, len(self._waiting), self.max_queue, job.deadline - time.monotonic())
             self._waiting.append(job)
             self._changed.notify_all()
         return job
@@ -208,10 +250,12 @@ class QueuedScheduler:
     def running(self) -> int:
         return len(self._active)
 
-    def stop(self, timeout: float) -> None:
-        """Stop accepting; let accepted requests finish for up to `timeout` seconds; fail whatever is left (503)."""
+    def stop(self, timeout: float, closing: Closing = SHUTDOWN) -> None:
+        """Stop accepting; let accepted requests finish for up to `timeout` seconds; fail whatever is left (503),
+        each request told why (`closing`: the server shutting down, or the version unloaded)."""
         with self._changed:
             self._accepting = False
+            self._closing = closing
             self._changed.notify_all()  # a batch being collected goes now: nothing more will arrive
         deadline = time.monotonic() + timeout
         while (self._waiting or self._in_flight() or self._active) and time.monotonic() < deadline \
@@ -231,7 +275,7 @@ class QueuedScheduler:
             self._waiting, self._active = deque(), []
             self._forget_in_flight()
         for job in leftovers:
-            fail(job.future, Unavailable("the server shut down before this request finished"))
+            fail(job.future, closing.error(closing.unfinished))
         release_gauges(self.metrics, self.labels, owner=self, rows=self._counts_rows)
 
     # --- the worker's side --------------------------------------------------------------------------------

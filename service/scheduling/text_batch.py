@@ -2,22 +2,15 @@
 each request's rows are. After text-generation-inference's ``Batch`` (``filter``, ``concatenate``) and its
 ``generate_token(batch) -> (generations, next_batch)``.
 
-- `TextBatch.prefill(backend, jobs)`: a new batch from the newcomers' prompt pass (prompt, or encoder pass and
-  decoder start token), their searches stepped on the first logits; the prompts of the jobs that asked for their
-  log-probabilities are scored from the same pass (`score_prompt`, on the logits at every position the GPT's pass
-  returns: `GPTEngine.prefill_positions`);
-- `filter(jobs)`: keep these requests. The others' rows stay in the state as dead rows (no copy of the cache for
-  a departure); they are dropped at the next compaction;
-- `TextBatch.concatenate(batches)`: one batch from several, dropping dead rows: the first batch's buffers take the
-  others' rows when they have room (the rows after a dead one move up), else one copy of the caches;
-- `generate_token()`: one decoding step over every row, then every search of the batch at once
-  (`service.decoding.step_searches`); each request's outcome is handed back as a `Generation` (its new final
-  tokens, done and its hypotheses, or the error of a search that raised, which concerns that request only).
+`TextBatch.prefill(backend, jobs)` builds a batch from the newcomers' prompt pass (and scores the prompts that
+asked, `score_prompt`); `filter(jobs)` keeps these requests (the others' rows stay as dead rows until the next
+compaction); `TextBatch.concatenate(batches)` merges batches, dropping dead rows; `generate_token()` runs one
+decoding step, then every search of the batch at once, and hands back each request's outcome as a `Generation`.
 
-The batch is the one place that talks to the searches: the scheduler reads the `Generation`s only.
+Invariant: the batch is the one place that talks to the searches: the scheduler reads the `Generation`s only, and
+a search that raises concerns its own request only.
 
-If every request keeps its row count and few rows are dead, the rows stay where they are (beams reordered in
-place, dead rows fed a pad token and recycled by the engine); otherwise the batch is compacted in one gather.
+Design notes: docs/architecture.md, service/scheduling/text_batch.py.
 """
 
 from __future__ import annotations

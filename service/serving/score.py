@@ -9,8 +9,9 @@ decoder pass) on a worker thread, never the event loop, under the request's dead
 deadline, and no graph run starts after it or once the client has gone. The work does not go through the
 translator's scheduler (which batches searches, not forced targets), so it is not queued behind decoding; its own
 backpressure is a bound on the requests each model version scores at once (`max_scoring_requests`): one more is
-refused at once with a 429 and Retry-After, and a slot is free again only when its worker thread has finished (an
-abandoned request's work included).
+refused at once with the schedulers' 429 (`service.scheduling.queueing.RetryAfter`: Retry-After and retry-after-ms
+from the measured rate at which slots are given back, within the refused request's deadline), and a slot is free
+again only when its worker thread has finished (an abandoned request's work included).
 """
 
 from __future__ import annotations
@@ -25,30 +26,35 @@ from dataclasses import dataclass
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from service.errors import BadInput, Cancelled, DeadlineExceeded, ModelOutputError, QueueFull
+from service.errors import BadInput, Cancelled, DeadlineExceeded, ModelOutputError
 from service.models.registry import LoadedModel
+from service.scheduling.queueing import RetryAfter
 from service.serving.awaiting import watched
 from service.serving.context import Caller
+from service.serving.translate import source_ids
 
 log = logging.getLogger(__name__)
 
-SCORE_RETRY_AFTER_S = 1  # a refused scoring request's Retry-After: a scoring pass takes milliseconds to a second
-
 
 class ScoringSlots:
-    """At most `limit` scoring requests of one model version at once; one more raises QueueFull (a 429) at once."""
+    """At most `limit` scoring requests of one model version at once; one more raises QueueFull (a 429) at once,
+    its retry hints from the measured rate at which slots are given back and within its deadline."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._free = threading.BoundedSemaphore(limit)
+        self._retry = RetryAfter()
 
-    def take(self, loaded: LoadedModel) -> None:
+    def take(self, loaded: LoadedModel, deadline: float) -> None:
+        """A slot for a request whose deadline is `deadline` (time.monotonic() seconds), or QueueFull."""
         if not self._free.acquire(blocking=False):
-            raise QueueFull(f"model {loaded.name} version {loaded.version} is already scoring {self.limit} requests "
-                            f"(max_scoring_requests); retry later", SCORE_RETRY_AFTER_S)
+            raise self._retry.refusal(f"model {loaded.name} version {loaded.version} is already scoring "
+                                      f"{self.limit} requests (max_scoring_requests); retry later",
+                                      self.limit, self.limit, deadline - time.monotonic())
 
     def give(self) -> None:
         self._free.release()
+        self._retry.departed()
 
 
 def slots_of(request: Caller, loaded: LoadedModel) -> ScoringSlots:
@@ -124,7 +130,7 @@ def _scores(loaded: LoadedModel, pairs: ScorePairs, abandoned: threading.Event, 
     """Tokenize and score (on a worker thread); a graph run never starts once the request is abandoned or past its
     deadline."""
     engine = loaded.engine
-    sources = [engine.source_ids(" ".join(text.split())) for text in pairs.sources]  # as translate reads them
+    sources = source_ids(loaded, pairs.sources, "source")  # as translate reads them
     targets = [engine.tokenizer.encode(" ".join(text.split())).ids for text in pairs.targets]
     most = engine.max_target_length - 1  # the start token takes position 0
     for index, ids in enumerate(targets):
@@ -153,7 +159,7 @@ def _scores(loaded: LoadedModel, pairs: ScorePairs, abandoned: threading.Event, 
 async def score(request: Caller, loaded: LoadedModel, pairs: ScorePairs, deadline: float) -> Scored:
     """Each target's forced decoding given its source, in order (see the module docstring)."""
     slots = slots_of(request, loaded)
-    slots.take(loaded)
+    slots.take(loaded, deadline)
     abandoned = threading.Event()
     # the task ends when its worker thread has (a cancelled thread pool call waits for its thread), or at once if it
     # was cancelled before it started: either way its slot is given back then

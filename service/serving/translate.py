@@ -1,6 +1,10 @@
 """German -> English translation, for every API: protocol-neutral parameters -> one search per text (the texts
 tokenized on a worker thread, not the event loop) -> the translator's continuous batcher -> an n-best list of
-completions per text, or a stream (greedy, one text)."""
+completions per text, or a stream (greedy, one text).
+
+`source_ids` is how the translator reads a text, here and in scoring (`service.serving.score`): every token of it,
+or a 400 naming the field and the model's `max_source_length` when it has more; a source is never cut.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +43,20 @@ class TranslationParams:
         return "beam" if self.num_beams > 1 else "greedy"
 
 
+def source_ids(loaded: LoadedModel, texts: Sequence[str], field: str) -> list[list[int]]:
+    """The texts as the translator reads them (tabs and newlines as spaces, the end-of-source token last), on a
+    worker thread; BadInput naming `field` (and the text's index) when one has more tokens than the model reads."""
+    engine, sources = loaded.engine, []
+    for index, text in enumerate(texts):
+        ids = engine.source_ids(" ".join(text.split()))
+        if len(ids) > engine.max_source_length:
+            raise BadInput(f"{field} {index} has {len(ids)} tokens (its end-of-source token included); model "
+                           f"{loaded.name} version {loaded.version} reads at most {engine.max_source_length} "
+                           f"(max_source_length): shorten or split it", param=field)
+        sources.append(ids)
+    return sources
+
+
 def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, deadline: float) -> list[TextJob]:
     """One job per text; the texts are tokenized here, so call it on a worker thread."""
     if params.num_return_sequences > params.num_beams:
@@ -47,8 +65,7 @@ def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, 
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     engine = loaded.engine
     jobs = []
-    for text in texts:
-        source = engine.source_ids(" ".join(text.split()))  # tabs and newlines -> spaces
+    for source in source_ids(loaded, texts, "text"):
         max_new = min(params.max_new_tokens or engine.default_max_new_tokens(len(source)),
                       engine.max_target_length - 1)
         search: Search

@@ -420,33 +420,52 @@ def test_the_grpc_deadline_is_the_requests_and_its_work_is_dropped(client, rest)
         before, "tserve_request_failures_total", model="translation")
 
 
-def test_cancelling_a_stream_frees_the_requests_rows(client, rest):
-    context = 64  # the tiny GPT's context
-    prompt = "ROMEO:\n"
-    parameters = {"max_new_tokens": context - len(prompt.encode()), "temperature": 0}
-    for _attempt in range(5):  # the tiny model may finish before the cancel lands: a finished run cancels nothing
+def test_cancelling_a_stream_frees_the_requests_rows(serving, tiny_repository, monkeypatch):
+    """The cancel lands by construction: the GPT's decoding steps are held at a gate (in-process, on the engine), so
+    the request cannot finish before the server has seen its stream cancelled; then the step goes on and the
+    batcher drops the request's rows."""
+    from service.settings import Settings
+
+    settings = Settings(repository=tiny_repository, models=["gpt"], grpc_port=free_port(), drain_delay_s=0)
+    with serving(settings) as rest:
+        engine = rest.app.state.registry.resolve("gpt", None, None).engine
+        waiting, opened = threading.Event(), threading.Event()
+        step = engine.step
+
+        def held_step(*args, **kwargs):
+            waiting.set()
+            assert opened.wait(timeout=PATIENCE_S), "the test never opened the gate"
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "step", held_step)
+        client = tgrpc.InferenceServerClient(f"127.0.0.1:{settings.grpc_port}")
+        prompt = "ROMEO:\n"
+        parameters = {"max_new_tokens": engine.context_length - len(prompt.encode()), "temperature": 0}
         before = scrape(rest)
-        first: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: first.put((result, error)))
-        client.async_stream_infer("gpt", [text_input("PROMPT", [prompt])], parameters=parameters)
-        first.get(timeout=STREAM_WAIT_S)
-        client.stop_stream(cancel_requests=True)
+        try:
+            client.start_stream(callback=lambda result, error: None)
+            client.async_stream_infer("gpt", [text_input("PROMPT", [prompt])], parameters=parameters)
+            assert waiting.wait(timeout=PATIENCE_S), "the request never reached a decoding step"
+            client.stop_stream(cancel_requests=True)  # its step is held: it cannot have finished
+
+            def cancelled():
+                return (metric(scrape(rest), "tserve_request_failures_total", model="gpt", reason="cancelled")
+                        - metric(before, "tserve_request_failures_total", model="gpt", reason="cancelled"))
+
+            poll(cancelled, timeout=PATIENCE_S, message="the stream's request counted as cancelled")
+        finally:
+            opened.set()
+            client.close()
 
         def settled():
             samples = scrape(rest)
             return samples if metric(samples, "tserve_running_requests", model="gpt") == 0 else None
 
         after = poll(settled, timeout=PATIENCE_S, message="tserve_running_requests{model=gpt} == 0")
-        cancelled = (metric(after, "tserve_request_failures_total", model="gpt", reason="cancelled")
-                     - metric(before, "tserve_request_failures_total", model="gpt", reason="cancelled"))
-        if cancelled:
-            break
-    else:
-        pytest.fail("5 cancelled streams, none counted as cancelled")
-    assert cancelled == 1
-    generated = (metric(after, "tserve_generated_tokens_total", model="gpt")
-                 - metric(before, "tserve_generated_tokens_total", model="gpt"))
-    assert 1 <= generated < parameters["max_new_tokens"]
+        assert cancelled() == 1
+        generated = (metric(after, "tserve_generated_tokens_total", model="gpt")
+                     - metric(before, "tserve_generated_tokens_total", model="gpt"))
+        assert 1 <= generated < parameters["max_new_tokens"]
 
 
 # --- servers of their own: API keys, overload, message sizes, drain -----------------------------------------------

@@ -136,7 +136,8 @@ def translate_cases() -> list:
         (body(text=["ok", "Ein \ud800"]), {422}, "text.1"), (body(text=["ok", "   "]), {422}, "text.1"),
         (body(text=[]), {422}, "text"), (body(text=["x"] * (MAX_TEXTS + 1)), {422}, "text"),
         (body(text=["Hallo."] * MAX_TEXTS, num_beams=1), {200}, None), (body(text=[1, 2]), {422}, "text"),
-        (body(text="x" * MAX_TEXT_CHARS, num_beams=1), {200}, None),
+        # within the characters, past the tokens the translator reads: refused, never cut (issue 51, item 3)
+        (body(text="x" * MAX_TEXT_CHARS, num_beams=1), {400}, "max_source_length"),
         (body(text="Ein \ud800", stream=True, num_beams=1), {422}, "text"),
         (body(num_beams=0), {422}, "num_beams"), (body(num_beams=MAX_BEAMS + 1), {422}, "num_beams"),
         (body(num_beams=MAX_BEAMS), {200}, None), (body(num_beams=1.5), {422}, "num_beams"),

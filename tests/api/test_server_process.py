@@ -1,9 +1,9 @@
 """End-to-end tests against a real server process: `python -m service` (uvicorn) on the tiny model repository,
 driven over HTTP with httpx.
 
-One shared server serves the batching, streaming, cancellation, deadline and access-log tests; the overload and
-SIGTERM tests start their own short-lived servers with different knobs. Every wait is a bounded poll, every
-server is terminated at teardown, and a failing test prints what its servers wrote (stdout: JSON log lines).
+One shared server serves the batching, streaming, cancellation, deadline and access-log tests; the overload,
+SIGTERM and port-in-use tests start their own short-lived servers with different knobs. Every wait is a bounded poll,
+every server is terminated at teardown, and a failing test prints what its servers wrote (stdout: JSON log lines).
 
 Timing notes (the tiny models are fast: a 60-token GPT generation takes ~20 ms on CPU):
 - a non-streamed request is only noticed as cancelled at the route's 0.2 s disconnect poll, so the client-timeout
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,9 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from service.__main__ import EXIT_CANNOT_LISTEN
+from service.client.launcher import ServiceProcess
+from service.client.processes import LOOPBACK, free_port
 from service.client.sse import parse_sse
 from tests.support.metrics import metric, scrape
 from tests.support.server import ServerProcess
@@ -500,3 +505,35 @@ def test_sigterm_drains_in_flight_requests(drain_run):
 
 def test_sigterm_exit_status_is_zero(drain_run):
     assert drain_run.returncode == 0, (drain_run.returncode, drain_run.output[-2000:])
+
+
+# --- 8. a port in use: the same clean exit every time, naming the port ------------------------------------------
+
+PORT_IN_USE_STARTS = 3  # before the fix, 5 starts of 18 aborted (exit 134) instead of exiting
+EXIT_WAIT_S = 90.0  # a start that fails at once exits within the imports' time; a bound, not a pace
+
+
+@pytest.mark.parametrize("protocol, reuse_port", [("http", False), ("grpc", False), ("grpc", True)],
+                         ids=["http", "grpc", "grpc-taken-by-a-grpc-server"])
+def test_a_port_in_use_is_the_same_clean_exit_naming_the_port(tiny_repository, tmp_path, protocol, reuse_port):
+    """With TSERVE_PORT or TSERVE_GRPC_PORT taken (for the gRPC port also by a listener with SO_REUSEPORT, as
+    another gRPC server's), `python -m service` exits with EXIT_CANNOT_LISTEN and one error line naming the port,
+    every time: it checks its ports before any model loads or any thread starts."""
+    with socket.create_server((LOOPBACK, 0), reuse_port=reuse_port) as holder:
+        taken = holder.getsockname()[1]
+        ports = {"port": taken, "grpc_port": free_port()} if protocol == "http" else {"port": free_port(),
+                                                                                     "grpc_port": taken}
+        setting = "HTTP, TSERVE_PORT" if protocol == "http" else "gRPC, TSERVE_GRPC_PORT"
+        for start in range(PORT_IN_USE_STARTS):
+            # `command`: the launcher's own choice of TSERVE_PORT does not override the one given here
+            process = ServiceProcess(f"{protocol} port in use, start {start}", tiny_repository, tmp_path,
+                                     command=lambda _port: [sys.executable, "-m", "service"], host=LOOPBACK,
+                                     log_format="json", log_level="INFO", **ports)
+            try:
+                status = process.spawn().wait(timeout=EXIT_WAIT_S)
+            finally:
+                process.stop()
+            assert status == EXIT_CANNOT_LISTEN, process.output()
+            errors = [r["message"] for r in process.log_records() if r.get("level") == "error"]
+            assert errors == [f"cannot listen on {LOOPBACK}:{taken} ({setting}): address already in use"], \
+                process.output()

@@ -166,8 +166,8 @@ def test_openapi_documents_the_routes_and_their_examples_succeed(http):
     tokenize = schemas[spec["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
                        ["$ref"].rsplit("/", 1)[1]]
     prompt_limit = [member.get("maxLength") for member in tokenize["properties"]["prompt"]["anyOf"]]
-    # the body limit (this server: TSERVE_MAX_BODY_BYTES' default), not the prompt's (tokenizing runs no model)
-    assert Settings.model_fields["max_body_bytes"].default in prompt_limit
+    # the tokenizer routes' own bound (this server: TSERVE_MAX_TOKENIZE_CHARS' default), not the generation prompt's
+    assert Settings.model_fields["max_tokenize_chars"].default in prompt_limit
 
 
 # --- bad input ----------------------------------------------------------------------------------------------------

@@ -163,6 +163,10 @@ def test_scoring_beyond_max_scoring_requests_is_a_429_until_a_slot_is_free(tiny_
         refused = client.post(SCORE, json=body)
         assert "max_scoring_requests" in error_of(refused, 429)["message"]
         assert int(refused.headers["Retry-After"]) >= 1
+        # issue 51 item 11: the schedulers' rule, both hints within the refused request's own deadline
+        short = client.post(SCORE, json={**body, "timeout_ms": 400})
+        assert "max_scoring_requests" in error_of(short, 429)["message"]
+        assert short.headers["Retry-After"] == "1" and 1 <= int(short.headers["retry-after-ms"]) <= 400, short.headers
         release.set()
         thread.join(PATIENCE_S)
         assert first["response"].status_code == 200, first["response"].text

@@ -4,7 +4,7 @@ release models, its output compared with the one printed. The ids and timestamps
 otherwise (the outputs are the CPU's: docs/api.md, "Which outputs depend on the CPU"). Examples whose output
 depends on the requests before them (metrics, statistics) are run and shown, not compared.
 
-    .venv/bin/python -m tests.support.readme_check [--rtol 1e-6] [--repository model_repository]
+    .venv/bin/python -m tests.support.readme_check [--rtol 1e-6] [--variant auto] [--repository model_repository]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from service.client.launcher import ServiceProcess, clean_environment
 from tests.support import ROOT
 from tests.support.examples import Example, all_examples, first_url_path, label
 
-# Fields a server makes up per response: never equal between two runs.
-MADE_UP = frozenset({"id", "created", "last_inference", "ns"})
+# Fields a server makes up or measures per response: never equal between two runs (`reason`: a variant's timings).
+MADE_UP = frozenset({"id", "created", "last_inference", "ns", "reason"})
 # Outputs that count what the server did before (an example's, or the warm-up's): shown, not compared.
 STATEFUL_PATHS = ("/metrics", "/stats")
 COMMAND_TIMEOUT_S = 120
@@ -39,6 +39,19 @@ def parsed(text: str) -> list:
         except ValueError:
             values.append(line)
     return values
+
+
+def streamed(values: list) -> list:
+    """An SSE stream as what it means, whatever the chunking (a stream sends the steps that became final while the
+    client read the last event together): the text of its events joined, then its last event."""
+    events = [v for v in values if isinstance(v, dict)]
+    if len(events) < 2:
+        return values
+    pieces = []
+    for event in events:
+        choice = (event.get("choices") or [{}])[0]
+        pieces.append(event.get("token") or choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return ["".join(pieces), events[-1]]
 
 
 def same(shown, actual, rtol: float) -> bool:
@@ -64,19 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repository", default=str(ROOT / "model_repository"))
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance of numbers (default: exact)")
+    parser.add_argument("--variant", default="auto",
+                        help="TSERVE_VARIANT (the docs' outputs: gpt=int8+gqa+kv8,translation=int8,vit=fp32)")
     args = parser.parse_args(argv)
     differing = 0
     with tempfile.TemporaryDirectory() as folder:
         workdir = Path(folder)
         subprocess.run([sys.executable, "-m", "models.example_images"], cwd=workdir, check=True,
                        env=clean_environment())
-        with ServiceProcess("readme-check", args.repository, ready_timeout=600) as server:
+        with ServiceProcess("readme-check", args.repository, ready_timeout=600, variant=args.variant) as server:
             for example in all_examples():
                 actual = run_example(example, server.port, workdir)
                 stateful = first_url_path(example.command).endswith(STATEFUL_PATHS)
                 if stateful:
                     verdict = "shown (depends on the requests before it)"
-                elif same(parsed(example.output), parsed(actual), args.rtol):
+                elif same(streamed(parsed(example.output)), streamed(parsed(actual)), args.rtol):
                     verdict = "same"
                 else:
                     verdict, differing = "DIFFERS", differing + 1

@@ -3,24 +3,15 @@
 checks against the model's signature -> the serving layer -> output tensors, the ones asked for. Each transport
 parses its own body and encodes its own response; the tensor mapping, limits, options and deadlines are here once.
 
-Tensors per model (its signature, `service.api.oip.signatures`, also in each model's metadata):
-- vit: input `IMAGE` BYTES [N] (encoded image files; base64 text when sent as JSON) or `PIXELS` FP32 [N, H, W]
-  (or [N, C, H, W]) already scaled to [0, 1]; outputs `PROBABILITIES` FP32 [N, classes] (with the classification
-  extension: the top k as "score:index:label") and `LABEL` BYTES [N], the most likely label.
-- translation: input `TEXT` BYTES (German, UTF-8, any shape); outputs `TRANSLATION` BYTES and `SCORE` FP32 (the
-  input's shape). Decoding options are request `parameters`, as the native API names them (num_beams, ...),
-  checked by the native request model, whose `to_params` maps them to the serving call.
-- gpt: input `PROMPT` BYTES (any shape); outputs `TEXT` BYTES (the continuation) and `FINISH_REASON` BYTES
-  (eos | length | stop); options as `parameters` (max_new_tokens, temperature, seed, stop as one string, ...).
-The deadline is the request parameter `timeout` (microseconds, what tritonclient sends), else the transport's own
-(a gRPC call's deadline), else the server's default; never past TSERVE_MAX_TIMEOUT_MS.
-Each input must have its signature's datatype; a parameter that names what the request gives otherwise (the input
-tensors, the model and version, the deadline) is refused, so the tensors' limits always hold.
+Each model's tensors are its signature's (`service.api.oip.signatures`, also in its metadata); decoding options are
+request `parameters`, as the native API names them. The deadline is the `timeout` parameter (microseconds), else
+the transport's own, else the server's default; never past TSERVE_MAX_TIMEOUT_MS. Streaming (`stream`, gRPC's
+ModelStreamInfer): a request with one text and a search of one row yields its text as it becomes final.
 
-Streaming (`stream`, gRPC's ModelStreamInfer): a request with one text and a search of one row (greedy or
-sampled; not beams) yields its output as it is decoded, each chunk the text that became final since the last one
-(their concatenation is the whole text), the finish reason (gpt) or score (translation) with the last chunk;
-`streams` says whether a request can.
+Invariant: each input must have its signature's datatype, and a parameter that names what the request gives
+otherwise (the input tensors, the model and version, the deadline) is refused, so the tensors' limits always hold.
+
+Design notes (each model's tensors, streaming): docs/architecture.md, service/api/oip/inference.py.
 """
 
 from __future__ import annotations
@@ -216,12 +207,16 @@ ADAPTERS: dict[str, Callable[..., Awaitable[list[Tensor]]]] = {VIT: _vit, TRANSL
 STREAMED = {GPT: ("PROMPT", "TEXT", "FINISH_REASON"), TRANSLATION: ("TEXT", "TRANSLATION", "SCORE")}
 
 
-def streams(loaded: LoadedModel, inference: InferenceRequest, tensors: Tensors) -> bool:
-    """Whether `stream` can stream this request: a text model, one text, a search of one row (no beams)."""
+def streams(request: Caller, loaded: LoadedModel, inference: InferenceRequest, tensors: Tensors) -> bool:
+    """Whether `stream` can stream this request: a text model, one text, a search of one row (no beams: neither
+    the request's `num_beams` nor, when it gives none, its model's default, the translation's beam search)."""
     if loaded.kind not in STREAMED:
         return False
     array = tensors.get(STREAMED[loaded.kind][0])
-    return array is not None and array.size == 1 and inference.parameters.get("num_beams", 1) == 1 and \
+    models = request.app.state.request_models
+    options = models.generate if loaded.kind == GPT else models.translate  # the native model that checks them
+    beams = inference.parameters.get("num_beams", options.model_fields["num_beams"].default)
+    return array is not None and array.size == 1 and beams == 1 and \
         inference.parameters.get("num_return_sequences", 1) == 1 and inference.parameters.get("n", 1) == 1
 
 

@@ -1,27 +1,15 @@
 """The Open Inference Protocol (KServe v2, as Triton serves it over REST): the inference request and response
-shapes, and tensors in and out of them, in JSON or with Triton's binary tensor data extension.
+shapes, and tensors in and out of them, in JSON or with Triton's binary tensor data extension
+(`Inference-Header-Content-Length` bytes of JSON, then the raw data of the binary inputs or outputs), and
+Triton's classification extension (`parameters.classification: k`: the top k per row, BYTES "score:index:label").
 
-A request body is JSON, or (extension) `Inference-Header-Content-Length: L` bytes of JSON followed by the raw data
-of the inputs whose `parameters.binary_data_size` says so, in input order. A response is JSON, or JSON followed by
-the raw data of the outputs asked for in binary (`outputs[].parameters.binary_data`, or `binary_data_output` for
-all), each output's JSON saying its `binary_data_size`. Raw data is little-endian; a BYTES element is a 4-byte
-little-endian length and its bytes. Triton's classification extension: an output asked for with
-`parameters.classification: k` is the top k of its scores per row, as BYTES "score:index:label".
-
-Everything a request says is checked before any work, 400 naming what is wrong: every string valid Unicode
-(`service.api.fields.ValidUnicode`), the header length in ASCII digits, shapes against the data actually sent (with
-Python's integers: a product past int64 is just too large), and the protocol's parameters of their types (`timeout`,
-`classification`, `binary_data_size` integers, `binary_data` / `binary_data_output` booleans: JSON's true is not 1).
+Invariant: everything a request says is checked before any work, 400 naming what is wrong (valid Unicode, the
+header length, shapes against the data actually sent, the protocol's parameters of their types). Body fields
+other than the KServe v2 REST schema's and the KServe SDK's (`model_name`, `model_version`) are refused, as are the
+parameters this server does not implement (priority, sequences, shared memory) unless they carry their default.
 A response never holds a NaN or an infinity (`ModelOutputError` instead).
 
-The body's fields: those of the KServe v2 REST schema (`id`, `parameters`, `inputs`, `outputs`; `parameters` and
-`outputs` may be null, as KServe's schema allows), and what the KServe SDK's `InferRequest.to_rest` adds:
-`model_name` (and `model_version`, the SDK's gRPC field), checked against the URL's model and version by the router.
-The response echoes `id`. Anything else is refused (400 naming it). The protocol's parameters this server does not
-implement are refused unless they carry their default, which asks for nothing: `priority` (0; the queues are first
-come, first served), `sequence_id` (0 or ""), `sequence_start` and `sequence_end` (false; there is no sequence
-batcher); and Triton's shared-memory parameters (`shared_memory_region`, ...) on an input or output (no shared
-memory: tensors travel in the body).
+Design notes (the wire format and every check): docs/architecture.md, service/api/oip/protocol.py.
 """
 
 from __future__ import annotations
@@ -61,6 +49,9 @@ RESERVED_PARAMETERS = ("timeout", "binary_data_output", EMPTY_FINAL_RESPONSE, *U
 # Triton's shared-memory extension, as input or output parameters: not implemented (tensors travel in the body).
 SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 MAX_DIMENSIONS = 8  # dimensions an input shape may have: room above the most any model here takes (4)
+# inputs / outputs a request may name: room above the most any model here has (2), so that a body of half a million
+# tensor objects is refused by its count before it is validated
+MAX_TENSORS = 16
 
 
 class _Message(BaseModel):
@@ -92,8 +83,8 @@ class InferenceRequest(_Message, ValidUnicode):
     model_name: str | None = None
     model_version: str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
-    inputs: list[RequestInput] = Field(..., min_length=1)
-    outputs: list[RequestOutput] | None = None
+    inputs: list[RequestInput] = Field(..., min_length=1, max_length=MAX_TENSORS)
+    outputs: list[RequestOutput] | None = Field(None, max_length=MAX_TENSORS)
 
     def check_target(self, name: str, version: int) -> None:
         """400 when the body names another model or version than the one the URL resolved to."""

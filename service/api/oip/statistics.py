@@ -3,23 +3,13 @@
 Triton's JSON, read from the samples of the Prometheus metrics the service keeps anyway
 (`service.observability.metrics`), so that the two can never disagree; no counter is kept twice.
 
-Where each figure comes from (every API counts: native, OpenAI and this protocol's requests alike):
-- `inference_stats.success` / `fail`: `tserve_request_duration_seconds` of the version, by status (2xx or not):
-  the requests routed to it and the time from their arrival to their last byte. A request refused before it
-  reached a model (an unknown model, a body that is not the protocol's) belongs to no model and is in neither.
-- `inference_stats.queue`: `tserve_queue_wait_seconds`: each job's wait from arrival to its first batch (a text
-  job is one sequence: a prompt, or each of its `n` samples).
-- `execution_count`: `tserve_batch_size`'s count: the batches the engine ran (text: decoding steps; images:
-  batches). `batch_stats`: those executions by the histogram's bucket, `batch_size` being the bucket's upper bound
-  (1, 2, 4, ... 256; larger ones are in `execution_count` only), their count under `compute_infer`.
-- `inference_count`: the images classified (`tserve_images`), or for a text model the sequences that got a
-  batch (the queue's count).
-- `inference_stats.compute_infer`: `tserve_batch_seconds`: the batches the engine ran and their time (text: each
-  decoding iteration, the newcomers' prompt pass included); `last_inference`: `tserve_last_batch_timestamp_seconds`
-  in milliseconds since the epoch (0: none yet).
-Not measured apart, so reported as 0: `compute_input` / `compute_output` (feeding the graph and reading its outputs
-are inside `compute_infer`), and every `ns` of `batch_stats` (batch times are not kept per batch size).
-`cache_hit` / `cache_miss` are 0 because there is no response cache.
+Every API's requests count: `success` / `fail` from `tserve_request_duration_seconds`, `queue` from
+`tserve_queue_wait_seconds`, `execution_count` and `batch_stats` from `tserve_batch_size`, `inference_count` from
+`tserve_images` (text: the queue's count), `compute_infer` from `tserve_batch_seconds`, `last_inference` from
+`tserve_last_batch_timestamp_seconds`. Reported as 0: `compute_input` / `compute_output` and every `ns` of
+`batch_stats` (not measured apart), `cache_hit` / `cache_miss` (there is no response cache).
+
+Design notes (where each figure comes from): docs/architecture.md, service/api/oip/statistics.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The chat template of the GPT, a model trained on plays (tinyshakespeare): a conversation is rendered as a
-scene, every message a speaker's turn as the training text writes them, and the model is asked for the next turn.
+scene, every message a speaker's turn as the training text writes them, and the model is asked for the next turn:
 
     <system and developer messages, one paragraph each>
 
@@ -7,16 +7,11 @@ scene, every message a speaker's turn as the training text writes them, and the 
     <a user message>
 
     JULIET:
-    <an assistant message>
-
-    ROMEO:
-    <the last user message>
-
-    JULIET:
     <- the model continues here; its turn ends at the first blank line (an implicit stop string)
 
 A message's `name` replaces its role's speaker (e.g. {"role": "user", "name": "HAMLET", ...}). Blank lines inside a
-message would end its turn early, so runs of them become one line break.
+message would end its turn early, so runs of them become one line break. A longer conversation: the design notes,
+docs/architecture.md, service/api/openai/chat_template.py.
 """
 
 from __future__ import annotations

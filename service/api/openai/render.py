@@ -5,6 +5,11 @@ shapes (the legacy one led by the prompt's tokens with `echo`, as OpenAI's old A
 `prompt_logprobs`, token texts and bytes as OpenAI writes them, one chunk entry per choice per wake-up (`merge`),
 and the usage. As vLLM's `serving_completion` / `serving_chat` render what its engine returns; the router only
 validates, calls the serving layer and hands its results here.
+
+An echoed prompt (`echo_text`) keeps its special tokens, for a text and for token ids alike: `<|endoftext|>` is its
+content in the text, in `tokens` and in `text_offset` (as `/detokenize` and vLLM's echo render it), so that
+`text[text_offset[i]:][:len(tokens[i])] == tokens[i]` for every token that is whole characters. Generated text
+holds none (the end of text ends a choice and is not part of it).
 """
 
 from __future__ import annotations
@@ -86,20 +91,30 @@ class TokenText:
         return self.cache[token]
 
 
-def completion_logprobs(logprobs: Sequence, tokens: Sequence[int], start: int, token_text: TokenText) -> dict:
-    """OpenAI's legacy `logprobs` object for the given tokens, whose text begins at character `start`."""
+def echo_text(tokenizer, prompt: str | Sequence[int], ids: Sequence[int]) -> str:
+    """The text an echoed prompt is: a text as it was sent; token ids decoded with their special tokens kept."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def completion_logprobs(logprobs: Sequence, tokens: Sequence[int], start: int, token_text: TokenText,
+                        keep_special: bool = False) -> dict:
+    """OpenAI's legacy `logprobs` object for the given tokens, whose text begins at character `start` (their text
+    with special tokens kept when `keep_special`: an echoed prompt's)."""
+    tokenizer = token_text.tokenizer
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if keep_special else tokenizer.decode
     return {"tokens": [token_text(t)[0] for t in tokens],
             "token_logprobs": [max(lp.logprob, FLOOR_LOGPROB) for lp in logprobs],
             "top_logprobs": [{token_text(t)[0]: max(value, FLOOR_LOGPROB) for t, value in lp.top} for lp in logprobs],
-            "text_offset": text_offsets(token_text.tokenizer.decode, tokens, start)}
+            "text_offset": text_offsets(decode, tokens, start)}
 
 
 def echo_logprobs(prompt: Sequence[int], scores, top: int, token_text: TokenText) -> dict:
     """The legacy `logprobs` entries of an echoed prompt (`scores`: its `PromptLogprobs`, top alternatives cut to
     the request's `top`): every prompt token, the first with a null log-probability and null alternatives (nothing
-    comes before it), as OpenAI and vLLM return them; text offsets from 0, where the echoed text starts."""
+    comes before it), as OpenAI and vLLM return them; text offsets from 0, where the echoed text (`echo_text`,
+    special tokens kept) starts."""
     cut = [replace(lp, top=lp.top[:top]) for lp in scores.tokens]  # the prompt pass kept the most asked for
-    entries = completion_logprobs(cut, prompt, 0, token_text)
+    entries = completion_logprobs(cut, prompt, 0, token_text, keep_special=True)
     entries["token_logprobs"].insert(0, None)
     entries["top_logprobs"].insert(0, None)
     return entries

@@ -19,17 +19,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 
 from service.api.openai import chat_template
-from service.api.openai.protocol import (
+from service.api.openai.protocol import OpenAIRequestModels
+from service.api.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     ModelList,
     OpenAIError,
     OpenAIModel,
-    OpenAIRequestModels,
 )
 from service.api.openai.errors import OPENAI, ModelNotFound
 from service.api.openai.field_rules import IGNORED_FIELDS_HEADER
-from service.api.openai.render import ChatRender, CompletionRender
+from service.api.openai.render import ChatRender, CompletionRender, echo_text
 from service.errors import BadInput
 from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, with_body
 from service.repository import GPT
@@ -121,7 +121,7 @@ async def completions(body, request: Request):
     prompts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
     ids = await generation.encode_prompts(loaded, prompts, params.max_new_tokens, "max_tokens")
     tokenizer = loaded.engine.tokenizer
-    echoed = [(p if isinstance(p, str) else tokenizer.decode(i)) if body.echo else "" for p, i in zip(prompts, ids)]
+    echoed = [echo_text(tokenizer, p, i) if body.echo else "" for p, i in zip(prompts, ids)]
     deadline = deadline_of(request, None)
     render = CompletionRender(loaded.name, tokenizer, n, sum(len(i) for i in ids), body.include_usage(), echoed,
                               logprobs=body.logprobs, prompt_ids=ids, echo_logprobs=body.echo_logprobs,

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from service.engines.kv_cache import CAPACITY_STEP, KVCache, capacity_for
+from service.engines.kv_cache import KVCache
+from service.engines.kv_storage import CAPACITY_STEP, capacity_for
 
 
 def cache(rows, length, start=0, encoder_row=None):
@@ -237,11 +238,11 @@ def test_exact_storage_moves_into_buffers_of_the_grown_capacity_in_one_copy(limi
 
 def test_buffers_grown_to_a_limit_are_fresh_zero_pages_and_headroom_growth_is_not():
     """A buffer grown to `limit` at once is mostly slots never written: it is fresh anonymous memory (nothing zeroed
-    ahead; `kv_cache.zeroed`), zero, writable and contiguous as a bound buffer must be; a buffer grown with a
+    ahead; `kv_storage.zeroed`), zero, writable and contiguous as a bound buffer must be; a buffer grown with a
     headroom is read whole by its attention and stays an ordinary array."""
     import mmap
 
-    from service.engines.kv_cache import FRESH_PAGES_BYTES, zeroed
+    from service.engines.kv_storage import FRESH_PAGES_BYTES, zeroed
 
     rows, heads, head_dim, limit = 8, 4, 64, 256
     assert rows * heads * limit * head_dim * 4 >= FRESH_PAGES_BYTES

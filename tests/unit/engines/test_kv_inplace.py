@@ -14,7 +14,7 @@ from export.kv_inplace import KVInplaceError, add_step_graph, make_inplace_kv
 from service.decoding import BeamSearch, GreedySearch
 from service.engines import onnx_schema as schema
 from service.engines.gpt import GPTEngine
-from service.engines.kv_cache import CAPACITY_STEP
+from service.engines.kv_storage import CAPACITY_STEP
 from service.engines.translation import TranslationEngine
 from service.repository import ModelRepository
 

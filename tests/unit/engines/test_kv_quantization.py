@@ -143,8 +143,24 @@ def test_scales_are_one_per_layer_kind_head_and_channel_and_bad_ones_are_refused
     assert (scales > 0).all() and np.unique(scales).size > scales.size // 2  # measured, not one constant
     for bad in (scales[0], np.zeros_like(scales)):
         np.save(tmp_path / SCALES_FILE, bad)
-        with pytest.raises(ValueError, match="expected positive scales"):
+        with pytest.raises(ValueError, match="expected finite positive scales"):
             load_scales(tmp_path)
+
+
+@pytest.mark.parametrize("write, says", [
+    (lambda path: np.save(path, np.full((2, 2, 4, 8), np.inf, np.float32)), "expected finite positive scales"),
+    (lambda path: np.save(path, np.full((2, 2, 4, 8), np.nan, np.float32)), "expected finite positive scales"),
+    (lambda path: np.save(path, np.array([{"a": 1}], dtype=object)), "is not a NumPy file of scales"),
+    (lambda path: np.save(path, np.array(["x"])), "is not a NumPy file of scales"),
+    (lambda path: path.write_bytes(b"not an array"), "is not a NumPy file of scales"),
+    (lambda path: (np.save(path, np.ones((2, 2, 4, 8), np.float32)),
+                   path.write_bytes(path.read_bytes()[:-16])), "is not a NumPy file of scales"),
+], ids=["inf", "nan", "pickled objects", "text", "not npy", "cut short"])
+def test_a_damaged_scales_file_is_refused_naming_it(tmp_path, write, says):
+    write(tmp_path / SCALES_FILE)
+    with pytest.raises(ValueError, match=says) as caught:
+        load_scales(tmp_path)
+    assert str(tmp_path / SCALES_FILE) in str(caught.value)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Slow and oversized request heads against a real server process (`python -m service`, service.http.limits),
 driven over raw sockets: 408 for a head not complete within header_timeout_s, 431 for a head over
-max_header_bytes (stopped while it streams in) or with over max_header_count headers, the connection closed, the
-rejection counted in `tserve_rejected_connections_total{reason}`, and the server still ready afterwards.
+max_header_bytes (stopped while it streams in) or with over max_header_count headers, a JSON 400 for a request the
+parser cannot read (raw non-ASCII path bytes), the connection closed, the rejection counted in
+`tserve_rejected_connections_total{reason}`, and the server still ready afterwards.
 
 Timing: every wait is bounded and generous (the machine may be loaded); lower bounds check that a limit is not
 enforced early.
@@ -150,7 +151,7 @@ def conn(server):
 # --- the tests -------------------------------------------------------------------------------------------------
 
 def test_the_rejection_series_exist_at_zero_from_the_start(server):
-    assert rejected(server) == {"header_timeout": 0, "headers_too_large": 0, "too_many_headers": 0}
+    assert rejected(server) == {"header_timeout": 0, "headers_too_large": 0, "too_many_headers": 0, "bad_request": 0}
 
 
 def test_a_connection_that_sends_nothing_gets_408_and_is_closed(server, conn):
@@ -272,10 +273,11 @@ def test_each_rejection_is_counted_logged_and_the_server_stays_ready(server, con
         c = conn()
         c.send(data)
         c.response(HEADER_TIMEOUT_S + MARGIN_S)
-    expected = {reason: before[reason] + 1 for reason in ("header_timeout", "too_many_headers", "headers_too_large")}
+    counted = ("header_timeout", "too_many_headers", "headers_too_large")
+    expected = {**before, **{reason: before[reason] + 1 for reason in counted}}
     poll(lambda: rejected(server) == expected, MARGIN_S, message=f"counters {expected}")
     warnings = [r for r in server.log_records() if r.get("logger") == "tserve.http"]
-    assert {r["reason"] for r in warnings} >= set(expected), warnings
+    assert {r["reason"] for r in warnings} >= set(counted), warnings
     assert all(r["level"] == "warning" and r["peer"].startswith("127.0.0.1:") for r in warnings), warnings
     assert httpx.get(f"{server.url}/health/ready", timeout=30).status_code == 200
 
@@ -319,6 +321,48 @@ def test_a_pipelined_head_that_times_out_during_a_response_gets_no_response_writ
         assert (code, body, headers["connection"]) == (200, b"slow", "close")
         assert c.closed_by_server() and c.buffer == b"", c.buffer
         assert reasons == ["header_timeout"]
+        c.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=MARGIN_S)
+
+
+UNREADABLE = {  # a request the parser cannot read -> what its 400 names
+    "a raw UTF-8 path": (b"GET /v1/mod\xc3\xa9ls HTTP/1.1\r\nHost: test\r\n\r\n", "percent-encode"),
+    "a raw Latin-1 path": (b"GET /health/live\xff HTTP/1.1\r\nHost: test\r\n\r\n", "percent-encode"),
+    "a bad method": (b"G\x00T / HTTP/1.1\r\nHost: test\r\n\r\n", "not a valid HTTP/1.1 request"),
+    "a header name with a space": (b"GET / HTTP/1.1\r\nHo st: test\r\n\r\n", "not a valid HTTP/1.1 request"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_a_request_the_parser_cannot_read_gets_a_json_400_naming_why(case):
+    """Issue 51: raw non-ASCII path bytes got uvicorn's plain-text "Invalid HTTP request received."; in process,
+    every unreadable request gets this service's JSON error (400 `bad_request`, the parser's reason), counted as a
+    rejected connection, and the connection is closed."""
+    data, names = UNREADABLE[case]
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("an unreadable request reached the app")
+
+    reasons: list[str] = []
+    settings = Settings(_env_file=None, header_timeout_s=HEADER_TIMEOUT_S, max_header_bytes=MAX_HEADER_BYTES,
+                        max_header_count=MAX_HEADER_COUNT)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
+                                           http=limited_http_protocol(settings, reasons.append)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: server.started, MARGIN_S, message="the in-process server")
+        c = Connection(port)
+        c.send(data)
+        code, headers, body = c.response(MARGIN_S)
+        assert (code, headers["content-type"], headers["connection"]) == (400, "application/json", "close"), body
+        error = json.loads(body)["error"]
+        assert error["type"] == "bad_request" and names in error["message"], error
+        assert c.closed_by_server()
+        assert reasons == ["bad_request"]
         c.close()
     finally:
         server.should_exit = True

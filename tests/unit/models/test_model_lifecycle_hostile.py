@@ -194,8 +194,8 @@ def test_a_version_whose_warm_up_fails_is_refused_and_the_serving_one_stays(clie
         assert word in error_message(response), error_message(response)
         classified = client.post("/v1/classify", json=CLASSIFY)
         assert classified.status_code == 200 and classified.json()["version"] == 1, classified.text
-        entry = index_of(client)[("vit", "2")]
-        assert entry["state"] == "UNAVAILABLE" and "failed" in entry["reason"], entry
+        entry = index_of(client)[("vit", "2")]  # a failed warm-up, or a config.json the repository skips: why
+        assert entry["state"] == "UNAVAILABLE" and word in entry["reason"], entry
         assert client.get("/health/ready").status_code == 200
     finally:
         shutil.rmtree(repository / "vit" / "2")
@@ -237,7 +237,8 @@ def test_a_model_not_in_tserve_models_is_404_saying_so(control_off, body):
     assert "no loaded version" in error_message(response) and "TSERVE_MODELS" in error_message(response)
 
 
-@pytest.mark.parametrize("case", ["3 labels for 10 classes", "std 0"])
+# warm-up failures (a config.json its schema refuses, std 0, is skipped: tests/unit/models/test_config_schema.py)
+@pytest.mark.parametrize("case", ["3 labels for 10 classes", "11 labels for 10 classes"])
 def test_a_version_that_fails_warm_up_at_start_is_not_ready_until_a_good_one_loads(tiny_repository, tmp_path, case):
     from fastapi.testclient import TestClient
 

@@ -1,7 +1,8 @@
 """Which weights variant a version runs (`service.models.variants`) and the calibration behind the choice
 (`service.models.calibration`): only checked variants are candidates, the fastest by the geometric mean of its
 slowdowns wins (the stored one unless beaten by more than the margin), a pin overrides and says so, measurements
-are cached per host and reused, and the engine that serves really computes with the chosen weights."""
+are cached per host and reused (a cache that is not a valid measurement: tests/unit/models/test_calibration_cache.py),
+and the engine that serves really computes with the chosen weights."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from service.engines.runtime import RuntimeOptions
 from service.models import variants as V
 from service.models.calibration import CalibrationCache, calibration_key, cpu_identity
 from service.models.kinds import KIND_TABLE
-from service.repository import ModelRepository, ModelVersion
+from service.repository import ModelVersion
 from service.settings import Settings
 
 ROWS = (1, 4)  # batch sizes calibrated here: small, so that the tiny model's measurements take milliseconds
@@ -66,17 +67,6 @@ def test_the_fastest_by_the_geometric_mean_of_slowdowns_wins_the_stored_one_with
     assert V.fastest(timings, stored) == chosen
 
 
-@pytest.fixture
-def gpt_with_int8(tiny_repository_copy):
-    """The tiny GPT (stored float32) whose config records a checked int8 variant."""
-    repository = tiny_repository_copy("variants", ["gpt"])
-    config_path = repository / "gpt" / "1" / "config.json"
-    config = json.loads(config_path.read_text())
-    config["variants"] = {"int8": {"derived_from": "fp32", "metric": "val_loss", "measured": 2.2}}
-    config_path.write_text(json.dumps(config))
-    return ModelRepository(repository).get("gpt", 1)
-
-
 def _counting(kind):
     """The kind with its calibration workload counted."""
     calls = []
@@ -119,8 +109,8 @@ def test_auto_measures_every_offered_variant_chooses_caches_and_serves_the_choic
     assert cached.chosen_by == V.CACHED and cached.timings == choice.timings and calls == []
     assert cached.weights == choice.weights and again.options_weights == choice.weights
     entry = next(iter(json.loads(cache.path.read_text()).values()))
-    assert entry["key"] == {**calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS),
-                            "offered": ["fp32", "int8"]}
+    assert entry["key"] == calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS,
+                                           ("fp32", "int8"))
 
     calls.clear()  # other batch sizes (another TSERVE_GPT_MAX_BATCH_ROWS): measured again
     _, other = V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, (1, 2), cache)
@@ -135,13 +125,12 @@ def test_changed_graphs_are_measured_again(gpt_with_int8, tmp_path):
     graph.write_bytes(graph.read_bytes())  # rewritten, the same bytes: the same digest, still cached
     calls.clear()
     assert V.load_engine(gpt_with_int8, kind, RuntimeOptions(), V.AUTO, ROWS, cache)[1].chosen_by == V.CACHED
-    key = {**calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS),
-           "offered": ["fp32", "int8"]}
+    key = calibration_key(gpt_with_int8, "CPUExecutionProvider", RuntimeOptions(), ROWS, ("fp32", "int8"))
     assert cache.get(key) is not None
     assert cache.get({**key, "graphs": "0" * 64}) is None  # another graph (or CPU, threads, runtime): no entry
     for options in (RuntimeOptions(single_thread_rows=4), RuntimeOptions(fuse_projections=False)):
         # the session options that change the timings are part of the key
-        assert calibration_key(gpt_with_int8, "CPUExecutionProvider", options, ROWS) != key
+        assert calibration_key(gpt_with_int8, "CPUExecutionProvider", options, ROWS, ("fp32", "int8")) != key
 
 
 def test_a_pin_runs_its_variant_unmeasured_and_an_unchecked_pin_says_so(gpt_with_int8, tmp_path, caplog):
@@ -160,16 +149,6 @@ def test_a_pin_runs_its_variant_unmeasured_and_an_unchecked_pin_says_so(gpt_with
     assert "unchecked" in caplog.text
     _, only = V.load_engine(plain, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
     assert (only.weights, only.chosen_by, calls) == ("fp32", V.ONLY, [])
-
-
-def test_an_unreadable_cache_is_measured_past_and_rewritten(gpt_with_int8, tmp_path, caplog):
-    path = tmp_path / "calibration.json"
-    path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="service.models.calibration"):
-        _, choice = V.load_engine(gpt_with_int8, KIND_TABLE["gpt"], RuntimeOptions(), V.AUTO, ROWS,
-                                  CalibrationCache(path))
-    assert choice.chosen_by == V.MEASURED and "unreadable" in caplog.text
-    assert len(json.loads(path.read_text())) == 1
 
 
 def test_the_service_reports_the_choice_and_the_measurements(gpt_with_int8, serving, tmp_path):

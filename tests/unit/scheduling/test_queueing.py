@@ -97,3 +97,19 @@ def test_a_request_at_its_deadline_is_not_gone():
     future = Future()
     assert fail_if_gone(future, False, deadline=10.0, now=10.0, where="x") is False
     assert not future.done()
+
+
+@pytest.mark.parametrize("estimate, may_wait, seconds, most_ms", [
+    (0.1, 0.4, 1, 400),      # a deadline under a second: the least header, and retry-after-ms within the deadline
+    (50.0, 0.4, 1, 400),
+    (50.0, 3.5, 3, 3500),    # both capped at what the request may still wait
+    (0.25, 30.0, 1, 500),    # the estimate (spread up to twice itself) well within the deadline
+])
+def test_every_429_carries_both_hints_from_one_estimate_within_the_deadline(monkeypatch, estimate, may_wait,
+                                                                            seconds, most_ms):
+    """Issue 51 item 11: `queue_full` is the one 429 of every route that refuses for want of room (the queues, the
+    scoring slots): Retry-After and retry-after-ms, both within the refused request's own deadline."""
+    monkeypatch.setattr(queueing, "random", SimpleNamespace(random=lambda: 0.999))
+    refused = queueing.queue_full("full", estimate, may_wait)
+    assert refused.status == 429 and refused.headers["Retry-After"] == str(seconds)
+    assert 1 <= int(refused.headers["retry-after-ms"]) <= most_ms

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from service.decoding import GreedySearch
-from service.errors import Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.errors import (Cancelled, DeadlineExceeded, QueueFull, ServiceError, Unavailable,
+                            VersionUnloaded)
 from service.observability.metrics import Metrics
 from service.scheduling import queueing
 from service.scheduling.continuous import ContinuousBatcher
@@ -220,6 +221,27 @@ def test_stop_fails_the_leftovers_with_a_503_that_says_why(batcher):
     with pytest.raises(Unavailable, match="^the server is shutting down$"):
         b.submit(job([4], GreedySearch(5, None)))
     assert value(b.metrics, "tserve_queue_depth") == 0
+
+
+def test_a_version_unloaded_past_its_drain_fails_the_leftovers_saying_so_not_that_the_server_shut_down(
+        batcher, monkeypatch):
+    """Issue 51 item 12: the scheduler of a version unloaded under traffic (model control) tells the requests still
+    running or waiting that their version was unloaded (503 `model_unloaded`, failure reason `unloaded`), and the
+    ones that arrive after it stopped accepting the same, never that the server shut down."""
+    monkeypatch.setattr(queueing, "STOP_JOIN_S", 0.2)
+    b = batcher()
+    running = hold(b)  # held in its step: it cannot finish before the stop
+    queued = b.submit(job([3], GreedySearch(5, None)))
+    b.stop(timeout=0, closing=queueing.unloading("m", 1, drain_timeout_s=3))
+    b.backend.gate.set()
+    for leftover in (running, queued):
+        error = leftover.future.exception(timeout=RESULT_TIMEOUT_S)
+        assert isinstance(error, VersionUnloaded) and (error.status, error.type, error.reason) == (
+            503, "model_unloaded", "unloaded"), error
+        assert str(error).startswith("model 'm' version 1 was unloaded before this request finished")
+        assert "TSERVE_DRAIN_TIMEOUT_S=3" in str(error) and "shut down" not in str(error)
+    with pytest.raises(VersionUnloaded, match="^model 'm' version 1 is being unloaded; retry"):
+        b.submit(job([4], GreedySearch(5, None)))
 
 
 def test_a_stopped_image_batcher_does_not_grow_a_rows_gauge():

@@ -1,23 +1,14 @@
 """One gRPC request as the serving layer sees a request (`GrpcCall`, a `service.serving.context.Caller`), and what
-each one gets around its work, as the HTTP middleware (`service.http.middleware`) gives a REST request.
+each one gets around its work, as the HTTP middleware (`service.http.middleware`) gives a REST request: API keys
+(`authorization: Bearer <key>` metadata, the same `ApiKeys` as HTTP's; `grpc.health.v1` stays open), errors mapped
+to status codes (`STATUS_CODES`), the deadline, the request id, the access log, the request metrics
+(`api="oip-grpc"`) and a SERVER trace span while tracing is on.
 
-- **API keys**: with keys configured, every call of `inference.GRPCInferenceService` needs `authorization: Bearer
-  <key>` metadata, checked by the same `ApiKeys` as HTTP's (`service.http.auth`); `grpc.health.v1` stays open, as
-  /health does (Kubernetes' gRPC probes send no metadata). A missing or wrong key is UNAUTHENTICATED.
-- **Errors**: a `ServiceError` becomes the status code of its HTTP status (`STATUS_CODES`: 400 INVALID_ARGUMENT,
-  404 NOT_FOUND, 429 RESOURCE_EXHAUSTED with `retry-after` (seconds) and `retry-after-ms` trailing metadata, 503
-  UNAVAILABLE, 504 DEADLINE_EXCEEDED, ...) with its message; anything unexpected is INTERNAL ("see the server
-  log"), logged with its traceback. A client that cancels (or whose deadline passes in flight) ends the call's task:
-  its jobs are cancelled on the way out (`service.serving.awaiting`), counted as 499.
-- **Deadline**: the call's gRPC deadline (what `client_timeout` sets) is the request's deadline unless the request's
-  `timeout` parameter says otherwise (`service.api.oip.inference.deadline`).
-- **Observed**: the request id (`x-request-id` metadata when it is tame, else a new one, as HTTP's; sent back as
-  trailing metadata of a unary call), the leases of the model versions it resolved released at its end, one
-  access-log line (method "GRPC", path `/inference.GRPCInferenceService/<rpc>`), and for inference (ModelInfer,
-  each request of a ModelStreamInfer) the request metrics with `api="oip-grpc"`, `endpoint` the RPC's name and
-  `status` the HTTP status its outcome maps to (200 or its error's), so one dashboard and Triton's statistics read
-  every API alike.
-  A SERVER trace span per request while tracing is on (`service.observability.request_span.start_rpc`).
+Invariant: a call is observed as a REST request is, its outcome counted by the HTTP status it maps to (200 or its
+error's), so one dashboard and Triton's statistics read every API alike; anything unexpected is INTERNAL, logged
+with its traceback; a status message always fits the client's metadata limit (`MAX_MESSAGE_BYTES`).
+
+Design notes (each of these in full): docs/architecture.md, service/api/oip/grpc/calls.py.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from typing import TypeVar
 
 import grpc
 
-from service.errors import Cancelled, QueueFull, ServiceError, Unauthorized
+from service.errors import BadInput, Cancelled, QueueFull, ServiceError, Unauthorized, printable
 from service.http.auth import ApiKeys
 from service.observability import tracing
 from service.observability import logs
@@ -50,6 +41,10 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 503: grpc.StatusCode.UNAVAILABLE,
                 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 INTERNAL_MESSAGE = "internal error; see the server log"
+# The most of a status message sent, in UTF-8 bytes. It travels in the trailers (`grpc-message`, percent-encoded:
+# up to 3 bytes a byte), which a client refuses past its metadata limit (grpcio: 8 KiB, then RESOURCE_EXHAUSTED);
+# every message the service writes is far shorter, only an echo of a client's huge input (a name, a key) is cut.
+MAX_MESSAGE_BYTES = 1024
 REQUEST_ID_KEY, AUTHORIZATION_KEY = "x-request-id", "authorization"
 MS_PER_S = 1000  # a gRPC deadline (seconds remaining) as the serving layer's ms
 T = TypeVar("T")
@@ -70,6 +65,17 @@ class GrpcCall:
         """What is left of the call's gRPC deadline, in ms (None: the client set none)."""
         remaining = self.context.time_remaining()
         return None if remaining is None else max(1, int(remaining * MS_PER_S))
+
+
+def bounded(message: str) -> str:
+    """`message` as a status (or a stream's `error_message`) carries it: valid UTF-8, at most MAX_MESSAGE_BYTES,
+    cut with a note saying how long it was."""
+    text = printable(message)
+    data = text.encode()
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return text
+    note = f"... (cut: {len(data)} bytes)"
+    return data[: MAX_MESSAGE_BYTES - len(note)].decode("utf-8", "ignore") + note
 
 
 def status_code(error: ServiceError) -> grpc.StatusCode:
@@ -143,7 +149,8 @@ class Calls:
             return result
         except ServiceError as error:
             status, failure = error.status, error
-            await context.abort(status_code(error), error.message, request_id + trailing_metadata(error))
+            call.state.failure_reason = error.reason  # the error's own, as REST's (a 503: unavailable or unloaded)
+            await context.abort(status_code(error), bounded(error.message), request_id + trailing_metadata(error))
         except asyncio.CancelledError as error:
             status, failure = CANCELLED_STATUS, error
             raise
@@ -155,3 +162,9 @@ class Calls:
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
         finally:
             self.end(call, span, started, method, counted, status, failure)
+
+    async def refuse(self, context: grpc.aio.ServicerContext, method: str, message: str) -> None:
+        """Refuse a request as bad input (INVALID_ARGUMENT, logged as a 400), its API key checked first."""
+        async def work(call):
+            raise BadInput(message)
+        await self.unary(context, method, work)

@@ -3,17 +3,14 @@ over the same core as the REST routes: metadata and health from `service.api.oip
 `service.api.oip.inference` (the tensors mapped by `service.api.oip.grpc.tensors`), model control through
 `service.models.control`, every call observed and its errors mapped by `service.api.oip.grpc.calls`.
 
-- `ModelReady` answers ready false for a model that is unknown, loading or draining (as Triton does, and as
-  tritonclient's REST `is_model_ready` reads a 404 or 503), an error only for a version that is no number.
-- `ModelStreamInfer` (Triton's decoupled streaming, `tritonclient.grpc` `start_stream` / `async_stream_infer`):
-  requests on one stream run concurrently, their responses interleaved, each carrying its request's `id`. A request
-  that `service.api.oip.inference.streams` accepts (gpt, or translation, with one text and no beams) gets a
-  response per decoding wake-up, each with the text that became final since the last; any other gets one response
-  with the whole result. The last response of each request has the parameter `triton_final_response` true (with
-  `triton_enable_empty_final_response` it is an empty response after the data). An error ends that request only:
-  a response with `error_message` (and the request's id), the stream goes on. Cancelling the call cancels every
-  request of it: their jobs, and their rows, are dropped at the next decoding step.
-- Shared memory, trace and log settings are UNIMPLEMENTED with a message saying so: tensors travel in the messages.
+`ModelStreamInfer` is Triton's decoupled streaming: requests on one stream run concurrently, their responses
+interleaved, each carrying its request's `id`, the last of each with `triton_final_response` true. Shared memory,
+trace and log settings are UNIMPLEMENTED with a message saying so: tensors travel in the messages.
+
+Invariant: an error ends its request only (on a stream: a response with `error_message`, and the stream goes on);
+cancelling the call cancels every request of it: their jobs, and their rows, are dropped at the next decoding step.
+
+Design notes: docs/architecture.md, service/api/oip/grpc/servicer.py.
 """
 
 from __future__ import annotations
@@ -26,14 +23,24 @@ import grpc
 from google.protobuf import json_format
 
 from service.api.control import requested_version
+from service.api.fields import MAX_NAME_CHARS
 from service.api.oip import inference as oip_inference
 from service.api.oip import metadata
 from service.api.oip.grpc import tensors as grpc_tensors
-from service.api.oip.grpc.calls import CANCELLED_STATUS, INTERNAL_MESSAGE, INTERNAL_STATUS, OK_STATUS, Calls, GrpcCall
+from service.api.oip.grpc.calls import (
+    CANCELLED_STATUS,
+    INTERNAL_MESSAGE,
+    INTERNAL_STATUS,
+    OK_STATUS,
+    Calls,
+    GrpcCall,
+    bounded,
+)
 from service.api.oip.grpc.generated import grpc_service_pb2 as pb
 from service.api.oip.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from service.api.oip.grpc.undecodable import Undecodable
 from service.api.oip.protocol import InferenceRequest
-from service.errors import NotFound, NotImplementedHere, ServiceError, Unavailable
+from service.errors import BadInput, NotFound, NotImplementedHere, ServiceError, Unavailable
 from service.serving.context import resolve
 
 log = logging.getLogger(__name__)
@@ -45,6 +52,17 @@ NOT_IMPLEMENTED = {"SystemSharedMemoryStatus": NO_SHARED_MEMORY, "SystemSharedMe
                    "TraceSetting": "trace settings are not supported: tracing is configured by OTEL_* variables",
                    "LogSettings": "log settings are not supported: logging is configured by TSERVE_LOG_*"}
 READY = "READY"  # a repository index entry's state for a loaded version
+
+
+def model_name(name: str, field: str) -> str:
+    """The model a request names in its `field`: 400 naming the field when it is empty, 404 when it is longer than
+    any model's name may be (only its start quoted: the status message must stay small)."""
+    if not name:
+        raise BadInput(f"{field} is empty: name a model", param=field)
+    if len(name) > MAX_NAME_CHARS:
+        raise NotFound(f"model {name[:MAX_NAME_CHARS]!r}... not found: its {field} has {len(name)} characters, a "
+                       f"model's name at most {MAX_NAME_CHARS}", param=field)
+    return name
 
 
 def _message(response, payload: dict):
@@ -77,7 +95,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def work(call):
             version = metadata.parse_version(request.version)  # INVALID_ARGUMENT for a version that is no number
             try:
-                self.registry.resolve(None, request.name, version)
+                self.registry.resolve(None, model_name(request.name, "name"), version)
             except (NotFound, Unavailable):
                 return pb.ModelReadyResponse(ready=False)
             return pb.ModelReadyResponse(ready=True)
@@ -90,19 +108,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         async def work(call):
-            loaded = metadata.resolve(self.registry, request.name, request.version)
+            loaded = metadata.resolve(self.registry, model_name(request.name, "name"), request.version)
             return _message(pb.ModelMetadataResponse(), metadata.model_metadata(self.registry, loaded))
         return await self.calls.unary(context, "ModelMetadata", work)
 
     async def ModelConfig(self, request, context):
         async def work(call):
-            loaded = metadata.resolve(self.registry, request.name, request.version)
+            loaded = metadata.resolve(self.registry, model_name(request.name, "name"), request.version)
             return _message(pb.ModelConfigResponse(), {"config": metadata.configuration(self.registry, loaded)})
         return await self.calls.unary(context, "ModelConfig", work)
 
     async def ModelStatistics(self, request, context):
         async def work(call):
-            stats = metadata.statistics(self.registry, self.app.state.metrics, request.name, request.version)
+            name = request.name and model_name(request.name, "name")  # none: every model's
+            stats = metadata.statistics(self.registry, self.app.state.metrics, name, request.version)
             return _message(pb.ModelStatisticsResponse(), stats)
         return await self.calls.unary(context, "ModelStatistics", work)
 
@@ -128,7 +147,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """`act(name, version)` (load or unload) for the version the request's parameters name, as REST does."""
         async def work(call):
             self.app.state.model_control.check_enabled()  # PERMISSION_DENIED before anything of the request is read
-            await act(request.model_name, requested_version(grpc_tensors.parameters_of(request.parameters)))
+            name = model_name(request.model_name, "model_name")
+            await act(name, requested_version(grpc_tensors.parameters_of(request.parameters)))
             return response
         return await self.calls.unary(context, method, work)
 
@@ -136,7 +156,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         async def work(call: GrpcCall):
-            loaded = resolve(call, None, request.model_name, metadata.parse_version(request.model_version))
+            loaded = resolve(call, None, model_name(request.model_name, "model_name"),
+                             metadata.parse_version(request.model_version))
             inference, tensors = grpc_tensors.parse_request(request)
             outputs = await oip_inference.infer(call, loaded, inference, tensors, set(), call.remaining_ms())
             return grpc_tensors.infer_response(loaded.name, loaded.version, inference, outputs)
@@ -146,7 +167,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             self.calls.authorize(context)
         except ServiceError as error:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, bounded(error.message))
         responses: asyncio.Queue = asyncio.Queue()
         running: set[asyncio.Task] = set()
         done = object()
@@ -175,16 +196,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for task in list(running):
                 task.cancel()  # the call ended early (cancelled, or the client went away): drop their jobs
 
-    async def _stream_one(self, context, message: pb.ModelInferRequest) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    async def _stream_one(self, context, message: pb.ModelInferRequest | Undecodable,
+                          ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """The responses of one request of a stream (see the module's docstring)."""
         call, span, started = self.calls.begin(context, "ModelStreamInfer")
         status, failure, inference = INTERNAL_STATUS, None, None
         try:
-            loaded = resolve(call, None, message.model_name, metadata.parse_version(message.model_version))
+            if isinstance(message, Undecodable):
+                undecodable, message = message, pb.ModelInferRequest()  # its error can name no request
+                raise BadInput(undecodable.message)
+            loaded = resolve(call, None, model_name(message.model_name, "model_name"),
+                             metadata.parse_version(message.model_version))
             inference, tensors = grpc_tensors.parse_request(message)
             empty_final = inference.parameters.get(grpc_tensors.EMPTY_FINAL_RESPONSE, False)
             remaining = call.remaining_ms()
-            if oip_inference.streams(loaded, inference, tensors):
+            if oip_inference.streams(call, loaded, inference, tensors):
                 async for outputs, final in oip_inference.stream(call, loaded, inference, tensors, remaining):
                     yield self._response(loaded, inference, outputs, final and not empty_final)
             else:
@@ -196,6 +222,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             status = OK_STATUS
         except ServiceError as error:
             status, failure = error.status, error
+            call.state.failure_reason = error.reason
             yield self._error(message, error.message)
         except asyncio.CancelledError as error:
             status, failure = CANCELLED_STATUS, error
@@ -215,8 +242,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @staticmethod
     def _error(message: pb.ModelInferRequest, text: str) -> pb.ModelStreamInferResponse:
         """A stream request's error: its message, and its id so the client can tell which request failed."""
-        return pb.ModelStreamInferResponse(error_message=text, infer_response=pb.ModelInferResponse(
-            model_name=message.model_name, model_version=message.model_version, id=message.id))
+        return pb.ModelStreamInferResponse(error_message=bounded(text), infer_response=pb.ModelInferResponse(
+            model_name=message.model_name[:MAX_NAME_CHARS], model_version=message.model_version[:MAX_NAME_CHARS],
+            id=message.id))
 
 
 def _not_implemented(method: str, why: str):

@@ -1,0 +1,125 @@
+"""Response schemas of the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, errors),
+as OpenAI documents them and its Python SDK reads them: the OpenAPI page's documentation of what
+`service.api.openai.render` builds as dicts. The request schemas are `service.api.openai.protocol`'s."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy log-probabilities; with `echo` the prompt's tokens first (the first one's null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """One token of vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="With the request's prompt_logprobs only (vLLM's extension).")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class OpenAIModel(BaseModel):
+    """OpenAI's model object, with this service's details as extra keys."""
+
+    id: str
+    object: Literal["model"]
+    created: int = Field(..., description="When the active (else newest) version was written, Unix seconds.")
+    owned_by: str
+    kind: str
+    versions: list[int] = Field(..., description="Versions present in the repository.")
+    active_version: int | None = Field(..., description="The version served when a request names none.")
+    loaded_versions: list[int]
+    provider: str | None
+    variant: dict[str, str] | None = Field(..., description="How the active version's graphs compute: `weights` "
+                                           "(fp32, int8, fp32+gqa, int8+gqa: the variant that runs; `+gqa`: the "
+                                           "in-place step graph's attention as GroupQueryAttention), "
+                                           "`stored_weights` (fp32, fp16, int8: as the repository holds it), "
+                                           "`offered_weights` (the variants the version offers, comma-separated), "
+                                           "`chosen_by` (pinned, only variant, measured, cached measurement) and "
+                                           "`reason`; `attention` "
+                                           "(plain, mha) and, for the text models, `kv_cache` (concat, inplace), "
+                                           "as its config.json says; null when no version is loaded.")
+    ready: bool
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[OpenAIModel]
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
