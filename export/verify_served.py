@@ -1,9 +1,10 @@
 """What is served equals what was trained: quality measured through the HTTP API against the model card.
 
     python -m export.verify_served --repository model_repository [--data-dir DIR] [--url URL] [--kinds vit]
+        [--variant stored]
 
 Starts `python -m service` on the repository with default settings (service.client.launcher: no inherited TSERVE_*
-variable, no .env file), or uses --url, then
+variable, no .env file; `--variant` its TSERVE_VARIANT), or uses --url, then
 - translation: sacreBLEU (cased, 13a) of `POST /v1/translate` (beam 4, the model's default length penalty: the
   one its evaluation chose on val) on Multi30k test_2016_flickr, compared with
   the PyTorch model's `bleu` in metrics.json: must be within 0.2;
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--url", default=None, help="a running service (default: start one on the repository)")
     parser.add_argument("--kinds", default="translation,vit,gpt", help="which checks to run (default: all)")
+    parser.add_argument("--variant", default="auto",
+                        help="TSERVE_VARIANT of the server it starts (default auto: what a deployment on this host "
+                             "serves; `stored`: the graphs as exported, whatever this CPU is fastest with)")
     args = parser.parse_args(argv)
     repository = ModelRepository(args.repository)
     data_dir = data.resolve_data_dir(args.data_dir)
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     present = [kind for kind in wanted if repository.versions(kind)]
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(
-            ServiceProcess("verify_served", args.repository, log_level="WARNING", drain_delay_s=0)).url
+            ServiceProcess("verify_served", args.repository, log_level="WARNING", drain_delay_s=0,
+                           variant=args.variant)).url
         results = {}
         for kind in present:
             card = json.loads((repository.get(kind).path / "metrics.json").read_text())

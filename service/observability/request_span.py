@@ -58,8 +58,10 @@ class RequestSpan:
             reason = state.get("failure_reason")
             if error is not None:
                 span.record_exception(error)
-            if status >= SERVER_ERRORS_FROM or status == CLIENT_CLOSED_REQUEST or reason or error is not None:
-                span.set_attribute("error.type", reason or (type(error).__name__ if error else str(status)))
+            status_failed = status >= SERVER_ERRORS_FROM or status == CLIENT_CLOSED_REQUEST
+            if status_failed or reason or error is not None:  # a failed status names itself (the conventions)
+                cause = None if status_failed else reason
+                span.set_attribute("error.type", cause or (type(error).__name__ if error else str(status)))
                 span.set_status(Status(StatusCode.ERROR, reason or (str(error) if error else None)))
         span.end(end_time=self._epoch_ns(time.monotonic()))
         return self.trace_id

@@ -30,6 +30,7 @@ from service.client.processes import free_port
 from service.client.sse import parse_sse
 from tests.support.images import png_bytes
 from tests.support.metrics import metric, scrape
+from tests.support.triton_inputs import grpc_text_input as text_input
 from tests.support.waiting import PATIENCE_S, poll
 
 pytestmark = pytest.mark.slow
@@ -77,12 +78,6 @@ def images(data_dir) -> np.ndarray:
     from models.data import load_fashion_mnist
 
     return load_fashion_mnist(data_dir, "test")[0][:4]  # (4, 28, 28) uint8
-
-
-def text_input(name: str, texts: list[str]) -> tgrpc.InferInput:
-    tensor = tgrpc.InferInput(name, [len(texts)], "BYTES")
-    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
-    return tensor
 
 
 def strings(array) -> list[str]:

@@ -11,7 +11,6 @@ import logging
 import queue
 
 import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 from grpc_health.v1 import health_pb2
@@ -22,6 +21,7 @@ from service.api.oip.grpc.calls import MAX_MESSAGE_BYTES
 from service.api.oip.grpc.generated import grpc_service_pb2 as pb
 from service.api.oip.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from service.client.processes import free_port
+from tests.support.triton_inputs import grpc_text_input as text_input
 from tests.support.waiting import PATIENCE_S, poll
 
 pytestmark = pytest.mark.slow
@@ -61,12 +61,6 @@ def client(server):
     c = tgrpc.InferenceServerClient(f"127.0.0.1:{server.knobs['TSERVE_GRPC_PORT']}")
     yield c
     c.close()
-
-
-def text_input(name: str, texts: list[str]) -> tgrpc.InferInput:
-    tensor = tgrpc.InferInput(name, [len(texts)], "BYTES")
-    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
-    return tensor
 
 
 def prompt_request(model: str, **parameters) -> pb.ModelInferRequest:

@@ -11,6 +11,7 @@ enforced early.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import select
 import socket
@@ -306,15 +307,7 @@ def test_a_pipelined_head_that_times_out_during_a_response_gets_no_response_writ
         await send({"type": "http.response.body", "body": b"slow"})
 
     reasons: list[str] = []
-    settings = Settings(_env_file=None, header_timeout_s=HEADER_TIMEOUT_S, max_header_bytes=MAX_HEADER_BYTES,
-                        max_header_count=MAX_HEADER_COUNT)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(slow_app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
-                                           http=limited_http_protocol(settings, reasons.append)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        poll(lambda: server.started, MARGIN_S, message="the in-process server")
+    with limited_server(slow_app, reasons) as port:
         c = Connection(port)
         c.send(request("/slow") + b"GET /next HTTP/1.1\r\nHo")
         code, headers, body = c.response(2 * HEADER_TIMEOUT_S + MARGIN_S)
@@ -322,6 +315,22 @@ def test_a_pipelined_head_that_times_out_during_a_response_gets_no_response_writ
         assert c.closed_by_server() and c.buffer == b"", c.buffer
         assert reasons == ["header_timeout"]
         c.close()
+
+
+@contextlib.contextmanager
+def limited_server(app, reasons: list[str]):
+    """`app` behind the limited HTTP protocol in a uvicorn of this process, on a free port (yielded), its rejection
+    reasons appended to `reasons`."""
+    settings = Settings(_env_file=None, header_timeout_s=HEADER_TIMEOUT_S, max_header_bytes=MAX_HEADER_BYTES,
+                        max_header_count=MAX_HEADER_COUNT)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
+                                           http=limited_http_protocol(settings, reasons.append)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: server.started, MARGIN_S, message="the in-process server")
+        yield port
     finally:
         server.should_exit = True
         thread.join(timeout=MARGIN_S)
@@ -346,15 +355,7 @@ def test_a_request_the_parser_cannot_read_gets_a_json_400_naming_why(case):
         raise AssertionError("an unreadable request reached the app")
 
     reasons: list[str] = []
-    settings = Settings(_env_file=None, header_timeout_s=HEADER_TIMEOUT_S, max_header_bytes=MAX_HEADER_BYTES,
-                        max_header_count=MAX_HEADER_COUNT)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
-                                           http=limited_http_protocol(settings, reasons.append)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        poll(lambda: server.started, MARGIN_S, message="the in-process server")
+    with limited_server(app, reasons) as port:
         c = Connection(port)
         c.send(data)
         code, headers, body = c.response(MARGIN_S)
@@ -364,6 +365,3 @@ def test_a_request_the_parser_cannot_read_gets_a_json_400_naming_why(case):
         assert c.closed_by_server()
         assert reasons == ["bad_request"]
         c.close()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=MARGIN_S)
