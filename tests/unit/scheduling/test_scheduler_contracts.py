@@ -357,11 +357,18 @@ class ThreadRecordingBackend(FakeBackend):
 
 
 def test_two_workers_share_the_queue_and_every_request_decodes_as_if_alone(batcher):
-    b = batcher(ThreadRecordingBackend(), workers=2)
+    """Both lanes decode by construction, however fast one lane alone would have been (a busy machine): the steps
+    are held until both lanes hold requests; the later half joins running batches."""
+    backend = ThreadRecordingBackend()
+    backend.gate.clear()
+    b = batcher(backend, workers=2)
     searches = [lambda n=n: GreedySearch(4 + n % 7, EOS) for n in range(24)]
     jobs = []
     for n, make in enumerate(searches):
         jobs.append(b.submit(job([1 + n % 9, 2 + n % 5, n % 3], make())))
+        if n == len(searches) // 2:
+            assert eventually(lambda: all(lane.active for lane in b._lanes)), "a lane took none of the queue"
+            backend.gate.set()
         if n % 5 == 0:
             time.sleep(0.002)  # some join running batches
     for n, (j, make) in enumerate(zip(jobs, searches)):
