@@ -200,6 +200,8 @@ def test_the_request_id_is_kept_logged_and_sent_back(stub, server):
         ("x-request-id", "no spaces allowed"),), timeout=PATIENCE_S)
     made_up = dict(untamed.trailing_metadata())["x-request-id"]
     assert made_up != "no spaces allowed" and len(made_up) == 32
+    poll(lambda: all(server.access_records(i) for i in ("grpc-id-1", "grpc-id-2", made_up)), timeout=PATIENCE_S,
+         message="the access-log lines")  # they come through a reader thread
     records = {r["request_id"]: r for r in server.access_records() if r.get("method") == "GRPC"}
     assert records["grpc-id-1"]["status"] == 200 and records["grpc-id-2"]["status"] == 400
     assert records["grpc-id-1"]["path"] == "/inference.GRPCInferenceService/ModelInfer"

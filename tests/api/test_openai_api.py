@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.support.server import ServerProcess
+from tests.support.waiting import PATIENCE_S, poll
 
 pytestmark = pytest.mark.slow
 
@@ -289,8 +290,11 @@ def test_rate_limit_error_and_the_sdks_retries(tiny_repository, tmp_path):
         with ThreadPoolExecutor(n) as pool:
             outcomes = list(pool.map(call, [20] * n))
         assert not [o for o in outcomes if isinstance(o, openai.RateLimitError)]  # retried after Retry-After
-        statuses = [r["status"] for r in process.access_records() if r["path"] == "/v1/completions"]
-        assert statuses.count(429) >= len(refused) and statuses.count(200) >= n
+        def statuses():  # the log lines come through a reader thread: waited for, not raced
+            found = [r["status"] for r in process.access_records() if r["path"] == "/v1/completions"]
+            return found if found.count(429) >= len(refused) and found.count(200) >= n else None
+
+        poll(statuses, timeout=PATIENCE_S, message="the access-log lines of every 429 and every 200")
     finally:
         process.stop()
 
