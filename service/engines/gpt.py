@@ -23,10 +23,13 @@ from tokenizers import Tokenizer
 
 from service.decoding import Search, run_search
 from service.engines import onnx_schema as schema
-from service.engines.iobinding import step_runners
+from service.engines.device_cache import DeviceKVCache
+from service.engines.device_ops import ORT_TYPES
+from service.engines.iobinding import HostTransfers, host_bytes, run_bound, step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.kv_quantization import load_scales, quantize
-from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
+from service.engines.runtime import (EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session,
+                                     device_ops_for)
 from service.engines.vocabulary import check_vocabulary, graphs_of
 from service.engines.weights import changes_step_attention, quantizes_kv_cache
 from service.repository import TOKENIZER_FILE, ModelVersion
@@ -46,8 +49,10 @@ class GPTEngine:
         # the in-place step graph (`export.kv_inplace`) when the version has one, else the small steps' session of
         # decoder.onnx (`OneThreadSession`)
         calls = EngineCalls()  # every ONNX Runtime call of this engine, whichever session (`OneThreadSession`)
+        self.transfers = HostTransfers()  # what the steps bind in host memory (the KV cache's bytes: none on device)
         self._in_place, self._one_thread = step_runners(model.path, step_file, config["files"]["decoder"],
-                                                        self.session, self.vocab_size, options, calls=calls)
+                                                        self.session, self.vocab_size, options, calls=calls,
+                                                        transfers=self.transfers)
         # the prompt pass: every thread alone, one beside another worker's call; the concatenating graph's steps
         # share its session
         self._prompt_one_thread = self._one_thread or OneThreadSession.beside_others(
@@ -59,21 +64,46 @@ class GPTEngine:
         # an int8 step cache (`+gqa+kv8`): the prompt pass's float32 presents are quantised into it
         self.kv_scales = load_scales(model.path) if self._in_place is not None and quantizes_kv_cache(
             options.weights) else None
+        # the KV cache in the provider's memory (`service.engines.device_cache`; an int8 cache is quantised on the
+        # host, so it stays there) or numpy on the host
+        self._ops = None if self.kv_scales is not None else device_ops_for(self.session, options)
+        self.kv_residence = "host" if self._ops is None else "device"
+        self._kv_dtype = ORT_TYPES[next(i.type for i in self.session.get_inputs() if i.name == schema.past_names(0)[0])]
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
         check_vocabulary(self.tokenizer, self.vocab_size, graphs_of(config["files"], self.session, self._in_place),
                          {"eos_id": self.eos_id})
         self.scores_prompts = returns_every_position(self.session)
 
-    def _run(self, cache: KVCache, ids: np.ndarray, positions: np.ndarray, new_mask: np.ndarray) -> np.ndarray:
-        """Feed ids (R, T) at positions (R, T) after the cache; returns logits of the last column (R, V)."""
+    def _empty_cache(self, rows: int) -> KVCache | DeviceKVCache:
+        if self._ops is None:
+            return KVCache.empty(rows, self.n_layers, self.n_heads, self.head_dim, self.cache_limit)
+        return DeviceKVCache.empty(rows, self.n_layers, self.n_heads, self.head_dim, self._kv_dtype, self._ops,
+                                   self.cache_limit)
+
+    def _pass(self, session, cache: KVCache | DeviceKVCache, feeds: dict[str, np.ndarray], step: bool = False
+              ) -> tuple[np.ndarray, list]:
+        """One run of the concatenating graph over `cache`'s past -> (logits, presents): numpy on the host, or,
+        for a device cache, the presents left on the device (only the logits cross). `step`: counted in
+        `transfers`."""
+        if self._ops is not None:
+            presents = [name for i in range(self.n_layers) for name in schema.present_names(i)]
+            (logits,), presents = run_bound(session, feeds, cache.feeds(), [schema.LOGITS], presents,
+                                            self._ops.placement, self.transfers if step else None)
+            return logits, presents
+        past = cache.feeds()
+        logits, *presents = session.run(None, {**feeds, **past})
+        if step:
+            self.transfers.add(host_bytes(past.values()), host_bytes((*feeds.values(), logits)))
+        return logits, presents
+
+    def _run(self, cache: KVCache | DeviceKVCache, ids: np.ndarray, positions: np.ndarray, new_mask: np.ndarray
+             ) -> np.ndarray:
+        """Feed one token per row, ids (R, 1) at positions (R, 1), after the cache; returns the logits (R, V)."""
         feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions,
-                 schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1), **cache.feeds()}
-        if self._one_thread is not None and ids.shape[1] == 1:  # a step (prompts keep every thread)
-            with self._one_thread.call(ids.shape[0], self.session) as session:
-                logits, *presents = session.run(None, feeds)
-        else:
-            logits, *presents = self.session.run(None, feeds)
+                 schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1)}
+        with self._one_thread.call(ids.shape[0], self.session) as session:
+            logits, presents = self._pass(session, cache, feeds, step=True)
         cache.append(presents, new_mask, positions[:, -1] + 1)
         return logits[:, -1]
 
@@ -101,10 +131,10 @@ class GPTEngine:
         positions = np.where(mask == 1, np.arange(longest), 0)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = prompt
-        cache = KVCache.empty(B, self.n_layers, self.n_heads, self.head_dim, self.cache_limit)
-        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask, **cache.feeds()}
+        cache = self._empty_cache(B)
+        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask}
         with self._prompt_one_thread.call(ids.size, self.session) as session:
-            logits, *presents = session.run(None, feeds)  # (B, T, V)
+            logits, presents = self._pass(session, cache, feeds)  # (B, T, V)
         if self.kv_scales is not None:
             presents = quantize(presents, self.kv_scales)
         cache.append(presents, mask, lengths)
@@ -125,19 +155,20 @@ class GPTEngine:
         return self._run(cache, ids, cache.positions.reshape(R, 1), np.ones((R, 1), np.int64))
 
     @staticmethod
-    def select(cache: KVCache, rows: np.ndarray) -> KVCache:
+    def select(cache: KVCache | DeviceKVCache, rows: np.ndarray) -> KVCache | DeviceKVCache:
         cache.select(rows)
         return cache
 
     @staticmethod
-    def recycle(cache: KVCache, rows: np.ndarray) -> None:
+    def recycle(cache: KVCache | DeviceKVCache, rows: np.ndarray) -> None:
         cache.recycle(rows)
 
     @staticmethod
-    def concatenate(caches: Sequence[KVCache], rows: Sequence[np.ndarray | None] | None = None) -> KVCache:
+    def concatenate(caches: Sequence[KVCache | DeviceKVCache], rows: Sequence[np.ndarray | None] | None = None
+                    ) -> KVCache | DeviceKVCache:
         """Stack (selected rows of) several caches; the first is consumed: its buffers take the others' rows when
         they have room (`KVCache.concatenate`'s `in_place`)."""
-        return KVCache.concatenate(caches, rows=rows, in_place=True)
+        return type(caches[0]).concatenate(caches, rows=rows, in_place=True)
 
     def generate(self, prompts: Sequence[Sequence[int]], make_search: Callable[[int], Search]) -> list[Search]:
         """Decode a batch offline: prefill, then steps until every search is done (see `run_search`)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from service.engines.device_ops import DeviceOps, Placement
 from service.engines.weights import derive
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class RuntimeOptions:
     # ONNX Runtime's node profiler on every session, its JSON written under this path prefix when a session's
     # `end_profiling()` is called (bench/profile_gpt.py); None = off, as a server runs
     profile_prefix: str | None = None
+    # where the decoders' KV caches live (`kv_resident_on_device`): auto (in the provider's memory under CUDA, numpy
+    # on the host under the CPU provider, where binding numpy by address measured faster) | device | host
+    kv_residence: str = "auto"
 
 
 # Each model kind's `single_thread_rows` unless TSERVE_SINGLE_THREAD_ROWS sets one for all (service.models.kinds;
@@ -85,10 +89,37 @@ def preferred_providers(device: str = "auto") -> list[str]:
     return [CPU]
 
 
-def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(), row_candidates: bool = False
-                   ) -> ort.InferenceSession:
-    """A session of the graph at `path` in `options.weights`; `row_candidates`: with the decoder's row candidates
-    added (`service.engines.row_candidates`)."""
+KV_RESIDENCES = ("auto", "device", "host")
+
+
+def kv_resident_on_device(options: RuntimeOptions, provider: str) -> bool:
+    """Whether a decoder's KV cache lives in the provider's memory (`service.engines.device_cache`) rather than in
+    numpy arrays on the host: `device` always, `host` never, `auto` under CUDA only (every step would otherwise copy
+    the whole cache to the GPU and its presents back)."""
+    if options.kv_residence not in KV_RESIDENCES:
+        raise ValueError(f"kv_residence must be one of {', '.join(KV_RESIDENCES)}, got {options.kv_residence!r}")
+    return options.kv_residence == "device" or (options.kv_residence == "auto" and provider == CUDA)
+
+
+def placement_of(session: ort.InferenceSession) -> Placement:
+    """Where a session's provider keeps its tensors: CUDA's device (its `device_id` option), or the CPU."""
+    if active_provider(session) != CUDA:
+        return Placement()
+    return Placement("cuda", int(session.get_provider_options().get(CUDA, {}).get("device_id", 0)))
+
+
+def device_ops_for(session: ort.InferenceSession, options: RuntimeOptions) -> DeviceOps | None:
+    """The device operations of a decoder whose KV cache lives on the device (`kv_resident_on_device`), on the
+    session's own providers and device; None when it lives on the host."""
+    if not kv_resident_on_device(options, active_provider(session)):
+        return None
+    provider_options = session.get_provider_options()
+    providers = [(name, provider_options.get(name, {})) for name in session.get_providers()]
+    return DeviceOps(providers, placement_of(session), session_options(replace(options, profile_prefix=None)))
+
+
+def session_options(options: RuntimeOptions) -> ort.SessionOptions:
+    """ONNX Runtime's session options for `options`: threads, spinning, optimisation level, log level, profiling."""
     settings = ort.SessionOptions()
     settings.intra_op_num_threads = options.intra_op_threads
     settings.inter_op_num_threads = options.inter_op_threads
@@ -100,6 +131,14 @@ def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(),
     if options.profile_prefix:
         settings.enable_profiling = True
         settings.profile_file_prefix = options.profile_prefix
+    return settings
+
+
+def create_session(path: str | Path, options: RuntimeOptions = RuntimeOptions(), row_candidates: bool = False
+                   ) -> ort.InferenceSession:
+    """A session of the graph at `path` in `options.weights`; `row_candidates`: with the decoder's row candidates
+    added (`service.engines.row_candidates`)."""
+    settings = session_options(options)
     derived = (derive(path, options.weights, row_candidates, options.fuse_projections)
                if options.weights or row_candidates or options.fuse_projections else None)
     graph = str(path) if derived is None else derived

@@ -16,7 +16,6 @@ in-place step graph (one token per row), one step per target position for all th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -25,9 +24,13 @@ from service.decoding import Search, run_search
 from service.decoding.types import StepLogits, row_candidates
 from service.decoding.distributions import log_normaliser
 from service.engines import onnx_schema as schema
-from service.engines.iobinding import step_runners
+from service.engines.device_cache import DeviceKVCache
+from service.engines.device_ops import ORT_TYPES
+from service.engines.encoded_sources import DecoderBatch, EncodedSources
+from service.engines.iobinding import HostTransfers, host_bytes, run_bound, step_runners
 from service.engines.kv_cache import KVCache
-from service.engines.runtime import EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session
+from service.engines.runtime import (EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session,
+                                     device_ops_for)
 from service.engines.vocabulary import check_vocabulary, graphs_of
 from service.repository import TOKENIZER_FILE, ModelVersion
 
@@ -47,52 +50,6 @@ SCORE_PASS_LOGITS = 2**24
 # costs memory, not time, while dropping copies every kept source's cross-attention keys and values (a beam batch
 # loses a source at most steps near its end).
 UNUSED_SOURCES_DROPPED = 0.5
-
-
-@dataclass
-class EncodedSources:
-    """Cross-attention K/V of a set of sources: flat [layer 0 key, layer 0 value, ...], each (N, H, S, Dh), and
-    the source mask (N, S)."""
-
-    cross: list[np.ndarray]
-    mask: np.ndarray
-
-    @property
-    def count(self) -> int:
-        return self.mask.shape[0]
-
-    @staticmethod
-    def concatenate(parts: Sequence[EncodedSources]) -> tuple[EncodedSources, list[int]]:
-        """Stack sources (right-padding the source axis); returns the result and each part's first row."""
-        length = max(p.mask.shape[1] for p in parts)
-        offsets = list(np.cumsum([0] + [p.count for p in parts[:-1]]))
-
-        def right_pad(array: np.ndarray, axis: int) -> np.ndarray:
-            widths = [(0, 0)] * array.ndim
-            widths[axis] = (0, length - array.shape[axis])
-            return np.pad(array, widths) if widths[axis][1] else array
-
-        cross = [np.concatenate([right_pad(p.cross[i], 2) for p in parts]) for i in range(len(parts[0].cross))]
-        return EncodedSources(cross, np.concatenate([right_pad(p.mask, 1) for p in parts])), [int(o) for o in offsets]
-
-    def select(self, sources: np.ndarray) -> EncodedSources:
-        return EncodedSources([c[sources] for c in self.cross], self.mask[sources])
-
-
-@dataclass
-class DecoderBatch:
-    """The decoding state of a batch: the self-attention cache of every row and the sources the rows attend to."""
-
-    cache: KVCache
-    encoded: EncodedSources
-
-    @property
-    def rows(self) -> int:
-        return self.cache.rows
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.cache.positions
 
 
 class TranslationEngine:
@@ -125,8 +82,16 @@ class TranslationEngine:
         # the in-place step graph (`export.kv_inplace`) when the version has one: every decoder call runs on it;
         # else the small steps' session of decoder.onnx (`OneThreadSession`)
         calls = EngineCalls()  # every ONNX Runtime call of this engine, whichever session (`OneThreadSession`)
+        self.transfers = HostTransfers()  # what the steps bind in host memory (the KV cache's bytes: none on device)
         self._in_place, self._one_thread = step_runners(model.path, step_file, decoder_file, self.decoder,
-                                                        self.vocab_size, options, row_candidates=True, calls=calls)
+                                                        self.vocab_size, options, row_candidates=True, calls=calls,
+                                                        transfers=self.transfers)
+        # the KV cache and the encoded sources in the provider's memory (`service.engines.device_cache`), or numpy
+        # on the host
+        step_graph = self.decoder if self.decoder is not None else self._in_place.session
+        self._ops = device_ops_for(step_graph, options)
+        self.kv_residence = "host" if self._ops is None else "device"
+        self._kv_dtype = ORT_TYPES[next(i.type for i in step_graph.get_inputs() if i.name == schema.past_names(0)[0])]
         # the encoder pass: every thread alone, one beside another worker's call
         self._encoder_one_thread = OneThreadSession.beside_others(model.path / config["files"]["encoder"], options,
                                                                   self.encoder, calls)
@@ -144,7 +109,9 @@ class TranslationEngine:
         `max_source_length`, which the serving layer checks first, `service.serving.translate.source_ids`)."""
         return self.tokenizer.encode(text).ids + [self.eos_id]
 
-    def encode(self, sources: Sequence[Sequence[int]]) -> EncodedSources:
+    def encode(self, sources: Sequence[Sequence[int]], on_device: bool = True) -> EncodedSources:
+        """The encoder pass: the sources' cross-attention keys/values, left on the device when the KV cache lives
+        there (and `on_device`: the scoring routes feed them to `session.run` as numpy)."""
         length = max(len(s) for s in sources)
         if length > self.max_source_length:
             raise ValueError(f"source of {length} tokens exceeds {self.max_source_length}")
@@ -153,11 +120,14 @@ class TranslationEngine:
         for row, source in enumerate(sources):
             ids[row, : len(source)] = source
             mask[row, : len(source)] = 1
+        feeds = {schema.INPUT_IDS: ids, schema.ATTENTION_MASK: mask}
         with self._encoder_one_thread.call(ids.size, self.encoder) as session:
-            cross = session.run(None, {schema.INPUT_IDS: ids, schema.ATTENTION_MASK: mask})
-        return EncodedSources(cross, mask)
+            if self._ops is None or not on_device:
+                return EncodedSources(session.run(None, feeds), mask)
+            _, cross = run_bound(session, feeds, {}, [], [o.name for o in session.get_outputs()], self._ops.placement)
+        return EncodedSources(cross, mask, self._ops)
 
-    def _run(self, cache: KVCache, encoded: EncodedSources, tokens: np.ndarray, candidates: int = 0
+    def _run(self, cache: KVCache | DeviceKVCache, encoded: EncodedSources, tokens: np.ndarray, candidates: int = 0
              ) -> np.ndarray | StepLogits:
         """One token per row (R,) -> the next-token logits (R, V), or with ``candidates`` a `StepLogits` that also
         holds each row's that many most likely tokens."""
@@ -175,11 +145,19 @@ class TranslationEngine:
             schema.ENCODER_ATTENTION_MASK: encoded.mask,
             schema.ENCODER_ROW: cache.encoder_row,
             schema.CANDIDATES_K: np.array([candidates], np.int64),
-            **cache.feeds(),
-            **self._cross_feeds(encoded),
         }
         with self._one_thread.call(R, self.decoder) as session:
-            logits, *presents, top_logprobs, top_ids = session.run(self._outputs, feeds)
+            if isinstance(cache, DeviceKVCache):  # the past and the sources on the device, the presents left there
+                (logits, top_logprobs, top_ids), presents = run_bound(
+                    session, feeds, {**cache.feeds(), **self._cross_feeds(encoded)},
+                    [schema.LOGITS, schema.TOP_LOGPROBS, schema.TOP_IDS], self._outputs[1:-2], self._ops.placement,
+                    self.transfers)
+            else:
+                past = cache.feeds()
+                logits, *presents, top_logprobs, top_ids = session.run(
+                    self._outputs, {**feeds, **past, **self._cross_feeds(encoded)})
+                self.transfers.add(host_bytes(past.values()), host_bytes((*feeds.values(), *encoded.cross, logits,
+                                                                          top_logprobs, top_ids)))
         cache.append(presents, new_mask, cache.positions + 1)
         if not candidates:
             return logits[:, -1]
@@ -193,7 +171,11 @@ class TranslationEngine:
     def start(self, encoded: EncodedSources, candidates: int = 0) -> tuple[np.ndarray | StepLogits, DecoderBatch]:
         """Feed the decoder start token for every source -> first logits (N, V) (with ``candidates``, a
         `StepLogits` with each row's that many most likely tokens), and a batch of one row each."""
-        cache = KVCache.empty(encoded.count, self.n_layers, self.n_heads, self.head_dim)
+        if encoded.ops is None:
+            cache = KVCache.empty(encoded.count, self.n_layers, self.n_heads, self.head_dim)
+        else:
+            cache = DeviceKVCache.empty(encoded.count, self.n_layers, self.n_heads, self.head_dim, self._kv_dtype,
+                                        encoded.ops)
         cache.encoder_row = np.arange(encoded.count, dtype=np.int64)
         tokens = np.full(encoded.count, self.bos_id, np.int64)
         return self._run(cache, encoded, tokens, candidates), DecoderBatch(cache, encoded)
@@ -233,7 +215,8 @@ class TranslationEngine:
         batch's cache is consumed: its buffers take the others' rows when they have room (`KVCache.concatenate`'s
         `in_place`)."""
         encoded, offsets = EncodedSources.concatenate([b.encoded for b in batches])
-        return DecoderBatch(KVCache.concatenate([b.cache for b in batches], offsets, rows, in_place=True), encoded)
+        caches = [b.cache for b in batches]
+        return DecoderBatch(type(caches[0]).concatenate(caches, offsets, rows, in_place=True), encoded)
 
     def default_max_new_tokens(self, source_length: int) -> int:
         """Room for a translation (`TARGET_PER_SOURCE_TOKEN`, `TARGET_SLACK_TOKENS`), within the positional table."""
@@ -268,7 +251,7 @@ class TranslationEngine:
             raise ValueError(f"target of {longest - 1} tokens exceeds the {self.max_target_length - 1} the model "
                              f"embeds after its start token")
         before_run()
-        encoded = self.encode(sources)
+        encoded = self.encode(sources, on_device=False)
         rows = np.asarray(source_rows, np.int64)
         if self.decoder is None:
             return self._score_by_steps(encoded, targets, rows, before_run)
