@@ -58,6 +58,9 @@ class Settings(BaseSettings):
 
     # ONNX Runtime
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # where the text models' KV caches live (service.engines.device_cache): auto = in the GPU's memory under the
+    # CUDA provider, numpy on the host under the CPU provider (faster there); device or host to force either
+    kv_residence: Literal["auto", "device", "host"] = "auto"
     intra_op_threads: int = 0  # 0 = ONNX Runtime's default (all cores)
     ort_spin: bool = False  # busy-wait between ops: only on dedicated cores
     # decoding steps of at most this many rows run on a one-thread session of the decoder graph (0 = never):

@@ -57,8 +57,8 @@ class LoadedModel:
     scheduler: Any  # its kind's scheduler: a ContinuousBatcher or the DynamicBatcher
     provider: str
     load_seconds: float
-    variant: dict[str, str] = field(default_factory=dict)  # how its graphs compute (`ModelVersion.variant`, the
-    # weights as chosen) and how the weights were chosen (`Choice.report`, `reason`)
+    variant: dict[str, Any] = field(default_factory=dict)  # how its graphs compute (`ModelVersion.variant`, the
+    # weights as chosen) and how the weights were chosen (`Choice.report`, `reason`, `not_offered`: variant -> why)
     leases: int = 0  # requests that resolved this version and have not ended
     _released: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
@@ -82,7 +82,7 @@ def runtime_options(s: Settings, kind) -> RuntimeOptions:
     single_thread_rows = kind.single_thread_rows if s.single_thread_rows is None else s.single_thread_rows
     return RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin,
                           single_thread_rows=single_thread_rows, one_thread_when_concurrent=s.decoding_workers > 1,
-                          fuse_projections=s.fuse_projections)
+                          fuse_projections=s.fuse_projections, kv_residence=s.kv_residence)
 
 
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
@@ -157,8 +157,10 @@ class ModelRegistry:
         seconds = time.perf_counter() - started
         variant = {**model.variant, "weights": choice.weights, "stored_weights": model.variant["weights"],
                    **choice.report()}
+        if hasattr(engine, "kv_residence"):  # the decoders': where their KV caches live ("device" or "host")
+            variant["kv_residence"] = engine.kv_residence
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds,
-                             {**variant, "reason": choice.reason})
+                             {**variant, "reason": choice.reason, "not_offered": choice.not_offered})
         previous = self.loaded.get((model.name, model.version))
         self.loaded[(model.name, model.version)] = loaded
         self.active[model.name] = model.version

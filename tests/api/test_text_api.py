@@ -53,7 +53,8 @@ def test_health_and_models(client):
         assert variant.pop("offered_weights") == ",".join(["fp32", *config.get("variants", {})])
         assert variant.pop("reason") == "pinned by TSERVE_VARIANT (stored)"
         plain = {"weights": "fp32", "stored_weights": "fp32", "chosen_by": "pinned", "attention": "plain"}
-        assert variant == (plain if name == "vit" else {**plain, "kv_cache": "concat"})  # ViT: no KV cache
+        # ViT: no KV cache; the text models' on the host under the CPU provider (TSERVE_KV_RESIDENCE=auto)
+        assert variant == (plain if name == "vit" else {**plain, "kv_cache": "concat", "kv_residence": "host"})
 
 
 def test_request_id_is_accepted_and_echoed(client):
@@ -314,7 +315,8 @@ def test_metrics_describe_the_traffic(client):
                  "tserve_queue_wait_seconds_bucket", "tserve_batch_size_bucket", "tserve_prompt_tokens_total",
                  'tserve_generated_tokens_total{mode="greedy",model="gpt",version="1"}', "tserve_queue_depth",
                  "tserve_running_requests", "tserve_model_load_seconds",
-                 'tserve_model_info{attention="plain",chosen_by="pinned",kind="gpt",kv_cache="concat",model="gpt",',
+                 'tserve_model_info{attention="plain",chosen_by="pinned",kind="gpt",kv_cache="concat",'
+                 'kv_residence="host",model="gpt",',
                  'tserve_model_info{attention="plain",chosen_by="pinned",kind="vit",model="vit",offered_weights=',
                  "tserve_ready 1.0"):
         assert name in text, name
