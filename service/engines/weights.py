@@ -1,17 +1,16 @@
 """The weights variants of a graph, derived when it loads: a graph stored with one kind of MatMul weights runs with
-the other, so that the repository stores each model once and the service runs the variant this CPU is fastest with
+another, so that the repository stores each model once and the service runs the variant its provider is fastest with
 (`service.models.variants` measures and chooses).
 
 - `fp32`: every MatMul computes in float32 on float32 weights (stored as float32 or as float16, `export.compress`);
 - `int8`: every MatMul with a constant weight is ONNX Runtime's `com.microsoft.MatMulNBits` (8-bit symmetric blocks
   of `BLOCK_SIZE`, `accuracy_level` 4): what `export.quantize` stores;
-- `+gqa`, `+gqa+kv8` (`VARIANTS`): the in-place step graph's attention as GroupQueryAttention
+- `fp16` (`FLOAT16_VARIANTS`, for CUDA): the `fp32` graph computing in float16 (`service.engines.float16`);
+- `+gqa`, `+gqa+kv8`: the in-place step graph's attention as GroupQueryAttention
   (`service.engines.step_attention`), with `+kv8` over an int8 cache (`service.engines.kv_quantization`).
-`derive` dequantises (int8 -> fp32) or quantises with ONNX Runtime's own blockwise kernel (fp32 -> int8: the blocks
-and scales the exporter would store). Invariant: only the MatMuls (and a `+gqa` step's attention) change, the rest of
-the graph is kept. Each variant's quality is measured at export time (`export.variants`), not here.
-
-Design notes: docs/architecture.md, service/engines/weights.py.
+`derive` dequantises (int8 -> fp32), quantises with ONNX Runtime's own blockwise kernel (fp32 -> int8) or converts to
+float16 last. Invariant: the graph's inputs and outputs keep their names and types. `VARIANTS`' quality is measured
+at export (`export.variants`); `FLOAT16_VARIANTS`' by tests/gpu (docs/architecture.md says why).
 """
 
 from __future__ import annotations
@@ -26,20 +25,26 @@ from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A,
                                         NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, attribute,
                                         drop_unread_initializers, float_constants, from_array, load, make_node,
                                         to_array, to_float32)
+from service.engines.float16 import to_float16
 from service.engines.kv_quantization import KV8, SCALES_FILE, load_scales, quantize_step_cache
 from service.engines.projection_fusion import fuse_projections
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
 from service.engines.step_attention import (GQA, has_masked_step_attention, pack_query_key_value,
                                             to_group_query_attention)
 
-FP32, INT8 = "fp32", "int8"
-WEIGHTS = (FP32, INT8)
+FP32, INT8, FP16 = "fp32", "int8", "fp16"
+WEIGHTS = (FP32, INT8)  # what a repository stores (config.json `weights`; float16 storage computes in float32)
 VARIANT_SEPARATOR = "+"
 # the step graph's attention: GroupQueryAttention over the float32 cache, or over an int8 one
 GQA_KV8 = f"{GQA}{VARIANT_SEPARATOR}{KV8}"
 ATTENTIONS = (GQA, GQA_KV8)
+# the variants `export.variants` checks on the exporting CPU
 VARIANTS = (*WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{attention}" for attention in ATTENTIONS
                         for weights in WEIGHTS))
+# float16 computation, for CUDA (`service.models.variants` offers them there only); no `+gqa+kv8`: ONNX Runtime
+# 1.31's CUDA GroupQueryAttention over an int8 cache with per-channel scales is unverified here
+FLOAT16_VARIANTS = (FP16, f"{FP16}{VARIANT_SEPARATOR}{GQA}")
+ALL_VARIANTS = (*VARIANTS, *FLOAT16_VARIANTS)
 BITS = 8
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per row and block, int8 dot products
@@ -54,9 +59,9 @@ def compute_weights(stored: str) -> str:
 
 def split_variant(variant: str) -> tuple[str, str | None]:
     """'int8+gqa' -> ('int8', 'gqa'); 'int8+gqa+kv8' -> ('int8', 'gqa+kv8'); 'fp32' -> ('fp32', None);
-    ValueError for a name not in `VARIANTS`."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    ValueError for a name not in `ALL_VARIANTS`."""
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(ALL_VARIANTS)}, got {variant!r}")
     weights, _, attention = variant.partition(VARIANT_SEPARATOR)
     return weights, attention or None
 
@@ -88,8 +93,9 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
     if in_place_step:
         to_group_query_attention(model)
         changed = True
-    if weights is not None and graph_weights(model) != weights:
-        rewritten = to_fp32(model) if weights == FP32 else to_int8(model)
+    matmuls = FP32 if weights == FP16 else weights  # float16 is converted from the float32 graph, last
+    if matmuls is not None and graph_weights(model) != matmuls:
+        rewritten = to_fp32(model) if matmuls == FP32 else to_int8(model)
         if weights == INT8 and rewritten == 0:
             raise ValueError(f"{path}: no MatMul with a constant 2-D float weight to quantise")
         changed = True
@@ -102,11 +108,14 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
             pack_query_key_value(model)
     if in_place_step and quantizes_kv_cache(variant):
         quantize_step_cache(model, load_scales(Path(path).parent))
+    if weights == FP16:
+        to_float16(model)
+        changed = True
     return model.SerializeToString() if changed else None
 
 
 def derive(path: str | Path, variant: str | None, row_candidates: bool = False, fuse: bool = False) -> bytes | None:
-    """The graph at `path` serialized in `variant` (`VARIANTS`; None: as stored), with the decoder's row
+    """The graph at `path` serialized in `variant` (`ALL_VARIANTS`; None: as stored), with the decoder's row
     candidates added when asked (`service.engines.row_candidates`) and with `fuse` its sibling projections fused
     (`service.engines.projection_fusion`), or None when the stored graph is that already. A graph derived once is
     kept (`DERIVED_GRAPHS_KEPT`) while its file (and, for `+gqa+kv8`, the scales file beside it) is unchanged."""

@@ -1,14 +1,15 @@
 """Which variant each model version runs (`load_engine`): the one `TSERVE_VARIANT` pins (`parse_pins`), else the
-fastest on this host of those the version offers, as `service.models.calibration` measures them (or cached them).
+fastest on this host of those the version offers on its provider, as `service.models.calibration` measures them.
 `python -m service.models.calibrate` is the explicit calibration step (the same choice, ahead of a start).
 
-A version offers (`offered`) the variant it is stored in and each other one that `export.variants` derived from it
-and quality-checked at export against the model card (config.json `variants`). The choice (`fastest`) is the
-geometric mean of each variant's slowdowns over the batch sizes measured; the stored variant keeps its place unless
-another beats it by more than `MARGIN`, so that noise does not flip the choice from one start to the next.
+A version offers (`offered`, a function of its config and the provider) its stored variant and each other one that
+`export.variants` quality-checked at export (config.json `variants`), and on CUDA the float16 ones, which the CPU
+cannot check (`provider_limit`: what a provider does not offer, and why; `not_offered`, shown by /v1/models). The
+choice (`fastest`): the geometric mean of each variant's slowdowns over the batch sizes measured; the stored variant
+keeps its place unless another beats it by more than `MARGIN`, so that noise does not flip it from start to start.
 
-Invariant: nothing unchecked is chosen, so a variant that would answer worse than its card is never chosen; a
-pinned variant the version does not offer still runs (an operator's explicit override), logged as a warning.
+Invariant: nothing is chosen that neither an export check nor tests/gpu holds to the float32 outputs; a pinned
+variant the version does not offer still runs (an operator's explicit override), logged as a warning.
 
 Design notes: docs/architecture.md, service/models/variants.py.
 """
@@ -21,15 +22,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.engines.runtime import RuntimeOptions
-from service.engines.weights import VARIANTS, compute_weights
+from service.engines.runtime import CPU, CUDA, RuntimeOptions, preferred_providers
+from service.engines.weights import (ALL_VARIANTS, FLOAT16_VARIANTS, FP16, VARIANTS, changes_step_attention,
+                                     compute_weights, split_variant)
 from service.models.calibration import CalibrationCache, calibration_key, measure
 from service.repository import ModelVersion
 
 log = logging.getLogger(__name__)
 
 AUTO, STORED = "auto", "stored"
-PIN_VALUES = (AUTO, STORED, *VARIANTS)
+PIN_VALUES = (AUTO, STORED, *ALL_VARIANTS)
 ALL_MODELS = "*"  # the pin of a value without a model name
 MARGIN = 0.05  # a derived variant must be this much faster than the stored one to replace it
 # how the variant was chosen (the `chosen_by` of /v1/models and the model info metric)
@@ -43,6 +45,7 @@ class Choice:
     chosen_by: str  # PINNED, ONLY, MEASURED or CACHED
     reason: str
     timings: dict[str, dict[int, float]] = field(default_factory=dict)  # variant -> rows -> seconds per item
+    not_offered: dict[str, str] = field(default_factory=dict)  # variant -> why not, on this provider (`not_offered`)
 
     @property
     def stored(self) -> str:
@@ -70,11 +73,48 @@ def pin_for(pins: Mapping[str, str], name: str) -> str:
     return pins.get(name, pins.get(ALL_MODELS, AUTO))
 
 
-def offered(model: ModelVersion) -> tuple[str, ...]:
-    """The stored variant first, then those config.json `variants` records as derived and checked."""
-    stored = compute_weights(model.config.get("weights", "fp32"))
+# Why a provider does not offer a variant (measured with ONNX Runtime 1.32 on CPU; its CUDA kernels' types from its
+# docs/OperatorKernels.md): each still runs when pinned, at the cost the reason names
+CPU_FLOAT16 = ("ONNX Runtime's CPU provider runs most float16 ops by casting them to float32: float16-rounded "
+               "weights, no faster (the release GPT's step 1.93 ms against fp32's 1.57 ms, 2 cores)")
+CUDA_FLOAT_GQA = ("ONNX Runtime's CUDA GroupQueryAttention takes float16 or bfloat16 only: its nodes would run on "
+                  "the CPU, the cache copied there and back at every step (fp16+gqa is CUDA's)")
+NOT_CHECKED = "config.json `variants` records no passing check of it at export (`export.variants`)"
+NO_STEP_REWRITE = "no +gqa variant of this version passed its check at export: its step graph's rewrite is unchecked"
+
+
+def provider_limit(variant: str, provider: str) -> str | None:
+    """Why `provider` does not offer `variant` whatever the version, or None."""
+    weights, attention = split_variant(variant)
+    if weights == FP16 and provider != CUDA:
+        return CPU_FLOAT16 if provider == CPU else f"float16 variants are offered on {CUDA} only"
+    if attention is not None and weights != FP16 and provider == CUDA:
+        return CUDA_FLOAT_GQA
+    return None
+
+
+def _checked(model: ModelVersion, variant: str) -> str | None:
+    """Why `model` does not offer `variant` on a provider that runs it, or None: the export-time check for
+    `VARIANTS`; for the float16 ones (checked by tests/gpu, not at export), that of their step graph's rewrite."""
     checked = model.config.get("variants") or {}
-    return (stored, *(v for v in VARIANTS if v != stored and isinstance(checked.get(v), dict)))
+    if variant not in FLOAT16_VARIANTS:
+        return None if isinstance(checked.get(variant), dict) else NOT_CHECKED
+    rewritten = any(isinstance(r, dict) and changes_step_attention(v) for v, r in checked.items() if v in VARIANTS)
+    return None if not changes_step_attention(variant) or rewritten else NO_STEP_REWRITE
+
+
+def offered(model: ModelVersion, provider: str) -> tuple[str, ...]:
+    """The stored variant first, then those the version offers on `provider` (the module's docstring says which)."""
+    stored = compute_weights(model.config.get("weights", "fp32"))
+    return (stored, *(v for v in ALL_VARIANTS if v != stored and provider_limit(v, provider) is None
+                      and _checked(model, v) is None))
+
+
+def not_offered(model: ModelVersion, provider: str) -> dict[str, str]:
+    """Each variant the version does not offer on `provider`, with why (the provider's reason first)."""
+    stored = compute_weights(model.config.get("weights", "fp32"))
+    reasons = {v: provider_limit(v, provider) or _checked(model, v) for v in ALL_VARIANTS if v != stored}
+    return {v: reason for v, reason in reasons.items() if reason is not None}
 
 
 def fastest(timings: Mapping[str, Mapping[int, float]], stored: str, margin: float = MARGIN) -> str:
@@ -101,22 +141,26 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
                 cache: CalibrationCache) -> tuple[Any, Choice]:
     """The version's engine in the variant chosen for it (the module's docstring says how) and that choice.
     `kind`: its `service.models.kinds.ModelKind`; `rows`: the batch sizes to calibrate at."""
-    variants = offered(model)
+    provider = preferred_providers(options.device)[0]  # until a session says which one started
+    variants, refused = offered(model, provider), not_offered(model, provider)
     stored = variants[0]
     if pin != AUTO:
         weights = stored if pin == STORED else pin
-        unchecked = "" if weights in variants else (f"; version {model.version} records no quality check of it "
-                                                    f"(offered: {', '.join(variants)})")
+        unchecked = "" if weights in variants else (f"; version {model.version} does not offer it on {provider}: "
+                                                    f"{refused.get(weights)} (offered: {', '.join(variants)})")
         if unchecked:  # an operator's override, and how `export.variants` measures a variant before it is offered
-            log.warning("%s:%d runs %s weights, pinned, unchecked%s", model.name, model.version, weights, unchecked)
+            log.warning("%s:%d runs %s weights, pinned, not offered%s", model.name, model.version, weights, unchecked)
         engine = kind.engine(model, replace(options, weights=weights))
-        return engine, Choice(weights, variants, PINNED, f"pinned by TSERVE_VARIANT ({pin}){unchecked}")
-    if len(variants) == 1:
-        engine = kind.engine(model, replace(options, weights=stored))
-        return engine, Choice(stored, variants, ONLY, "the only variant this version offers (its "
-                              "config.json records no other checked one)")
+        return engine, Choice(weights, variants, PINNED, f"pinned by TSERVE_VARIANT ({pin}){unchecked}",
+                              not_offered=refused)
     engines = {stored: kind.engine(model, replace(options, weights=stored))}
-    key = calibration_key(model, engines[stored].provider, options, rows, variants)
+    if engines[stored].provider != provider:  # CUDA did not start: ONNX Runtime fell back to the CPU
+        provider = engines[stored].provider
+        variants, refused = offered(model, provider), not_offered(model, provider)
+    if len(variants) == 1:
+        return engines[stored], Choice(stored, variants, ONLY, f"the only variant this version offers on {provider} "
+                                       "(not_offered says why not the others)", not_offered=refused)
+    key = calibration_key(model, provider, options, rows, variants)
     cached = cache.get(key)  # None, and logged why, unless a valid measurement of this key
     if cached is not None:
         timings, chosen_by, when = cached.timings, CACHED, f"measured {cached.measured_at}, cached"
@@ -136,4 +180,4 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
     reason = (f"{'fastest' if weights != stored else 'stored, and none faster by ' + format(MARGIN, '.0%')} on "
               f"{key['cpu']}: {describe(timings, kind.calibration_unit)} ({when})")
     log.info("%s:%d runs %s weights: %s", model.name, model.version, weights, reason)
-    return engine, Choice(weights, variants, chosen_by, reason, timings)
+    return engine, Choice(weights, variants, chosen_by, reason, timings, refused)

@@ -52,6 +52,7 @@ def test_health_and_models(client):
         config = json.loads((client.app.state.registry.repository.root / name / "1" / "config.json").read_text())
         assert variant.pop("offered_weights") == ",".join(["fp32", *config.get("variants", {})])
         assert variant.pop("reason") == "pinned by TSERVE_VARIANT (stored)"
+        assert variant.pop("not_offered")["fp16"].startswith("ONNX Runtime's CPU provider")  # CUDA's variant
         plain = {"weights": "fp32", "stored_weights": "fp32", "chosen_by": "pinned", "attention": "plain"}
         # ViT: no KV cache; the text models' on the host under the CPU provider (TSERVE_KV_RESIDENCE=auto)
         assert variant == (plain if name == "vit" else {**plain, "kv_cache": "concat", "kv_residence": "host"})

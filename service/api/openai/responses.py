@@ -97,15 +97,14 @@ class OpenAIModel(BaseModel):
     active_version: int | None = Field(..., description="The version served when a request names none.")
     loaded_versions: list[int]
     provider: str | None
-    variant: dict[str, str] | None = Field(..., description="How the active version's graphs compute: `weights` "
-                                           "(fp32, int8, fp32+gqa, int8+gqa: the variant that runs; `+gqa`: the "
-                                           "in-place step graph's attention as GroupQueryAttention), "
-                                           "`stored_weights` (fp32, fp16, int8: as the repository holds it), "
-                                           "`offered_weights` (the variants the version offers, comma-separated), "
-                                           "`chosen_by` (pinned, only variant, measured, cached measurement) and "
-                                           "`reason`; `attention` "
-                                           "(plain, mha) and, for the text models, `kv_cache` (concat, inplace), "
-                                           "as its config.json says; null when no version is loaded.")
+    variant: dict[str, str | dict[str, str]] | None = Field(
+        ..., description="How the active version's graphs compute: `weights` (fp32, int8, fp16, fp32+gqa, ...: the "
+        "variant that runs; `fp16`: computing in float16, on CUDA; `+gqa`: the in-place step graph's attention as "
+        "GroupQueryAttention), `stored_weights` (fp32, fp16, int8: as the repository holds it), `offered_weights` "
+        "(the variants the version offers on its provider, comma-separated), `not_offered` (each other variant: "
+        "why not, on this provider), `chosen_by` (pinned, only variant, measured, cached measurement) and "
+        "`reason`; `attention` (plain, mha) and, for the text models, `kv_cache` (concat, inplace), as its "
+        "config.json says; null when no version is loaded.")
     ready: bool
 
 

@@ -122,7 +122,8 @@ def test_derive_gives_the_other_variant_keeps_it_and_none_for_the_stored_one(tmp
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert W.derive(path, W.INT8) != derived
     with pytest.raises(ValueError, match="one of"):
-        W.derive(path, "fp16")
+        W.derive(path, "bf16")
+    assert W.graph_weights(ModelProto.FromString(W.derive(path, W.FP16))) == W.FP32  # float16 MatMul (test_float16)
 
 
 def test_a_graph_with_no_constant_weight_has_no_int8_variant(tmp_path):

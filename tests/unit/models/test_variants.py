@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from service.engines.gpt import GPTEngine
-from service.engines.runtime import RuntimeOptions
+from service.engines.runtime import CPU, CUDA, RuntimeOptions
+from service.engines.weights import ALL_VARIANTS
 from service.models import variants as V
 from service.models.calibration import CalibrationCache, calibration_key, cpu_identity
 from service.models.kinds import KIND_TABLE
@@ -28,14 +29,14 @@ PROMPT = [5, 6, 7]
 @pytest.mark.parametrize("spec, pins", [
     ("auto", {"*": "auto"}), ("", {}), ("stored", {"*": "stored"}), ("int8", {"*": "int8"}),
     ("gpt=fp32, translation=stored", {"gpt": "fp32", "translation": "stored"}),
-    ("fp32,vit=int8", {"*": "fp32", "vit": "int8"}),
+    ("fp32,vit=int8", {"*": "fp32", "vit": "int8"}), ("fp16", {"*": "fp16"}), ("gpt=fp16+gqa", {"gpt": "fp16+gqa"}),
 ])
 def test_pins_parse(spec, pins):
     assert V.parse_pins(spec) == pins
     assert V.pin_for(pins, "vit") == pins.get("vit", pins.get("*", "auto"))
 
 
-@pytest.mark.parametrize("spec", ["fp16", "gpt=fp16", "=int8", "gpt=int8,gpt=fp32", "int8,fp32"])
+@pytest.mark.parametrize("spec", ["fp8", "gpt=fp16+gqa+kv8", "=int8", "gpt=int8,gpt=fp32", "int8,fp32"])
 def test_bad_pins_name_the_entry(spec):
     with pytest.raises(ValueError, match="bad TSERVE_VARIANT entry"):
         V.parse_pins(spec)
@@ -51,7 +52,38 @@ def test_bad_pins_name_the_entry(spec):
     ({"weights": "fp32", "variants": {"int8": "not a check"}}, ("fp32",)),
 ])
 def test_a_version_offers_its_stored_variant_and_the_checked_ones(tmp_path, config, expected):
-    assert V.offered(ModelVersion("m", 1, tmp_path, {"kind": "gpt", **config})) == expected
+    assert V.offered(ModelVersion("m", 1, tmp_path, {"kind": "gpt", **config}), CPU) == expected
+
+
+CHECKED = {v: {"measured": 1.43} for v in ("fp32", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8")}
+
+
+@pytest.mark.parametrize("config, provider, expected", [
+    # CPU: the checked ones; CUDA: no float32 GroupQueryAttention, the float16 ones instead
+    ({"weights": "int8", "variants": CHECKED}, CPU, ("int8", "fp32", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8")),
+    ({"weights": "int8", "variants": CHECKED}, CUDA, ("int8", "fp32", "fp16", "fp16+gqa")),
+    # no checked +gqa variant (a translator, or a failed check): its step rewrite is unchecked, fp16 alone
+    ({"weights": "fp16", "variants": {"int8": {"measured": 37.9}}}, CUDA, ("fp32", "int8", "fp16")),
+    ({}, CUDA, ("fp32", "fp16")),
+    ({}, "FakeExecutionProvider", ("fp32",)),  # float16 on CUDA only
+])
+def test_what_a_version_offers_is_a_function_of_its_config_and_the_provider(tmp_path, config, provider, expected):
+    model = ModelVersion("m", 1, tmp_path, {"kind": "gpt", **config})
+    assert V.offered(model, provider) == expected
+    refused = V.not_offered(model, provider)
+    assert set(refused) | set(expected) == set(ALL_VARIANTS) and not set(refused) & set(expected)
+
+
+def test_what_is_not_offered_says_why(tmp_path):
+    model = ModelVersion("m", 1, tmp_path, {"kind": "gpt", "weights": "int8", "variants": CHECKED})
+    on_cpu, on_cuda = V.not_offered(model, CPU), V.not_offered(model, CUDA)
+    assert on_cpu == {"fp16": V.CPU_FLOAT16, "fp16+gqa": V.CPU_FLOAT16, "int8+gqa+kv8": V.NOT_CHECKED}
+    assert on_cuda == {"fp32+gqa": V.CUDA_FLOAT_GQA, "int8+gqa": V.CUDA_FLOAT_GQA, "fp32+gqa+kv8": V.CUDA_FLOAT_GQA,
+                       "int8+gqa+kv8": V.CUDA_FLOAT_GQA}  # the provider's reason comes first
+    plain = ModelVersion("m", 1, tmp_path, {"kind": "translation", "weights": "fp32"})
+    assert V.not_offered(plain, CUDA)["fp16+gqa"] == V.NO_STEP_REWRITE
+    assert V.provider_limit("int8", CUDA) is None  # 8-bit MatMulNBits has CUDA kernels (ONNX Runtime >= 1.22)
+    assert "CUDA" in V.provider_limit("fp16", "FakeExecutionProvider")
 
 
 @pytest.mark.parametrize("timings, stored, chosen", [
@@ -145,10 +177,23 @@ def test_a_pin_runs_its_variant_unmeasured_and_an_unchecked_pin_says_so(gpt_with
     plain = ModelVersion("gpt", 1, gpt_with_int8.path, {**gpt_with_int8.config, "variants": {}})
     with caplog.at_level(logging.WARNING, logger="service.models.variants"):
         _, unchecked = V.load_engine(plain, kind, RuntimeOptions(), "int8", ROWS, cache)
-    assert unchecked.weights == "int8" and "records no quality check" in unchecked.reason
-    assert "unchecked" in caplog.text
+    assert unchecked.weights == "int8" and f"does not offer it on {CPU}: {V.NOT_CHECKED}" in unchecked.reason
+    assert "not offered" in caplog.text and unchecked.not_offered["int8"] == V.NOT_CHECKED
     _, only = V.load_engine(plain, kind, RuntimeOptions(), V.AUTO, ROWS, cache)
     assert (only.weights, only.chosen_by, calls) == ("fp32", V.ONLY, [])
+    assert only.not_offered["fp16"] == V.CPU_FLOAT16
+
+
+def test_a_pinned_float16_variant_runs_on_the_cpu_with_the_reason_it_is_not_offered(gpt_with_int8, tmp_path, caplog):
+    """ONNX Runtime's CPU provider runs a float16 graph (casting most ops to float32): a pin is an override."""
+    kind, _ = _counting(KIND_TABLE["gpt"])
+    with caplog.at_level(logging.WARNING, logger="service.models.variants"):
+        engine, choice = V.load_engine(gpt_with_int8, kind, RuntimeOptions(device="cpu"), "fp16", ROWS,
+                                       CalibrationCache(None))
+    assert (choice.weights, choice.chosen_by, engine.options_weights) == ("fp16", V.PINNED, "fp16")
+    assert V.CPU_FLOAT16 in choice.reason and "fp16" not in choice.offered and "not offered" in caplog.text
+    fp32 = _logits(GPTEngine(gpt_with_int8, RuntimeOptions(weights="fp32")))
+    np.testing.assert_allclose(_logits(engine), fp32, atol=0.05 * np.abs(fp32).max())  # float16-rounded weights
 
 
 def test_the_service_reports_the_choice_and_the_measurements(gpt_with_int8, serving, tmp_path):
@@ -159,6 +204,7 @@ def test_the_service_reports_the_choice_and_the_measurements(gpt_with_int8, serv
         metrics = client.get("/metrics").text
     variant = model["variant"]
     assert variant["chosen_by"] == V.MEASURED and variant["offered_weights"] == "fp32,int8"
+    assert variant["not_offered"]["fp16"] == V.CPU_FLOAT16
     assert variant["weights"] in ("fp32", "int8") and variant["stored_weights"] == "fp32"
     assert "per token at 1/4 rows" in variant["reason"]
     for weights in ("fp32", "int8"):
