@@ -68,7 +68,8 @@ fraction then comes out near or above 1.
 Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
     .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, 1-2 minutes once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
-Options: --threads N, --spin, --single-thread-rows N, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16,
+Options: --device cpu|cuda (ours and shipped), --threads N, --spin, --single-thread-rows N, --repeats N, --warmup N,
+--sentences N, --gpt-batches 1,16,
 --translation-batches 1,16,32, --scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems
 transformers,optimum,genai,ctranslate2,llama.cpp,ours,shipped, --out PATH, --workdir PATH. A system whose package
 or build is missing (e.g. Optimum in the main venv, llama.cpp before `make llama-cpp`) or that does not apply to a
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                              "model (gpt=int8+gqa,translation=stored; fp32, int8, fp32+gqa, int8+gqa, stored); "
                              "auto (default): what the service's calibration chose on this host for each release "
                              "model (python -m service.models.calibrate --pins, bench/shipped.py)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="ours/shipped: the device of their ONNX Runtime sessions (default cpu; cuda fails the run "
+                             "when the sessions fall back to CPU); the other systems run on CPU")
     parser.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",
                         help="ours/shipped: run the graphs' sibling projections as separate MatMuls (the service "
                              "fuses them at load unless TSERVE_FUSE_PROJECTIONS=false)")
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(f"--shipped-variant: {error}")
     args.runtime = Runtime(threads=args.threads, spin=args.spin, single_thread_rows=args.single_thread_rows,
-                           shipped_variant=args.shipped_variant, fuse_projections=args.fuse_projections)
+                           shipped_variant=args.shipped_variant, fuse_projections=args.fuse_projections,
+                           device=args.device)
     if "torch" in sys.modules:
         print("warning: torch was imported before main(); OMP_WAIT_POLICY may not apply", file=sys.stderr)
     if not args.spin:
@@ -228,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     env = environment(args.runtime)
     print(describe_cpu(), flush=True)
-    print(f"threads={args.threads} spin={args.spin} fuse_projections={args.fuse_projections} repeats={args.repeats} "
+    print(f"device={args.device} threads={args.threads} spin={args.spin} fuse_projections={args.fuse_projections} "
+          f"repeats={args.repeats} "
           f"warmup={args.warmup} shipped variant={args.shipped_variant or 'as stored'} ({shipped_from}) "
           f"load average={env['load_average']}")
     print(f"versions: {env['versions']}", flush=True)
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print_scaling(scaling)
 
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "environment": env,
-              "settings": {"repeats": args.repeats, "warmup": args.warmup, "sentences": args.sentences,
+              "settings": {"device": args.device, "repeats": args.repeats, "warmup": args.warmup,
+                           "sentences": args.sentences,
                            "shipped_variant": args.shipped_variant,
                            "gpt_batches": args.gpt_batches,
                            "translation_batches": args.translation_batches, "scaling_batches": args.scaling_batches,

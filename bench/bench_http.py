@@ -51,7 +51,7 @@ Fairness:
   included) is stopped (SIGSTOP) while a case runs, and continued when its own cases come.
 - Same thread settings for all: --threads ONNX Runtime intra-op threads (TSERVE_INTRA_OP_THREADS, inter-op 1) and
   torch threads for the baseline (plus OMP_NUM_THREADS); idle threads sleep (TSERVE_ORT_SPIN=false;
-  OMP_WAIT_POLICY=PASSIVE) unless --spin. Device CPU (TSERVE_DEVICE=cpu).
+  OMP_WAIT_POLICY=PASSIVE) unless --spin. Device CPU (TSERVE_DEVICE=cpu) unless --device cuda (the service only).
 - Same work: greedy is deterministic, so the GPT prompts are screened once on the service and only those that run
   to `max_new_tokens` without EOS are used, by the service and the baseline alike (natural decoding, no
   min_new_tokens on the service side); the baseline gets `min_new_tokens == max_new_tokens`, so it generates exactly as
@@ -75,7 +75,7 @@ Run (main venv), e.g. as `make bench-http`:
     nice -n 10 .venv/bin/python bench/bench_http.py --quick --cases gpt,llama-server,translation,ctranslate2
                                                                  # the peers' rows alone, smoke run
 Options: --duration S | --requests N (per case, over all rounds; CTranslate2's: batches), --rounds N, --warmup N,
---threads N, --spin, --repository DIR, --data-dir DIR, --max-new-tokens N,
+--device cpu|cuda, --threads N, --spin, --repository DIR, --data-dir DIR, --max-new-tokens N,
 --cases gpt,translation,vit,baseline,grpc,llama-server,ctranslate2, --gpt-concurrency 1,32,
 --baseline-concurrency 1,32, --translation-concurrency 16, --vit-concurrency 64, --num-beams N,
 --translation-tokens N, --server-env KEY=VALUE, --out PATH, --workdir PATH.
@@ -169,6 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default 3; quick 1)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed requests per case (default: one per client; quick: at most 4)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="the service's TSERVE_DEVICE (default cpu); the baseline and the peers stay on CPU")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime / torch intra-op threads (default 2)")
     parser.add_argument("--spin", action="store_true", help="let idle threads busy-wait (only on idle machines)")
     parser.add_argument("--repository", type=Path, default=None,
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join([Path(sys.executable).name] + sys.argv),
         "quick": args.quick, "interrupted": interrupted, "environment": env,
         "settings": {"duration_s": args.duration, "requests": args.requests, "rounds": args.rounds,
-                     "warmup": args.warmup, "threads": args.threads, "spin": args.spin,
+                     "warmup": args.warmup, "device": args.device, "threads": args.threads, "spin": args.spin,
                      "max_new_tokens": max_new_tokens, "prompt_chars": args.prompt_chars,
                      "num_beams": args.num_beams, "translation_tokens": translation_tokens or None,
                      "random_weights": random_weights, "repository": str(repository),

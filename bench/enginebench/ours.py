@@ -16,6 +16,7 @@ from . import PROJECT_ROOT
 from .workloads import (
     BOS_ID,
     EOS_ID,
+    FIRST_REGULAR_ID,
     PAD_ID,
     GenerateFn,
     GptSpec,
@@ -71,7 +72,7 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[s
     version = ours_gpt_version(spec, workdir, variant)
     if quantizes_kv_cache(runs_as):  # its int8 cache's scales: random weights, random prompts, random calibration
         save_scales(version, calibration_peaks(version, None), "random tokens only (the bench's random-weight GPT)")
-    engine = GPTEngine(version, _ours_runtime_options(runtime, "gpt", runs_as))
+    engine = on_device(GPTEngine(version, _ours_runtime_options(runtime, "gpt", runs_as)), runtime)
 
     def generate(prompts: np.ndarray) -> np.ndarray:
         searches = engine.generate(prompts.tolist(), lambda _: GreedySearch(spec.new_tokens, EOS_ID,
@@ -116,7 +117,7 @@ def run_ours_translation(spec: TranslationSpec, runtime: Runtime, workdir: Path,
     config = translation_config(spec)
     version = _ours_export("translation", lambda: EncoderDecoderTransformer(config), config,
                            spec_dir(workdir, _variant_name("ours-translation", variant), spec), variant)
-    engine = TranslationEngine(version, _ours_runtime_options(runtime, "translation", runs_as))
+    engine = on_device(TranslationEngine(version, _ours_runtime_options(runtime, "translation", runs_as)), runtime)
 
     def generate(source: np.ndarray) -> np.ndarray:
         searches = engine.translate_ids(source_rows(source), lambda _: BeamSearch(
@@ -137,6 +138,17 @@ def translation_config(spec: TranslationSpec):
                              bos_id=BOS_ID, eos_id=EOS_ID)
 
 
+def on_device(engine, runtime: Runtime):
+    """`engine`, after checking that its sessions run on `runtime.device` (ONNX Runtime falls back to CPU silently
+    when CUDA cannot start: a CUDA run must not time the CPU)."""
+    from service.engines.runtime import CUDA
+
+    if runtime.device == "cuda" and engine.provider != CUDA:
+        raise RuntimeError(f"--device cuda: the engine's sessions run on {engine.provider}, not {CUDA} (no GPU "
+                           "visible, or an onnxruntime without CUDA)")
+    return engine
+
+
 def _variant_name(name: str, variant: dict[str, str] | None) -> str:
     return name + "".join(f"-{value}" for value in (variant or {}).values())
 
@@ -152,9 +164,6 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
     digest = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()
     marker = folder / ".exported"
     if not (marker.exists() and marker.read_text() == digest):
-        from tokenizers import Tokenizer
-        from tokenizers.models import WordLevel
-
         folder.mkdir(parents=True, exist_ok=True)
         seed_torch(0)
         described = EXPORTERS[kind](make_model().eval(), config, folder)
@@ -163,10 +172,25 @@ def _ours_export(kind: str, make_model: Callable, config, folder: Path, variant:
 
             rewrite_graphs(folder, described, **variant)
         (folder / CONFIG_FILE).write_text(json.dumps(described, indent=2))
-        # The engines load a tokenizer; generation from ids never uses it, so a one-word vocabulary will do.
-        Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(folder / TOKENIZER_FILE))
         marker.write_text(digest)
+    _write_id_tokenizer(folder / TOKENIZER_FILE)
     return ModelVersion(f"bench-{kind}", 1, folder, json.loads((folder / CONFIG_FILE).read_text()))
+
+
+# the special tokens every model here shares, at their ids (`PAD_ID`, `BOS_ID`, `EOS_ID`)
+SPECIAL_TOKENS = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+
+
+def _write_id_tokenizer(path: Path) -> None:
+    """The engines load a tokenizer and check that the config's special ids are its special tokens
+    (`service.engines.vocabulary`); generation from ids never uses it otherwise, so the special tokens and an
+    unknown word will do. Written on every build: a folder exported before that check holds a one-word one."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+
+    tokenizer = Tokenizer(WordLevel({**SPECIAL_TOKENS, "<unk>": FIRST_REGULAR_ID}, unk_token="<unk>"))
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
+    tokenizer.save(str(path))
 
 
 def _ours_runtime_options(runtime: Runtime, kind: str, runs_as: str | None = None):
@@ -176,6 +200,7 @@ def _ours_runtime_options(runtime: Runtime, kind: str, runs_as: str | None = Non
     from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS, RuntimeOptions
 
     rows = runtime.single_thread_rows
-    return RuntimeOptions(device="cpu", intra_op_threads=runtime.threads, inter_op_threads=1, spin=runtime.spin,
+    return RuntimeOptions(device=runtime.device, intra_op_threads=runtime.threads, inter_op_threads=1,
+                          spin=runtime.spin,
                           single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[kind] if rows is None else rows,
                           weights=runs_as, fuse_projections=runtime.fuse_projections)

@@ -112,6 +112,9 @@ class Runtime:
     # ours and shipped only: sibling projections fused at load, as the service does (TSERVE_FUSE_PROJECTIONS,
     # `service.engines.projection_fusion`); False: the graphs' MatMuls as exported
     fuse_projections: bool = True
+    # ours and shipped only: the device their sessions run on (`RuntimeOptions.device`: cpu or cuda); a cuda engine
+    # whose sessions fell back to CPU is an error (`enginebench.ours`), never a CPU figure labelled CUDA
+    device: str = "cpu"
 
     def session_options(self):
         """The `onnxruntime.SessionOptions` every ONNX Runtime system must use (ours included)."""

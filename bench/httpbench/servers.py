@@ -93,9 +93,10 @@ def server_record(server) -> dict:
 
 def service_server(args, name: str, repository: Path, vit_batching: bool,
                    models: list[str] | None = None) -> ServiceProcess:
-    """`python -m service` on the repository, CPU, the benchmark's threads, its gRPC port on; --server-env over
-    these settings."""
-    knobs = {"device": "cpu", "intra_op_threads": args.threads, "ort_spin": "true" if args.spin else "false",
+    """`python -m service` on the repository, on --device (default CPU), the benchmark's threads, its gRPC port on;
+    --server-env over these settings."""
+    knobs = {"device": getattr(args, "device", "cpu"), "intra_op_threads": args.threads,
+             "ort_spin": "true" if args.spin else "false",
              "vit_batching": "true" if vit_batching else "false", "drain_timeout_s": 5,
              "max_new_tokens": max(256, args.max_new_tokens), "grpc_port": free_port()}
     if models:

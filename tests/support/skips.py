@@ -19,6 +19,10 @@ ALLOWED_SKIPS = (
     # tests on the committed fixtures); the full sets' tests run on a developer's machine that has them
     ("needs the full data sets: ",
      "the full data sets are absent: CI has no ../shared/data and does not run `make data`"),
+    # tests/gpu/conftest.py: CI's machines have no GPU; those tests run by `make gpu-check` on an NVIDIA machine
+    # (docs/gpu.md), whose report says whether they passed
+    ("needs a CUDA GPU: ",
+     "CI has no GPU: the CUDA tests (tests/gpu) run in `make gpu-check` on an NVIDIA machine (docs/gpu.md)"),
 )
 REQUIRE_ENV = "TSERVE_REQUIRE_TOOLS"
 
