@@ -18,8 +18,8 @@ PORT ?= 8000
 # Every venv and image installs exact versions with their hashes from a lock in requirements/ (`make lock` writes
 # them with uv from pyproject.toml, requirements/locust.in and bench/requirements.txt), never from pyproject's
 # ranges. dev.txt: the serving set and the train, dev and load extras (.venv); serving.txt: the serving set alone
-# (deploy/Dockerfile); serving-gpu.txt: the same with onnxruntime-gpu for Python 3.12 (deploy/Dockerfile.gpu's
-# Ubuntu 24.04); locust.txt: deploy/Dockerfile.locust; bench.txt: .venv-bench. The CPU locks are for CPython 3.11 on
+# (deploy/Dockerfile); serving-gpu.txt: the same with onnxruntime-gpu and its CUDA 13 / cuDNN 9 wheels
+# (requirements/gpu.in; deploy/Dockerfile.gpu; the same set resolves for 3.12, `make gpu-check`'s); locust.txt: deploy/Dockerfile.locust; bench.txt: .venv-bench. The CPU locks are for CPython 3.11 on
 # x86-64 Linux, this machine's, CI's and the Debian bookworm images' Python.
 # PyTorch is not in the locks: requirements/torch.txt pins the CPU build of torch==2.13.0, installed first with
 # --no-deps (its own dependencies are locked, resolved from that wheel's metadata) from TORCH_FIND_LINKS: /opt/wheels
@@ -53,15 +53,15 @@ venv: $(VENV)/.installed
 # The serving, locust and GPU locks are constrained to dev.txt's versions: every install runs the same versions.
 LOCK_ARGS ?=
 LOCK_CPU = --python-version 3.11 --python-platform x86_64-unknown-linux-gnu
-LOCK_GPU = --python-version 3.12 --python-platform x86_64-unknown-linux-gnu
+LOCK_GPU = --python-version 3.11 --python-platform x86_64-unknown-linux-gnu
 UV_COMPILE = $(UV) pip compile --quiet --generate-hashes --no-emit-package torch --custom-compile-command 'make lock' \
 	--find-links $(TORCH_FIND_LINKS) -c requirements/torch.txt $(LOCK_ARGS)
 .PHONY: lock
 lock:
 	$(UV_COMPILE) $(LOCK_CPU) pyproject.toml --extra train --extra dev --extra load -o requirements/dev.txt
 	$(UV_COMPILE) $(LOCK_CPU) pyproject.toml -c requirements/dev.txt -o requirements/serving.txt
-	$(UV_COMPILE) $(LOCK_GPU) pyproject.toml --extra gpu --no-emit-package onnxruntime -c requirements/dev.txt \
-		-o requirements/serving-gpu.txt
+	$(UV_COMPILE) $(LOCK_GPU) pyproject.toml requirements/gpu.in --extra gpu --no-emit-package onnxruntime \
+		-c requirements/dev.txt -o requirements/serving-gpu.txt
 	$(UV_COMPILE) $(LOCK_CPU) requirements/locust.in -c requirements/dev.txt -o requirements/locust.txt
 	$(UV_COMPILE) $(LOCK_CPU) bench/requirements.txt -o requirements/bench.txt
 	$(MAKE) --no-print-directory kserve-lock
@@ -155,6 +155,22 @@ llama-cpp:
 .PHONY: bench-http
 bench-http: venv
 	$(BIN)/python bench/bench_http.py $(BENCH_ARGS)
+
+# The CUDA path proved on one NVIDIA machine in at most 10 minutes (bench/gpu_check.py, docs/gpu.md): onnxruntime-gpu
+# installed offline from GPU_WHEELS (its split parts put back together, every sha256 checked against the locks), the
+# GPU tests (pytest -m gpu tests/gpu), the engine benchmark on CUDA and CPU, 60 s of bench-http on CUDA; writes
+# reports/gpu_check.json and .txt. Without a GPU, a dry run: the CUDA steps are skipped by name. Python 3.12 there
+# (PYTHON=python3.12), no venv needed: it makes its own from the folder. `make gpu-wheels` fills the folder (needs
+# PyPI): the serving lock's wheels for Python 3.12 less numpy and nvidia-* (the CUDA image has them), pytest, httpx
+# and onnx, onnxruntime-gpu split in 18 MiB parts. GPU_CHECK_ARGS: e.g. --steps wheels,environment,gpu-tests.
+GPU_WHEELS ?= .cache/gpu-wheels
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	GPU_WHEELS=$(GPU_WHEELS) $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) bench/gpu_check.py --prepare-wheels --wheels $(GPU_WHEELS)
 
 # The compose stack's images, built from Debian packages and PyPI with no image registry (deploy/images.sh): a
 # Debian base (mmdebstrap), tserve:cpu and tserve:locust on it, and the nginx and Prometheus images of

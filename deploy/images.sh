@@ -13,6 +13,7 @@
 #      compose test uses instead of the official ones, from Debian's packages: tserve-nginx:test and
 #      tserve-prometheus:test (deploy/compose-test/). Grafana has no Debian package: the test runs without it.
 #
+# BASE_ONLY=1 makes the base alone (`make image-gpu` builds tserve:gpu on it: deploy/Makefile.fragment).
 # Needs: root (or sudo), mmdebstrap and a running Docker daemon (Debian: apt-get install docker.io mmdebstrap).
 # The API image bakes model_repository/ in: run `make repository` first when it is incomplete.
 set -euo pipefail
@@ -59,6 +60,8 @@ else
     | docker import "${IMPORT[@]}" --change "LABEL tserve.base-recipe=$RECIPE" - "$BASE_IMAGE-partial"
   docker tag "$BASE_IMAGE-partial" "$BASE_IMAGE" && docker rmi "$BASE_IMAGE-partial" >/dev/null
 fi
+
+[ "${BASE_ONLY:-0}" = 0 ] || { step "done (BASE_ONLY=1: the base image alone)"; exit 0; }
 
 # --- 2. the images on it -----------------------------------------------------------------------------------------
 build() {  # build IMAGE DOCKERFILE [CONTEXT]: with no context the Dockerfile is sent alone (it copies nothing)

@@ -28,7 +28,7 @@ SERVING_LOCK = PROJECT_ROOT / "requirements" / "serving-gpu.txt"
 DEV_LOCK = PROJECT_ROOT / "requirements" / "dev.txt"
 LOCKS = (SERVING_LOCK, DEV_LOCK)  # a wheel's hash is looked up in this order
 BIG_WHEEL = "onnxruntime-gpu"
-PART_BYTES = 18 * 1024 * 1024  # `split -b 18M`: three parts and the rest of the folder fit one 64 MiB transfer
+PART_BYTES = 18 * 1024 * 1024  # `split -b 18M`: one part per 64 MiB transfer beside the tracked tree (~44 MiB)
 PART_MARK = ".part-"
 SUFFIX_LETTERS = 2  # split's default suffix length: aa .. zz
 # what a CUDA image with PyTorch has already (the check's venv sees it through --system-site-packages), as fnmatch

@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import tomllib
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -29,43 +28,10 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from tests.support import ROOT
+from tests.support.locks import CPU_TARGET, GPU_TARGET, read_lock
 
 REQUIREMENTS = ROOT / "requirements"
 PROJECT = "transformer-serving (pyproject.toml)"
-# the environment the CPU locks are resolved for (Makefile LOCK_CPU; the GPU lock: LOCK_GPU, Python 3.12)
-CPU_TARGET = {"python_version": "3.11", "python_full_version": "3.11.0", "sys_platform": "linux",
-              "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
-              "platform_python_implementation": "CPython", "os_name": "posix"}
-GPU_TARGET = {**CPU_TARGET, "python_version": "3.12", "python_full_version": "3.12.0"}
-
-
-@dataclass
-class Locked:
-    version: str
-    hashes: list[str]
-    via: list[str]  # what requires it: package names, `transformer-serving (pyproject.toml)`, `-r FILE`, `-c FILE`
-
-
-def read_lock(path: Path) -> dict[str, Locked]:
-    """A uv-compiled lock: {canonical name: Locked}."""
-    packages: dict[str, Locked] = {}
-    current = None
-    in_via = False
-    for line in path.read_text().splitlines():
-        if match := re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(\S+?)(?: ;.*?)?\s*\\?$", line):
-            current = packages.setdefault(canonicalize_name(match[1]), Locked(match[2], [], []))
-            in_via = False
-        elif current and (match := re.match(r"^\s+--hash=sha256:([0-9a-f]{64})", line)):
-            current.hashes.append(match[1])
-        elif current and (match := re.match(r"^\s+# via(?: (.+))?$", line)):
-            in_via = match[1] is None
-            if match[1]:
-                current.via.append(match[1].strip())
-        elif current and in_via and (match := re.match(r"^\s+#   (.+)$", line)):
-            current.via.append(match[1].strip())
-        else:
-            in_via = False
-    return packages
 
 
 def requirement_lines(path: Path) -> list[Requirement]:
@@ -91,7 +57,8 @@ def lock_inputs() -> dict[str, tuple[list[Requirement], set[str], set[str], dict
     return {
         "dev.txt": (declared(("train", "dev", "load")), {PROJECT}, {"torch"}, CPU_TARGET),
         "serving.txt": (core, {PROJECT}, {"torch"}, CPU_TARGET),
-        "serving-gpu.txt": (declared(("gpu",)), {PROJECT}, {"torch", "onnxruntime"}, GPU_TARGET),
+        "serving-gpu.txt": (declared(("gpu",)) + requirement_lines(REQUIREMENTS / "gpu.in"),
+                            {PROJECT, "-r requirements/gpu.in"}, {"torch", "onnxruntime"}, GPU_TARGET),
         "locust.txt": (requirement_lines(REQUIREMENTS / "locust.in"), {"-r requirements/locust.in"}, {"torch"},
                        CPU_TARGET),
         "bench.txt": (requirement_lines(ROOT / "bench" / "requirements.txt"), {"-r bench/requirements.txt"},
