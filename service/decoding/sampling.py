@@ -4,9 +4,10 @@ such searches at once through the batched sampler (`service.decoding.sampler`).
 
 Per step, on the raw logits, in HF ``_get_logits_processor``'s order: repetition penalty, OpenAI's
 ``frequency_penalty`` / ``presence_penalty`` (vLLM's order and formula), ``no_repeat_ngram_size``,
-``min_new_tokens`` EOS masking, then temperature, top-k and top-p, then a draw with ``np.random.default_rng(seed)``
-(same seed, same output; HF's torch RNG is not reproduced); temperature 0 is the argmax after the penalties and
-masks. Scores and ``logprobs`` are the raw logits' log-softmax, before any processing.
+``min_new_tokens`` EOS masking and a constraint's mask (`service.decoding.constraints`), then temperature, top-k and
+top-p, then a draw with ``np.random.default_rng(seed)`` (same seed, same output; HF's torch RNG is not reproduced);
+temperature 0 is the argmax after the penalties and masks. Scores and ``logprobs`` are the raw logits' log-softmax,
+before any processing (a constraint's mask included, as vLLM reports them by default).
 
 A search holds its request's state; `step_single_rows` hands the sampler that state as arrays (`RowParams`) and
 each search the token chosen for it (`SamplingSearch.accept`).
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from . import sampler
+from .constraints import RowConstraint, allow_rows
 from .distributions import log_normaliser, top_logprobs
 from .ngrams import NGramBlocker
 from .processors import GREEDY_TEMPERATURE
@@ -49,6 +51,9 @@ class SamplingSearch(Search):
     ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI): subtract ``presence_penalty`` from the logit of
     every token generated at least once and ``frequency_penalty`` times its count; negative values encourage
     repetition. The prefix does not count.
+    ``constraint``: what the row may emit (`RowConstraint`): its disallowed tokens are banned at every step (EOS
+    among them until the constraint accepts), and a constraint that can take no further token ends the sequence
+    with finish_reason "stop".
     """
 
     single_row = True  # steps through `step_single_rows`, many requests at once
@@ -69,6 +74,7 @@ class SamplingSearch(Search):
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logprobs: int | None = None,
+        constraint: RowConstraint | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
@@ -111,6 +117,7 @@ class SamplingSearch(Search):
         self.repetition_penalty = float(repetition_penalty)
         self.presence_penalty = float(presence_penalty)
         self.frequency_penalty = float(frequency_penalty)
+        self.constraint = constraint
         # this request's own random generator (sampling only): one uniform draw per step
         self.generator = np.random.default_rng(seed) if self.temperature > 0.0 else None
         self._seen: np.ndarray | None = None  # (V,) bool: tokens in prefix + generated, built on the first step
@@ -144,7 +151,8 @@ class SamplingSearch(Search):
 
     def needs_processing(self) -> bool:
         """Whether the next choice is more than the argmax of the raw logits."""
-        return (self.always_processed or (self._n < self.min_new_tokens and bool(self._eos_set))
+        return (self.always_processed or self.constraint is not None
+                or (self._n < self.min_new_tokens and bool(self._eos_set))
                 or (self._ngrams is not None and bool(self._ngrams.banned())))
 
     def mask_banned(self, banned: np.ndarray) -> None:
@@ -154,10 +162,14 @@ class SamplingSearch(Search):
             banned[self._ngrams.banned_ids(banned.shape[-1])] = True
         if self._n < self.min_new_tokens and self.eos.size:
             banned[self.eos] = True
+        if self.constraint is not None:
+            self.constraint.ban(banned)
 
     def bans(self, token: int) -> bool:
         """Whether `mask_banned` bans ``token`` (an id of the vocabulary), without building the mask."""
         if self._n < self.min_new_tokens and token in self._eos_set:
+            return True
+        if self.constraint is not None and self.constraint.bans(token):
             return True
         return self._ngrams is not None and token in self._ngrams.banned()
 
@@ -196,6 +208,7 @@ class SamplingSearch(Search):
             self._counts[tok] += 1
         self._score += lp
         self._n += 1
+        complete = self.constraint is not None and self.constraint.advance(tok)
         if tok in self._eos_set:
             self._reason = "eos"
         else:
@@ -204,7 +217,7 @@ class SamplingSearch(Search):
                 self._logprobs.append(TokenLogprob(tok, lp, top))
             if self._ngrams is not None:
                 self._ngrams.append(tok)
-            if self.stop_checker is not None and self.stop_checker(self._tokens[: self._n]):
+            if complete or (self.stop_checker is not None and self.stop_checker(self._tokens[: self._n])):
                 self._reason = "stop"
             elif self._n >= self.max_new_tokens:
                 self._reason = "length"
@@ -251,6 +264,9 @@ def step_single_rows(searches: Sequence[SamplingSearch], logits: np.ndarray, iso
         raise ValueError(f"expected logits of shape ({len(searches)}, V), got {x.shape}")
     if any(s.done for s in searches):
         raise RuntimeError("step() called on a finished search")
+    constrained = [s.constraint for s in searches if s.constraint is not None]
+    if constrained:  # every constrained row's allowed tokens at once
+        allow_rows(constrained, x.shape[1])
     if not isolate:
         return [search.accept(*chosen) for search, chosen in zip(searches, _choose(searches, x))]
     try:

@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from service.decoding import Search, run_search
+from service.decoding.constraints import ConstraintCompiler
 from service.engines import onnx_schema as schema
 from service.engines.device_cache import DeviceKVCache
 from service.engines.device_ops import ORT_TYPES
@@ -74,6 +75,8 @@ class GPTEngine:
         check_vocabulary(self.tokenizer, self.vocab_size, graphs_of(config["files"], self.session, self._in_place),
                          {"eos_id": self.eos_id})
         self.scores_prompts = returns_every_position(self.session)
+        # output constraints over this tokenizer (`service.decoding.constraints`), compiled once each
+        self.constraints = ConstraintCompiler(model.path / TOKENIZER_FILE, self.vocab_size, [self.eos_id])
 
     def _empty_cache(self, rows: int) -> KVCache | DeviceKVCache:
         if self._ops is None:

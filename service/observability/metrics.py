@@ -52,6 +52,15 @@ class Metrics:
             "tserve_generated_tokens", "Tokens generated (every row of a beam search counts).",
             ["model", "version", "mode"], registry=r)
         self.images = Counter("tserve_images", "Images classified.", ["model", "version"], registry=r)
+        self.constrained_requests = Counter(
+            "tserve_constrained_requests", "Requests whose output is constrained, by kind (json_schema, json_object, "
+            "regex, choice, grammar).", ["model", "version", "kind"], registry=r)
+        self.constraint_compile_seconds = Histogram(
+            "tserve_constraint_compile_seconds", "Time to compile a constraint not in the compiled cache.",
+            ["model", "version", "kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.constraint_cache = Counter(
+            "tserve_constraint_cache", "Constraints looked up in the compiled cache, by result (hit | miss).",
+            ["model", "version", "result"], registry=r)
         self.batch_size = Histogram(
             "tserve_batch_size", "Rows per decoding step (text) or images per batch (ViT).",
             ["model", "version"], buckets=BATCH_BUCKETS, registry=r)

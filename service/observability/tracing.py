@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 from opentelemetry import trace
 
@@ -158,6 +159,15 @@ def start_rpc(method: str, metadata: Mapping[str, str], peer: str | None,
 def _current() -> trace.Tracer | None:
     """The tracer now (None once switched off): what a job's spans look at when they are recorded."""
     return tracer
+
+
+def constraint_span(kind: str, cached: bool):
+    """`with tracing.constraint_span(kind, cached):` a child span of the current one around a constraint's
+    compilation (`service.serving.constrain`); nothing while tracing is off."""
+    if tracer is None:
+        return nullcontext()
+    return tracer.start_as_current_span("constraint.compile", attributes={"tserve.constraint.kind": kind,
+                                                                          "tserve.constraint.cached": cached})
 
 
 def text_spans(loaded, jobs: Sequence) -> JobSpans | Off:

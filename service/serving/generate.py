@@ -10,6 +10,8 @@ neutral parameters -> one search per choice -> the model's continuous batcher ->
   only (`ScoreOnly`: one job per prompt, nothing generated, finish reason "length", each choice the same).
 - Prompts are tokenized on a worker thread (`encode_prompts`), never on the event loop.
 - Everything waits under the request's deadline and watches its client (`service.serving.awaiting`).
+- A `constraint` (JSON schema, regex, choice, grammar) is compiled first (`service.serving.constrain`, which a
+  stream's caller awaits before `stream`); each choice constrains its own copy.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from starlette.concurrency import run_in_threadpool
 import numpy as np
 
 from service.decoding import BeamSearch, Hypothesis, SamplingSearch, Search, StepResult, StopStrings
+from service.decoding.constraints import Compiled, Constraint
 from service.decoding.types import finished_step
 from service.errors import BadInput
 from service.models.registry import LoadedModel
 from service.scheduling.jobs import TextJob
 from service.serving.awaiting import run_text_jobs
+from service.serving.constrain import compile_constraint, row_constraint
 from service.serving.context import Caller, check_new_tokens
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
@@ -54,6 +58,8 @@ class GenerationParams:
     num_beams: int = 1
     logprobs: int | None = None  # top-N log-probabilities per token (None: none; 0: the chosen token's only)
     prompt_logprobs: int | None = None  # the prompt's too, top-N per token (None: not computed)
+    constraint: Constraint | None = None  # what the output must match (`service.decoding.constraints`)
+    compiled: Compiled | None = field(default=None, compare=False)  # the constraint compiled (`compile_constraint`)
 
     @property
     def mode(self) -> str:
@@ -134,7 +140,8 @@ def _sampling_search(loaded: LoadedModel, prompt: list[int], params: GenerationP
                           presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                           min_new_tokens=params.min_new_tokens, seed=seed, prefix=prompt,
                           no_repeat_ngram_size=params.no_repeat_ngram_size, logprobs=params.logprobs,
-                          stop_checker=StopStrings(params.stop, engine.tokenizer.decode) if params.stop else None)
+                          stop_checker=StopStrings(params.stop, engine.tokenizer.decode) if params.stop else None,
+                          constraint=row_constraint(params))
 
 
 def _jobs(loaded: LoadedModel, prompt: list[int], params: GenerationParams, samples: int, n: int,
@@ -165,6 +172,7 @@ async def generate(request: Caller, loaded: LoadedModel, prompts: Sequence[list[
     """`n` completions per prompt (best first when ranked: beams, or `best_of` samples)."""
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     check_prompt_scoring(loaded, params)
+    params = await compile_constraint(loaded, params)
     if params.num_beams > 1 and n > params.num_beams:
         raise BadInput(f"n / num_return_sequences ({n}) must be <= num_beams ({params.num_beams})")
     samples = max(n, best_of or n)
@@ -188,7 +196,8 @@ async def generate(request: Caller, loaded: LoadedModel, prompts: Sequence[list[
 
 def stream(loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams, deadline: float,
            n: int = 1) -> AsyncIterator[list[Piece | Finished]]:
-    """Stream `n` sampled (or greedy) choices per prompt; choice `p * n + i` is prompt p's i-th. Submitted now."""
+    """Stream `n` sampled (or greedy) choices per prompt; choice `p * n + i` is prompt p's i-th. Submitted now: a
+    constraint must be compiled already (`compile_constraint`)."""
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     if params.num_beams > 1:
         raise BadInput("stream needs num_beams=1")
