@@ -6,6 +6,7 @@
 - processors.py: HF's logits processors and OpenAI's penalties as array functions;
 - sampler.py: the batched sampler over row state as arrays (greedy = temperature 0);
 - sampling.py, greedy.py, beam.py: the searches; ngrams.py: the n-gram ban they share;
+- forced_prefix.py: the tokens a search emits before it chooses any (a translation's ``target_prefix``);
 - stops.py: stop strings; detokenize.py: a row's incremental text (stop strings, streams, text offsets);
 - batch_step.py: `step_searches` steps every search of a batch at once (the batched sampler for single-row
   searches, one log-softmax for all beam rows) and `run_search` is the offline driver built on it.

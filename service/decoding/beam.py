@@ -21,6 +21,7 @@ import numpy as np
 
 from .beam_candidates import search_candidates
 from .distributions import log_normaliser
+from .forced_prefix import ForcedPrefix
 from .ngrams import NGramBlocker
 from .types import Hypothesis, Search, StepResult, eos_ids, finished_step
 
@@ -40,6 +41,8 @@ class BeamSearch(Search):
 
     ``prefix``: tokens already in the decoder sequence (decoder-only: the prompt; encoder-decoder: the decoder
     start token). Only n-gram blocking looks at it, as HF's processor sees the whole ``input_ids``.
+    ``forced_prefix``: tokens the one row emits first, whatever the logits (`ForcedPrefix`): after ``prefix`` for
+    the n-gram ban, outside the hypotheses' tokens, their scores and the length penalty's length.
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class BeamSearch(Search):
         no_repeat_ngram_size: int = 0,
         min_new_tokens: int = 0,
         prefix: Sequence[int] = (),
+        forced_prefix: Sequence[int] = (),
     ):
         if num_beams < 1:
             raise ValueError("num_beams must be >= 1")
@@ -73,7 +77,8 @@ class BeamSearch(Search):
         self.no_repeat_ngram_size = int(no_repeat_ngram_size)
         self.min_new_tokens = int(min_new_tokens)
         self._k = max(_MIN_CANDIDATES_PER_BEAM, 1 + self.eos.size) * self.num_beams  # candidates kept per step
-        prefix_arr = np.asarray(list(prefix), dtype=np.int64)
+        self._forced = ForcedPrefix(forced_prefix)
+        prefix_arr = np.asarray(self._forced.after(prefix), dtype=np.int64)
         self._p = prefix_arr.size
         # (num_beams, P + max_new_tokens): prefix + generated tokens of each running beam, row = beam
         self._hist = np.zeros((self.num_beams, self._p + self.max_new_tokens), dtype=np.int64)
@@ -183,6 +188,8 @@ class BeamSearch(Search):
     def advance(self, top: np.ndarray, top_scores: np.ndarray, vocab: int) -> StepResult:
         """Step parts d-g from part c's result: the top-K continuations ``top`` as flat indices ``row * V +
         token``, best first, ties by lower index, and their accumulated scores ``top_scores`` (K,)."""
+        if self._forced.pending:  # a forced step: its one row takes the next prefix token, its score stays 0
+            return self._forced.emit()
         nb, t, p = self.num_beams, self._t, self._p
         beams, toks = np.divmod(top, vocab)  # (K,) row each candidate extends, its token
         # np.isin sorts: 10x slower for K tokens

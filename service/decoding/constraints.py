@@ -16,7 +16,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,12 +32,24 @@ _FORMATS = {JSON_SCHEMA: "json_schema", JSON_OBJECT: "json_schema", REGEX: "rege
 MAX_CONSTRAINT_CHARS = 100_000  # a constraint's text (a schema's JSON, a grammar): longer ones are refused
 MAX_CHOICES = 1_000
 COMPILED_CACHED = 256  # compiled constraints kept per tokenizer (least recently used dropped first)
+# The rows copied from one compiled matcher share its lexer, and with it llguidance's lexer state limit: a regex
+# that makes new lexer states as it goes (`[ab]*a[ab]{16}`) exhausted it after ~130 rows of 250 tokens. A cached
+# constraint's matcher is rebuilt from its grammar once this many rows were copied from it (~1 ms for a schema).
+ROWS_PER_TEMPLATE = 32
+# llguidance converts GBNF to Lark in Python, in time quadratic in its rules (2,000 rules: 1.8 s holding the GIL)
+MAX_GBNF_RULES = 400
+GBNF_RULE = "::="
 # llguidance's resource limits (`LLParserLimits`): a compilation or a mask step past them is an error, not a stall
 # (its docs: ~50k fuel units/ms when compiling, ~14k/ms per step): 20 ms of lexer fuel to build, 5 ms per step
 PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=70_000, max_grammar_size=200_000,
                      max_lexer_states=50_000)
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON (`{"a":1}`): no runs of whitespace between tokens
 BITS_PER_WORD = 32
+# llguidance builds a grammar recursively, kilobytes of stack per nested rule or `$ref`: a chain of a few thousand
+# (a 60 KB Lark grammar, a 100 KB schema) overflows a thread's default 8 MiB and kills the process (SIGSEGV, no
+# exception). Compilations run on a thread of their own with this much stack (reserved; pages used only as touched):
+# 64 MiB already builds the deepest chains that fit in MAX_CONSTRAINT_CHARS
+COMPILE_STACK_BYTES = 256 * 2**20
 
 
 class ConstraintError(ValueError):
@@ -78,6 +90,9 @@ class Constraint:
             if not isinstance(value, str) or not value:
                 raise ConstraintError(f"{kind} must be a non-empty string", field_name)
             text = value
+        if kind == GRAMMAR and text.count(GBNF_RULE) > MAX_GBNF_RULES:
+            raise ConstraintError(f"the GBNF grammar has {text.count(GBNF_RULE):,} rules, over {MAX_GBNF_RULES}",
+                                  field_name)
         if len(text) > MAX_CONSTRAINT_CHARS:
             raise ConstraintError(f"the {kind} is {len(text):,} characters long, over {MAX_CONSTRAINT_CHARS:,}",
                                   field_name)
@@ -94,15 +109,25 @@ class Constraint:
 
 
 @dataclass
+class _Entry:
+    """A compiled constraint in the cache: its grammar, the matcher rows copy, and how many rows copied it."""
+
+    grammar: str
+    template: llguidance.LLMatcher
+    rows: int = 0
+
+
+@dataclass
 class Compiled:
     """A compiled constraint: the matcher every row copies, and how long compiling it took (0 when cached)."""
 
-    template: llguidance.LLMatcher
+    entry: _Entry
     seconds: float
     cached: bool
 
     def row(self) -> RowConstraint:
-        return RowConstraint(self.template.deep_copy())
+        self.entry.rows += 1
+        return RowConstraint(self.entry.template.deep_copy())
 
 
 class ConstraintCompiler:
@@ -116,7 +141,7 @@ class ConstraintCompiler:
                                                 eos_token=list(eos_ids))
         self.vocab_size = vocab_size
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
-        self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[Constraint, _Entry] = OrderedDict()
         self._capacity = cached
         self._lock = threading.Lock()
 
@@ -124,38 +149,91 @@ class ConstraintCompiler:
         """The compiled `constraint` (from the cache when it was compiled before); `ConstraintError` with
         llguidance's reason when it cannot be."""
         with self._lock:
-            template = self._cache.get(constraint)
-            if template is not None:
+            entry = self._cache.get(constraint)
+            if entry is not None:
                 self._cache.move_to_end(constraint)
-                return Compiled(template, 0.0, True)
+        if entry is not None:
+            if entry.rows >= ROWS_PER_TEMPLATE:  # a fresh lexer (`ROWS_PER_TEMPLATE`)
+                entry.template, entry.rows = self._matcher(constraint, entry.grammar), 0
+            return Compiled(entry, 0.0, True)
         started = time.perf_counter()
-        grammar = constraint.grammar()
-        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
-        if template.is_error():
-            raise ConstraintError(f"invalid {constraint.kind}: {template.get_error()}", constraint.field)
+        grammar = _on_large_stack(constraint.grammar)
+        entry = _Entry(grammar, self._matcher(constraint, grammar))
         seconds = time.perf_counter() - started
         with self._lock:
-            self._cache[constraint] = template
+            self._cache[constraint] = entry
             while len(self._cache) > self._capacity:
                 self._cache.popitem(last=False)
-        return Compiled(template, seconds, False)
+        return Compiled(entry, seconds, False)
+
+    def _matcher(self, constraint: Constraint, grammar: str) -> llguidance.LLMatcher:
+        """A matcher of `grammar`, checked as far as its first token (some limits are only met there: a regex such as
+        `(a{1000}){1000}` compiles, allows "a", then fails to take it)."""
+        template = _on_large_stack(lambda: llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                                                limits=self.limits))
+        if not template.is_error():
+            probe = template.deep_copy()
+            allowed = np.unpackbits(np.frombuffer(_on_large_stack(probe.compute_bitmask), np.uint8),
+                                    bitorder="little")[: self.vocab_size]
+            first = next((int(t) for t in np.flatnonzero(allowed) if t not in self.tokenizer.eos_tokens), None)
+            if first is not None:
+                _on_large_stack(lambda: probe.consume_token(first))
+            if probe.is_error():
+                template = probe
+        if template.is_error():
+            raise ConstraintError(f"invalid {constraint.kind}: {template.get_error()}", constraint.field)
+        return template
+
+
+_STACK_SIZE_LOCK = threading.Lock()
+
+
+def _on_large_stack(function: Callable[[], object]):
+    """`function()` on a fresh thread with `COMPILE_STACK_BYTES` of stack; what it raises is raised here."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function()))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append((False, error))
+
+    with _STACK_SIZE_LOCK:  # `threading.stack_size` is process-wide: set only while this thread is made
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="constraint-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    succeeded, value = outcome[0]
+    if not succeeded:
+        raise value
+    return value
 
 
 class RowConstraint:
-    """A row's matcher and, during a step, the tokens it allows (`allow_rows` fills `allowed`)."""
+    """A row's matcher and, during a step, the tokens it allows (`allow_rows` fills `allowed`, or `error`: why it
+    allows none, raised when the row's step reads its mask, so that only this row's request fails)."""
 
-    __slots__ = ("matcher", "allowed")
+    __slots__ = ("matcher", "allowed", "error")
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
         self.allowed: np.ndarray | None = None  # (V,) bool, this step's
+        self.error: str | None = None
+
+    def _mask(self) -> np.ndarray:
+        if self.error is not None:
+            raise RuntimeError(f"the constraint allows no token: {self.error}")
+        return self.allowed
 
     def bans(self, token: int) -> bool:
-        return not self.allowed[token]
+        return not self._mask()[token]
 
     def ban(self, banned: np.ndarray) -> None:
         """In place on a ban mask (V,) bool: every token the constraint does not allow now."""
-        np.logical_or(banned, ~self.allowed[: banned.shape[-1]], out=banned)
+        np.logical_or(banned, ~self._mask()[: banned.shape[-1]], out=banned)
 
     def advance(self, token: int) -> bool:
         """Consume the chosen token -> whether the constraint is complete (it can take no further token)."""
@@ -177,6 +255,6 @@ def allow_rows(rows: Sequence[RowConstraint], vocab: int) -> None:
     llg_numpy.fill_next_token_bitmask_par(_EXECUTOR, [(row.matcher, i) for i, row in enumerate(rows)], bitmask)
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
     for row, mask in zip(rows, allowed):
-        if not mask.any():
-            raise RuntimeError(f"the constraint allows no token: {row.matcher.get_error() or 'it is complete'}")
         row.allowed = mask
+        row.error = (row.matcher.get_error() if row.matcher.is_error() else
+                     None if mask.any() else "it is complete")

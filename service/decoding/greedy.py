@@ -23,7 +23,8 @@ __all__ = ["GreedySearch"]
 class GreedySearch(SamplingSearch):
     """Argmax decoding of one sequence: a `SamplingSearch` at temperature 0 without penalties.
 
-    ``stop_checker``, ``no_repeat_ngram_size``, ``prefix`` and ``logprobs``: see `SamplingSearch`.
+    ``stop_checker``, ``no_repeat_ngram_size``, ``prefix``, ``logprobs`` and ``forced_prefix``: see
+    `SamplingSearch`.
     """
 
     def __init__(
@@ -35,7 +36,8 @@ class GreedySearch(SamplingSearch):
         no_repeat_ngram_size: int = 0,
         prefix: Sequence[int] = (),
         logprobs: int | None = None,
+        forced_prefix: Sequence[int] = (),
     ):
         super().__init__(max_new_tokens, eos_token_id, temperature=0.0, min_new_tokens=min_new_tokens,
                          stop_checker=stop_checker, no_repeat_ngram_size=no_repeat_ngram_size, prefix=prefix,
-                         logprobs=logprobs)
+                         logprobs=logprobs, forced_prefix=forced_prefix)

@@ -24,6 +24,7 @@ import numpy as np
 from . import sampler
 from .constraints import RowConstraint, allow_rows
 from .distributions import log_normaliser, top_logprobs
+from .forced_prefix import ForcedPrefix
 from .ngrams import NGramBlocker
 from .processors import GREEDY_TEMPERATURE
 from .types import Hypothesis, Search, StepResult, TokenLogprob, eos_ids, finished_step, isolated
@@ -54,6 +55,8 @@ class SamplingSearch(Search):
     ``constraint``: what the row may emit (`RowConstraint`): its disallowed tokens are banned at every step (EOS
     among them until the constraint accepts), and a constraint that can take no further token ends the sequence
     with finish_reason "stop".
+    ``forced_prefix``: tokens emitted first, whatever the logits (`ForcedPrefix`): after ``prefix`` for the
+    processors, outside the generated tokens and the score.
     """
 
     single_row = True  # steps through `step_single_rows`, many requests at once
@@ -75,6 +78,7 @@ class SamplingSearch(Search):
         frequency_penalty: float = 0.0,
         logprobs: int | None = None,
         constraint: RowConstraint | None = None,
+        forced_prefix: Sequence[int] = (),
     ):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
@@ -100,7 +104,8 @@ class SamplingSearch(Search):
         self.min_new_tokens = int(min_new_tokens)
         self.stop_checker = stop_checker
         self.no_repeat_ngram_size = int(no_repeat_ngram_size)
-        self._prefix = np.asarray(list(prefix), dtype=np.int64)  # (P,)
+        self._forced = ForcedPrefix(forced_prefix)
+        self._prefix = np.asarray(self._forced.after(prefix), dtype=np.int64)  # (P,)
         # incremental n-gram ban over prefix + generated tokens; None when off
         self._ngrams = NGramBlocker(self.no_repeat_ngram_size, self._prefix) if self.no_repeat_ngram_size else None
         self._tokens = np.zeros(self.max_new_tokens, dtype=np.int64)  # generated tokens, EOS excluded
@@ -151,6 +156,8 @@ class SamplingSearch(Search):
 
     def needs_processing(self) -> bool:
         """Whether the next choice is more than the argmax of the raw logits."""
+        if self._forced.pending:  # a forced step emits its token whatever the logits say
+            return False
         return (self.always_processed or self.constraint is not None
                 or (self._n < self.min_new_tokens and bool(self._eos_set))
                 or (self._ngrams is not None and bool(self._ngrams.banned())))
@@ -202,6 +209,8 @@ class SamplingSearch(Search):
     def accept(self, tok: int, lp: float, top: list[tuple[int, float]]) -> StepResult:
         """Record the chosen token ``tok``, its raw log-probability ``lp`` and the top alternatives ``top`` (read
         only for ``logprobs``); decides whether the sequence ends."""
+        if self._forced.pending:  # a forced step: ``tok`` is not used, nothing is recorded
+            return self._forced.emit()
         if self._seen is not None:
             self._seen[tok] = True
         if self._counts is not None:  # an EOS is counted too, but it ends the sequence
