@@ -41,7 +41,8 @@ async def compile_constraint(loaded: LoadedModel, params):
             compiled: Compiled = await asyncio.wait_for(run_in_threadpool(compiler.compile, constraint),
                                                         COMPILE_TIMEOUT_S)
     except ConstraintError as error:
-        raise BadInput(str(error), param=error.field or constraint.field) from None
+        field = error.field or constraint.field
+        raise BadInput(f"{field}: {error}", param=field) from None
     except TimeoutError:
         raise BadInput(f"compiling the {constraint.kind} took longer than {COMPILE_TIMEOUT_S:g} s",
                        param=constraint.field) from None

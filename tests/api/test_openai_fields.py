@@ -21,6 +21,7 @@ from openai.types.chat.chat_completion_stream_options_param import ChatCompletio
 
 from service.api.openai import field_rules
 from service.api.openai.protocol import StreamOptions, openai_request_models
+from service.api.openai.structured import StructuredOutputs
 from service.settings import Settings
 from tests.support.openai_fields import IGNORED, NO_OP, REFUSED
 
@@ -42,8 +43,9 @@ def sdk_fields(module) -> set[str]:
     return fields | {f"stream_options{field_rules.NESTED}{name}" for name in options}
 
 
-def official(table) -> set[str]:
-    return {name for name in table if name.partition(field_rules.NESTED)[0] not in field_rules.EXTENSION_FIELDS}
+def official(table, kind: str) -> set[str]:
+    extensions = field_rules.EXTENSION_FIELDS[kind]
+    return {name for name in table if name.partition(field_rules.NESTED)[0] not in extensions}
 
 
 # --- the rules against the SDK, the schemas and the docs (no server) ----------------------------------------------
@@ -53,10 +55,11 @@ def official(table) -> set[str]:
 def test_every_field_of_the_installed_sdk_has_a_rule(kind):
     fields = sdk_fields(SDK_TYPES[kind])
     assert "model" in fields and "stream" in fields and len(fields) > 10  # the enumeration reads the real types
-    missing = fields - official(TABLES[kind])
+    missing = fields - official(TABLES[kind], kind)
     assert not missing, (f"openai {openai.__version__} sends {sorted(missing)} to the {kind} endpoint: give each a "
                          "rule in service/api/openai/field_rules.py, a schema field and a row in docs/openai-fields.md")
-    assert not official(TABLES[kind]) - fields, "a rule for a field the SDK does not have (a typo, or a removed one)"
+    assert not official(TABLES[kind], kind) - fields, \
+        "a rule for a field the SDK does not have (a typo, or a removed one)"
 
 
 @pytest.mark.parametrize("kind", TABLES)
@@ -64,8 +67,9 @@ def test_the_schema_takes_exactly_the_fields_that_have_rules(kind):
     model = getattr(openai_request_models(Settings()), kind)
     top = {name for name in TABLES[kind] if field_rules.NESTED not in name}
     assert set(model.model_fields) == top
-    nested = {name.partition(field_rules.NESTED)[2] for name in TABLES[kind] if name.startswith("stream_options.")}
-    assert set(StreamOptions.model_fields) == nested
+    for parent, schema in (("stream_options", StreamOptions), ("structured_outputs", StructuredOutputs)):
+        nested = {name.partition(field_rules.NESTED)[2] for name in TABLES[kind] if name.startswith(f"{parent}.")}
+        assert {field.alias or name for name, field in schema.model_fields.items()} == nested
 
 
 def _doc_rows(kind: str) -> dict[str, tuple[str, str, bool]]:
@@ -77,7 +81,8 @@ def _doc_rows(kind: str) -> dict[str, tuple[str, str, bool]]:
 
 @pytest.mark.parametrize("kind", TABLES)
 def test_the_docs_table_is_the_rules_table(kind):
-    expected = {name: (rule.rule, rule.note, name in field_rules.EXTENSION_FIELDS)
+    extensions = field_rules.EXTENSION_FIELDS[kind]
+    expected = {name: (rule.rule, rule.note, name.partition(field_rules.NESTED)[0] in extensions)
                 for name, rule in TABLES[kind].items()}
     assert _doc_rows(kind) == expected
 
@@ -98,12 +103,15 @@ def client(server):
 
 
 def _create(client, kind: str, **fields):
-    """The raw response (headers and the parsed object) of a short greedy request to `kind`."""
+    """The raw response (headers and the parsed object) of a short greedy request to `kind`; vLLM's fields in
+    `extra_body`, as the SDK takes them."""
+    extra = {name: value for name, value in fields.items() if name in field_rules.EXTENSION_FIELDS[kind]}
+    fields = {name: value for name, value in fields.items() if name not in extra}
     if kind == "completion":
         return client.completions.with_raw_response.create(model="gpt", prompt=PROMPT, max_tokens=4, temperature=0,
-                                                           **fields)
+                                                           extra_body=extra or None, **fields)
     return client.chat.completions.with_raw_response.create(model="gpt", messages=MESSAGES, max_tokens=4,
-                                                            temperature=0, **fields)
+                                                            temperature=0, extra_body=extra or None, **fields)
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ IGNORED = [
     ("chat", "verbosity", "low"),
     ("chat", "modalities", ["text"]),
     ("chat", "audio", None),
+    ("chat", "guided_decoding_backend", "xgrammar"),
+    ("completion", "guided_whitespace_pattern", "[ ]*"),
 ]
 
 REFUSED = [
@@ -34,8 +36,6 @@ REFUSED = [
     ("chat", "modalities", ["text", "audio"]),
     ("chat", "web_search_options", {}),
     ("chat", "moderation", {"model": "omni-moderation-latest"}),
-    ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "answer", "schema": {}}}),
 ]
 
 NO_OP = [
@@ -46,5 +46,6 @@ NO_OP = [
     ("chat", "tool_choice", "auto"),
     ("chat", "function_call", "none"),
     ("chat", "response_format", {"type": "text"}),
+    ("completion", "response_format", {"type": "text"}),
     ("chat", "web_search_options", None),
 ]

@@ -10,18 +10,20 @@ an escape, and no UTF-8 can) in any string or field name is a 422 naming where i
 a schema cannot express is checked by the routes and answered 400 with the reason: a prompt whose tokens plus
 `max_new_tokens` exceed the model's context, `num_return_sequences` above `num_beams`, `min_new_tokens` above
 `max_new_tokens`, an image that does not decode, score targets that do not pair with their sources or are too long
-for the model. Each text request maps itself to the serving layer's parameters in one place, its `to_params`
-(vLLM's `to_sampling_params`); the Open Inference Protocol's options reuse it.
+for the model, an output constraint that does not compile or a second one. Each text request maps itself to the
+serving layer's parameters in one place, its `to_params` (vLLM's `to_sampling_params`); the Open Inference
+Protocol's options reuse it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from service.decoding.beam import MAX_LENGTH_PENALTY
+from service.api.constraint_fields import NATIVE_FIELDS, one_constraint
 from service.api.fields import (
     MAX_JSON_INTEGER,
     MAX_STOP_CHARS,
@@ -127,6 +129,13 @@ def request_models(settings: Settings) -> RequestModels:
                                              "most max_new_tokens when that is given; more is a 400).", examples=[0])
         no_repeat_ngram_size: NGramSize = Field(0, description="Forbid repeating any n-gram of this size (every "
                                                 "decoding mode, as transformers); 0 = off.", examples=[0])
+        target_prefix: str | None = Field(
+            None, max_length=s.max_text_chars, examples=["A man"],
+            description="English text every translation starts with (CTranslate2's target_prefix): forced, then the "
+            "search continues from it (greedy and beams); the text returned (and streamed, first) begins with it. "
+            "Tokenized on its own, so end it at a word boundary; whitespace at its ends is dropped; empty = none. "
+            "max_new_tokens and min_new_tokens count the tokens after it, and the score leaves it out. 400 when the "
+            "vocabulary cannot write it or it leaves no room in the model's target length.")
         stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1 and one "
                                    "text).", examples=[False])
         model: Name | None = _model_field("translation")
@@ -138,7 +147,8 @@ def request_models(settings: Settings) -> RequestModels:
             return TranslationParams(
                 num_beams=self.num_beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
                 num_return_sequences=self.num_return_sequences, max_new_tokens=self.max_new_tokens,
-                min_new_tokens=self.min_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size)
+                min_new_tokens=self.min_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size,
+                target_prefix=self.target_prefix or None)
 
     class GenerateRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={
@@ -175,17 +185,30 @@ def request_models(settings: Settings) -> RequestModels:
         num_beams: Beams = Field(1, description="> 1: beam search instead of sampling.", examples=[1])
         stream: StrictBool = Field(False, description="Server-sent events, one per token (needs num_beams=1).",
                                    examples=[False])
+        # the output constraint, at most one (`service.api.constraint_fields`); a value that does not compile: 400
+        json_schema: dict[str, Any] | None = Field(
+            None, description="The text is JSON matching this JSON schema (compact: no whitespace between tokens).",
+            examples=[{"type": "object", "properties": {"mood": {"enum": ["merry", "sad"]}}, "required": ["mood"]}])
+        regex: str | None = Field(None, description="The text matches this regular expression (all of it).",
+                                  examples=["[A-Z][a-z]+ [a-z]+[.!]"])
+        choice: list[str] | None = Field(None, description="The text is one of these strings.",
+                                         examples=[["stay", "go"]])
+        grammar: str | None = Field(None, description="The text matches this grammar (Lark, or llama.cpp's GBNF).",
+                                    examples=['start: "Romeo is " ("merry" | "sad") "."'])
         model: Name | None = _model_field("gpt")
         version: Version | None = Field(None, description=version_doc, examples=[1])
         timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[text_timeout])
 
-        def to_params(self) -> GenerationParams:
-            """The serving parameters of this request (the Open Inference Protocol's gpt options too)."""
+        def to_params(self, fields: str = "") -> GenerationParams:
+            """The serving parameters of this request (the Open Inference Protocol's gpt options too: `fields`
+            prefixes the name of the constraint's field in errors, "parameters.")."""
+            constraint = one_constraint([(fields + name, kind, getattr(self, name))
+                                         for name, kind in NATIVE_FIELDS.items() if getattr(self, name) is not None])
             return GenerationParams(
                 max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                 repetition_penalty=self.repetition_penalty, no_repeat_ngram_size=self.no_repeat_ngram_size,
-                seed=self.seed, stop=tuple(self.stop), num_beams=self.num_beams)
+                seed=self.seed, stop=tuple(self.stop), num_beams=self.num_beams, constraint=constraint)
 
     class ClassifyJSONRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={"examples": [{"images": [EXAMPLE_PNG_BASE64], "top_k": 3}]})
@@ -222,7 +245,8 @@ def request_models(settings: Settings) -> RequestModels:
 
 class Translation(BaseModel):
     text: str = Field(..., examples=["A man is riding a bicycle."])
-    score: float = Field(..., description="Beam score (length-normalised), or the sum of log-probs when greedy.")
+    score: float = Field(..., description="Beam score (length-normalised), or the sum of log-probs when greedy; of "
+                         "the generated tokens only: a target_prefix's are forced and not counted.")
 
 
 class TranslateResponse(BaseModel):

@@ -31,6 +31,7 @@ from service.observability.metrics import SCORE
 from service.serving import generate as generation
 from service.serving import score as scoring
 from service.serving import translate as translation
+from service.serving.constrain import compile_constraint
 from service.serving.context import deadline_of, label, resolve
 from service.serving.outputs import Completion
 from service.serving.streaming import Finished, Piece
@@ -38,7 +39,7 @@ from service.serving.streaming import Finished, Piece
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in {
     400: "A request the schema allows but this model cannot serve, with the reason: the prompt's tokens plus "
          "max_new_tokens exceed the model's context, num_return_sequences above num_beams, stream with beams or "
-         "several texts",
+         "several texts, a target_prefix the vocabulary cannot write or too long for the model",
     404: "Unknown model or version, or a model of another kind",
     408: "The body did not arrive within TSERVE_BODY_TIMEOUT_S", 413: "Body over TSERVE_MAX_BODY_BYTES",
     422: "The request does not conform to the schema: a field missing, unknown, of the wrong type or out of its "
@@ -138,7 +139,8 @@ async def generate(body, request: Request):
         usage = Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens)
         return {"finish_reason": c.finish_reason, "usage": usage.model_dump()}
 
-    if body.stream:
+    if body.stream:  # a constraint compiled first: one that does not compile is a 400, not an error event
+        params = await compile_constraint(loaded, params)
         return _native_stream(request, generation.stream(loaded, [prompt], params, deadline), final)
     completion = (await generation.generate(request, loaded, [prompt], params, deadline))[0][0]
     return GenerateResponse(model=loaded.name, version=loaded.version, text=completion.text, **final(completion))

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
+from service.api.constraint_fields import json_text
 from service.api.oip.protocol import RESERVED_PARAMETERS, InferenceRequest, classification, validated_options
 from service.api.oip.signatures import signature
 from service.engines.imaging import EncodedImage
@@ -29,6 +30,7 @@ from service.repository import GPT, TRANSLATION, VIT
 from service.serving import classify as classification_service
 from service.serving import generate as generation
 from service.serving import translate as translation
+from service.serving.constrain import compile_constraint
 from service.serving.context import Caller, deadline_of, label
 from service.serving.streaming import Piece
 
@@ -41,7 +43,8 @@ GIVEN_OTHERWISE = {"text": "the texts are the TEXT input", "prompt": "the prompt
                    "stream": "a request streams over gRPC's ModelStreamInfer, not by a parameter"}
 # A PIXELS value is a pixel already scaled to [0, 1]; beyond that range the model's arithmetic can overflow.
 PIXEL_RANGE = (0.0, 1.0)
-MICROSECONDS_PER_MS = 1000  # the `timeout` parameter is in microseconds, the serving deadline in ms
+MICROSECONDS_PER_MS = 1000
+JSON_PARAMETERS = ("json_schema", "choice")  # gpt parameters given as JSON text (a string), or over REST as JSON  # the `timeout` parameter is in microseconds, the serving deadline in ms
 Tensor = tuple[str, str, np.ndarray]  # name, datatype, array
 Tensors = dict[str, np.ndarray]
 
@@ -179,9 +182,12 @@ def _gpt_params(request: Caller, options: dict, prompts: list[str]):
         raise BadInput(f"input 'PROMPT': 1 to {request.app.state.settings.max_texts} prompts (TSERVE_MAX_TEXTS)")
     if isinstance(options.get("stop"), str):
         options = {**options, "stop": [options["stop"]]}
+    # a parameter is a string, a number or a boolean (gRPC's InferParameter): a schema and a choice list as JSON text
+    options = {**options, **{name: json_text(options[name], f"parameters.{name}") for name in JSON_PARAMETERS
+                             if name in options}}
     bodies = [validated_options(request.app.state.request_models.generate, {**options, "prompt": p}, f"PROMPT[{i}]")
               for i, p in enumerate(prompts)]
-    return bodies[0].to_params()
+    return bodies[0].to_params(fields="parameters.")
 
 
 async def _gpt(request: Caller, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
@@ -235,6 +241,7 @@ async def stream(request: Caller, loaded: LoadedModel, inference: InferenceReque
         params = _gpt_params(request, options, [text])
         label(request, loaded, params.mode)
         (ids,) = await generation.encode_prompts(loaded, [text], params.max_new_tokens, "parameters.max_new_tokens")
+        params = await compile_constraint(loaded, params)  # before the stream: a bad constraint is a 400
         events = generation.stream(loaded, [ids], params, until)
 
         def final(completion) -> Tensor:

@@ -1,13 +1,13 @@
 """What the OpenAI-compatible API does with each request field of `/v1/completions` and `/v1/chat/completions`: every
 field OpenAI defines (the `openai` SDK's `CompletionCreateParams` types list them; a test fails on a field that has
-no rule here) and the vLLM sampling extensions the service takes, one rule each:
+no rule here) and the vLLM extensions the service takes (sampling, structured outputs), one rule each:
 
 - honoured: the field does what OpenAI (or vLLM) documents; so does a value that asks for nothing this service
-  cannot do (`tool_choice: "none"`, `response_format: {"type": "text"}`, `logit_bias: {}`);
+  cannot do (`tool_choice: "none"`, `logit_bias: {}`);
 - ignored: it only labels the request or tunes a hosted service (`metadata`, `store`, `service_tier`, `user`, ...),
   so ignoring it changes nothing the caller gets; accepted, and named in the response's `X-Ignored-Fields` header;
-- refused: ignoring it would change what the caller gets (tools to call, audio, web search, JSON output,
-  `logit_bias`): a 400 naming the field and why.
+- refused: ignoring it would change what the caller gets (tools to call, audio, web search, `logit_bias`): a 400
+  naming the field and why.
 
 A rule may depend on the value (`modalities: ["text"]` is ignored, one with "audio" refused). The request schemas
 (`service.api.openai.protocol`) type every field; `check(body, rules)` applies the rules to a validated request.
@@ -80,6 +80,43 @@ SAMPLING = {
                                  "token)"),
     "user": ignored("A label of the end user for OpenAI's abuse monitoring."),
 }
+def _false(value) -> bool:
+    return not value
+
+
+# The structured outputs (`service.api.openai.structured`): OpenAI's `response_format`, vLLM's `structured_outputs`
+# and its older `guided_*` fields; at most one constraint per request.
+RESPONSE_FORMAT = honoured('`{"type": "text"}`: no constraint; `{"type": "json_object"}`: a JSON object; '
+                           '`{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`: '
+                           "JSON matching `schema` (any JSON without one), whatever `strict` says: the output is "
+                           "decoded under the schema. At most one constraint per request (with `structured_outputs` "
+                           "or a `guided_*` field: a 400 naming both).")
+STRUCTURED = {
+    "structured_outputs": honoured("vLLM's: exactly one of `json`, `regex`, `choice`, `grammar`, `json_object` "
+                                   "(none, or two, is a 400); its other fields have their own rules."),
+    "structured_outputs.json": honoured("vLLM's: the output is JSON matching this JSON schema (an object, or its "
+                                        "JSON text)."),
+    "structured_outputs.regex": honoured("vLLM's: the output matches this regular expression, all of it."),
+    "structured_outputs.choice": honoured("vLLM's: the output is one of these strings."),
+    "structured_outputs.grammar": honoured("vLLM's: the output matches this grammar (Lark, or llama.cpp's GBNF)."),
+    "structured_outputs.json_object": honoured("vLLM's: `true`: the output is a JSON object."),
+    "structured_outputs.disable_any_whitespace": honoured("vLLM's: the JSON is compact (no whitespace between "
+                                                          "tokens) whatever the value."),
+    "structured_outputs.disable_additional_properties": refused_unless(
+        "false", _false, "disable_additional_properties is not supported (a schema's own "
+        '"additionalProperties": false is honoured)'),
+    "structured_outputs.disable_fallback": ignored("vLLM's: one backend (llguidance), no fallback: a constraint "
+                                                   "that does not compile is a 400 either way."),
+    "structured_outputs.whitespace_pattern": ignored("vLLM's: the JSON is compact, no whitespace between tokens."),
+    "structured_outputs.structural_tag": refused_unless("null", lambda value: value is None,
+                                                        "structural_tag is not supported (the model calls no tools)"),
+    "guided_json": honoured("vLLM's older name of `structured_outputs.json`."),
+    "guided_regex": honoured("vLLM's older name of `structured_outputs.regex`."),
+    "guided_choice": honoured("vLLM's older name of `structured_outputs.choice`."),
+    "guided_grammar": honoured("vLLM's older name of `structured_outputs.grammar`."),
+    "guided_decoding_backend": ignored("vLLM's: one backend (llguidance), whatever the name."),
+    "guided_whitespace_pattern": ignored("vLLM's: the JSON is compact, no whitespace between tokens."),
+}
 # vLLM's sampling extensions, as tools written for vLLM send them (the SDK: `extra_body`): the native API's options.
 EXTENSIONS = {
     "top_k": honoured("vLLM's: keep the k most likely tokens; 0 or -1 = off (the native `top_k`)."),
@@ -89,13 +126,14 @@ EXTENSIONS = {
                            "(the end of text blocked for all `max_tokens` tokens, as `min_tokens`)."),
     "repetition_penalty": honoured("vLLM's (and transformers'): > 1 discourages tokens already present, prompt "
                                    "included (the native `repetition_penalty`)."),
+    **STRUCTURED,
 }
 COMPLETION_EXTENSIONS = {
     **EXTENSIONS,
     "prompt_logprobs": honoured("vLLM's: each prompt token's log-probability, rank and top alternatives (0-20) in "
                                 "`choices[i].prompt_logprobs`, the first token's null; not with `stream`."),
+    "response_format": RESPONSE_FORMAT,  # vLLM's completions take it; OpenAI's legacy completions do not
 }
-EXTENSION_FIELDS = frozenset(COMPLETION_EXTENSIONS)  # the fields that are no OpenAI field
 COMPLETION = {
     **SAMPLING,
     "prompt": honoured("A text or token ids, or a list of either (at most `TSERVE_MAX_TEXTS`)."),
@@ -109,10 +147,6 @@ COMPLETION = {
                              "training)"),
     **COMPLETION_EXTENSIONS,
 }
-
-
-def _text_format(value) -> bool:
-    return value is None or value.get("type") == "text"
 
 
 def _no_tool_choice(value) -> bool:
@@ -144,9 +178,7 @@ CHAT = {
                                       "`TSERVE_MAX_NEW_TOKENS`. Wins over `max_tokens`."),
     "logprobs": honoured("Each generated token's log-probability."),
     "top_logprobs": honoured("Alternatives per token (0-20), with `logprobs`."),
-    "response_format": refused_unless('{"type": "text"}', _text_format,
-                                      'response_format: only {"type": "text"} is supported (no JSON mode or '
-                                      'JSON-schema output)'),
+    "response_format": RESPONSE_FORMAT,
     "tools": refused_unless("empty", _empty, "tools are not supported (the model calls no tools)"),
     "tool_choice": refused_unless('"none" or "auto"', _no_tool_choice,
                                   "tool_choice: the model calls no tools (only \"none\" or \"auto\")"),
@@ -173,6 +205,8 @@ CHAT = {
     "safety_identifier": ignored("A label of the end user for OpenAI's abuse monitoring."),
     **EXTENSIONS,
 }
+# per endpoint, the fields that are no OpenAI field of it (the docs mark them "(vLLM)")
+EXTENSION_FIELDS = {"completion": frozenset(COMPLETION_EXTENSIONS), "chat": frozenset(EXTENSIONS)}
 
 
 def check(body: BaseModel, rules: Mapping[str, FieldRule]) -> list[str]:
@@ -197,6 +231,8 @@ def _sent(body: BaseModel) -> dict[str, Any]:
     for name in body.model_fields_set:
         value = getattr(body, name)
         sent[name] = value
-        if isinstance(value, BaseModel):
-            sent.update((f"{name}{NESTED}{inner}", getattr(value, inner)) for inner in value.model_fields_set)
+        if isinstance(value, BaseModel):  # by the names a request sends (an alias: `structured_outputs.json`)
+            fields = type(value).model_fields
+            sent.update((f"{name}{NESTED}{fields[inner].alias or inner}", getattr(value, inner))
+                        for inner in value.model_fields_set)
     return sent

@@ -8,8 +8,9 @@ since a schema cannot sum lengths), and every string must be valid Unicode (`ser
 Every field OpenAI defines has a rule (`service.api.openai.field_rules`, docs/openai-fields.md): honoured, ignored
 (only a label or a hosted service's knob: named in the response's X-Ignored-Fields header) or refused with a 400
 naming it (`check_fields`); vLLM's sampling extensions (`top_k`, `min_tokens`, `ignore_eos`, `repetition_penalty`)
-map onto the native API's options. Each request maps itself to the serving layer's parameters in one place, its
-`to_params` (vLLM's `to_sampling_params`).
+map onto the native API's options, the structured outputs (`response_format`, vLLM's `structured_outputs` and
+`guided_*`) onto one constraint (`service.api.openai.structured`). Each request maps itself to the serving layer's
+parameters in one place, its `to_params` (vLLM's `to_sampling_params`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from service.api.fields import (
 )
 from service.api.native.protocol import MAX_REPETITION_PENALTY
 from service.api.openai import chat_template, field_rules
+from service.api.openai.structured import ConstrainedFields
 from service.errors import BadInput
 from service.serving.generate import GenerationParams
 from service.settings import Settings
@@ -96,7 +98,7 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
             "assistant); no line break or colon, which would start another speaker's turn.",
             examples=["HAMLET"])
 
-    class _Sampling(_OpenAIRequest, ValidUnicode):
+    class _Sampling(_OpenAIRequest, ValidUnicode, ConstrainedFields):
         model: Name = Field(..., description="A loaded GPT model (see GET /v1/models), e.g. gpt.", examples=["gpt"])
         temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
             None, description="0 (or below 1e-5) = greedy; default 1.", examples=[0.8])
@@ -190,6 +192,9 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
             max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
             params = _generation_params(self, max_tokens, self.stops(), self.logprobs,
                                         num_beams=self.best_of if self.beam_search else 1)
+            if self.beam_search and params.constraint is not None:
+                raise BadInput(f"best_of > 1 at temperature 0 is a beam search, which cannot be constrained "
+                               f"({params.constraint.field}): sample (temperature > 0) or use n", param="best_of")
             asked = [top for top in (self.logprobs if self.echo_logprobs else None, self.prompt_logprobs)
                      if top is not None]
             return dataclasses.replace(params, prompt_logprobs=max(asked)) if asked else params
@@ -209,7 +214,6 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
             f"{s.max_new_tokens}).")
         logprobs: StrictBool | None = Field(None, description="Return each token's log-probability.")
         top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="Alternatives per token.")
-        response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
         tools: list[Any] | None = Field(None, description="Not supported (only empty).")
         tool_choice: Any | None = Field(None, description='Only "none" or "auto" (no tools are called).')
         parallel_tool_calls: StrictBool | None = Field(None, description="Ignored.")
@@ -278,4 +282,4 @@ def _generation_params(body, max_tokens: int, stop: list[str], logprobs: int | N
         top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
         repetition_penalty=NO_REPETITION_PENALTY if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-        seed=body.seed, stop=tuple(stop), num_beams=num_beams, logprobs=logprobs)
+        seed=body.seed, stop=tuple(stop), num_beams=num_beams, logprobs=logprobs, constraint=body.constraint())

@@ -9,7 +9,8 @@ response's X-Ignored-Fields header, streamed or not.
 Semantics where the service has a choice (docs/api.md, "OpenAI-compatible API"): `finish_reason` is "stop" for an end of
 text or a stop string, "length" at `max_tokens`; `logprobs` are of the model's raw distribution (before
 temperature, top-p and penalties, as vLLM's default); `best_of` samples and keeps the `n` best by log-probability
-per token, or with temperature 0 is a beam search of that width; `n` choices sample with seeds `seed + i`. A
+per token, or with temperature 0 is a beam search of that width; `n` choices sample with seeds `seed + i`; a
+structured output (`response_format`, vLLM's `structured_outputs` / `guided_*`) is compiled before a stream starts. A
 conversation is at most `TSERVE_MAX_TEXT_CHARS` characters of content in all, as a prompt is (checked before it is
 rendered; prompts are tokenized on a worker thread).
 """
@@ -34,6 +35,7 @@ from service.errors import BadInput
 from service.http.routing import NOT_JSON_DESCRIPTION, NOT_JSON_STATUS, with_body
 from service.repository import GPT
 from service.serving import generate as generation
+from service.serving.constrain import compile_constraint
 from service.serving.context import deadline_of, label, resolve
 
 OWNED_BY = "transformer-serving"
@@ -129,6 +131,7 @@ async def completions(body, request: Request):
     if body.stream:
         if best_of is not None and best_of != n:
             raise BadInput("stream is not supported with best_of > n", param="stream")
+        params = await compile_constraint(loaded, params)  # before the stream: a bad constraint is a 400
         return _naming_ignored(request, ignored, render.stream(request, generation.stream(loaded, ids, params,
                                                                                          deadline, n=n)))
     results = await generation.generate(request, loaded, ids, params, deadline, n=n,
@@ -157,6 +160,7 @@ async def chat_completions(body, request: Request):
     render = ChatRender(loaded.name, loaded.engine.tokenizer, n, len(ids), body.include_usage(),
                         logprobs=bool(body.logprobs))
     if body.stream:
+        params = await compile_constraint(loaded, params)  # before the stream: a bad constraint is a 400
         return _naming_ignored(request, ignored, render.stream(request, generation.stream(loaded, [ids], params,
                                                                                          deadline, n=n)))
     results = await generation.generate(request, loaded, [ids], params, deadline, n=n)

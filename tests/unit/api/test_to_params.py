@@ -1,14 +1,16 @@
 """Each API's request -> serving parameters mapping, without a server: the native requests' `to_params`, the OpenAI
 requests' `to_params` (OpenAI's defaults for what is left out, `best_of` at temperature 0 as a beam search, the end of
 a chat turn as a stop string, vLLM's extensions as the native options), what the OpenAI requests refuse and ignore
-(`check_fields`), and the Open Inference Protocol's
-parameter checks and `validated_options` (a native request model behind a 400 that names the field).
+(`check_fields`), each API's output constraint (one, named by the field it came from), and the Open Inference
+Protocol's parameter checks and `validated_options` (a native request model behind a 400 that names the field).
 
 Table-style: one request in, the exact parameters out, so a field mapped to the wrong parameter, a lost default or a
 default where the caller gave a value shows up as a difference.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -39,10 +41,12 @@ def openai():
 
 def test_translate_request_maps_every_option(native):
     body = native.translate(text="Ein Hund.", num_beams=5, length_penalty=0.6, early_stopping="never",
-                            num_return_sequences=3, max_new_tokens=12, min_new_tokens=2, no_repeat_ngram_size=3)
+                            num_return_sequences=3, max_new_tokens=12, min_new_tokens=2, no_repeat_ngram_size=3,
+                            target_prefix="A dog")
     assert body.to_params() == TranslationParams(
         num_beams=5, length_penalty=0.6, early_stopping="never", num_return_sequences=3, max_new_tokens=12,
-        min_new_tokens=2, no_repeat_ngram_size=3)
+        min_new_tokens=2, no_repeat_ngram_size=3, target_prefix="A dog")
+    assert native.translate(text="Ein Hund.", target_prefix="").to_params().target_prefix is None  # "" = none
 
 
 def test_translate_request_defaults(native):
@@ -143,8 +147,11 @@ def test_include_usage(openai, options, expected):
     ("chat", {"tools": [{"type": "function"}]}, "tools", "tools are not supported (the model calls no tools)"),
     ("chat", {"tool_choice": "required"}, "tool_choice",
      'tool_choice: the model calls no tools (only "none" or "auto")'),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format",
-     'response_format: only {"type": "text"} is supported (no JSON mode or JSON-schema output)'),
+    ("chat", {"structured_outputs": {"regex": "a", "disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties",
+     'disable_additional_properties is not supported (a schema\'s own "additionalProperties": false is honoured)'),
+    ("completion", {"structured_outputs": {"json_object": True, "structural_tag": "{}"}},
+     "structured_outputs.structural_tag", "structural_tag is not supported (the model calls no tools)"),
     ("chat", {"modalities": ["audio"]}, "modalities", 'modalities: only ["text"] is supported (no audio output)'),
     ("chat", {"audio": {"voice": "alloy"}}, "audio", "audio output is not supported (the model writes text)"),
     ("chat", {"web_search_options": {}}, "web_search_options", "web_search_options: web search is not supported"),
@@ -170,6 +177,11 @@ def test_unsupported_options_are_a_400_naming_the_field(openai, kind, fields, pa
      ["stream_options.include_obfuscation", "user"]),
     ("chat", {"stream_options": {"include_usage": True}}, []),
     ("chat", {"top_k": 3, "min_tokens": 1, "ignore_eos": False, "repetition_penalty": 1.1}, []),
+    ("chat", {"response_format": {"type": "json_object"}, "guided_decoding_backend": "guidance"},
+     ["guided_decoding_backend"]),
+    ("completion", {"structured_outputs": {"regex": "a", "whitespace_pattern": " ", "disable_fallback": True,
+                                           "disable_any_whitespace": True, "disable_additional_properties": False}},
+     ["structured_outputs.disable_fallback", "structured_outputs.whitespace_pattern"]),
 ])
 def test_no_op_values_are_accepted_and_ignored_fields_listed(openai, kind, fields, ignored):
     """What `check_fields` returns is what X-Ignored-Fields names: the ignored fields sent, in the table's order."""
@@ -314,3 +326,57 @@ def test_each_refused_field_is_a_400_naming_it(openai, kind, field, value):
 @pytest.mark.parametrize("kind, field, value", NO_OP)
 def test_each_no_op_value_is_accepted_and_not_listed(openai, kind, field, value):
     assert getattr(openai, kind)(model="gpt", **BASE[kind], **{field: value}).check_fields() == []
+
+
+# --- output constraints ---------------------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize("fields, kind, text, field", [
+    ({"response_format": {"type": "text"}}, None, None, None),
+    ({"response_format": {"type": "json_object"}}, "json_object", '{"type": "object"}', "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": False}}},
+     "json_schema", json.dumps(SCHEMA), "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r"}}}, "json_schema", "{}",
+     "response_format.json_schema.schema"),  # no schema: any JSON value
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json_schema", json.dumps(SCHEMA),
+     "structured_outputs.json"),  # vLLM takes a schema as JSON text too
+    ({"structured_outputs": {"regex": "[a-z]+", "json_object": False}}, "regex", "[a-z]+", "structured_outputs.regex"),
+    ({"structured_outputs": {"json_object": True}}, "json_object", '{"type": "object"}',
+     "structured_outputs.json_object"),
+    ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA), "guided_json"),
+    ({"guided_choice": ["a", "b"]}, "choice", '["a", "b"]', "guided_choice"),
+    ({"guided_grammar": 'start: "a"', "guided_decoding_backend": "xgrammar"}, "grammar", 'start: "a"',
+     "guided_grammar"),
+])
+def test_openai_structured_outputs_map_to_one_constraint(openai, fields, kind, text, field):
+    for request in (openai.completion(model="gpt", prompt="x", **fields),
+                    openai.chat(model="gpt", messages=[{"role": "user", "content": "Hi"}], **fields)):
+        constraint = (request.to_params(8) if isinstance(request, openai.chat) else request.to_params()).constraint
+        assert (None if constraint is None else (constraint.kind, constraint.text, constraint.field)) == (
+            None if kind is None else (kind, text, field))
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format, guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.regex, structured_outputs.choice"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs"),  # none
+    ({"structured_outputs": {"json": "{x"}}, "structured_outputs.json"),  # not JSON
+    ({"guided_json": "[1]"}, "guided_json"),  # not a schema
+    ({"guided_choice": []}, "guided_choice"),
+    ({"best_of": 2, "temperature": 0, "guided_regex": "a"}, "best_of"),  # a beam search: no constraint
+])
+def test_openai_structured_outputs_refused_name_the_fields(openai, fields, param):
+    with pytest.raises(BadInput) as raised:
+        openai.completion(model="gpt", prompt="x", **fields).to_params()
+    assert raised.value.param == param and all(name in raised.value.message for name in param.split(", "))
+
+
+def test_native_constraint_fields_and_their_names_in_each_api(native):
+    body = native.generate(prompt="x", regex="[a-z]+")
+    assert (body.to_params().constraint.field, body.to_params("parameters.").constraint.field) == (
+        "regex", "parameters.regex")
+    with pytest.raises(BadInput) as two:
+        native.generate(prompt="x", json_schema=SCHEMA, choice=["a"]).to_params("parameters.")
+    assert two.value.message.startswith("parameters.json_schema and parameters.choice: at most one")

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +25,11 @@ from export.convert import main as convert_main
 from service.repository import ModelRepository
 from service.settings import Settings
 from tests.support import ROOT
+from tests.support.invariance import GERMAN, GPT_PROMPTS, alone_and_among_others
 
 pytestmark = pytest.mark.slow
 
 RELEASE_REPOSITORY = ROOT / "model_repository"
-OTHERS = 15
 # (name, conversion arguments) -> version 2, 3, ... of the tiny model `name`
 VARIANTS = [("gpt", ["--weights", "int8", "--attention", "mha", "--kv-cache", "inplace"]),
             ("gpt", ["--kv-cache", "inplace"])]
@@ -40,33 +38,11 @@ GPT_TARGETS = {
     "sample": {"prompt": "ROMEO:\nWhat", "max_new_tokens": 40, "temperature": 1.0, "top_p": 0.95, "seed": 11},
     "beam": {"prompt": "ROMEO:\nWhat", "max_new_tokens": 24, "num_beams": 3},
 }
-GPT_PROMPTS = ["A", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING", "O", "To be, or not",
-               "MENENIUS:\nWhy, masters, my good friends, mine honest neighbours,\nWill you undo yourselves?"]
 TRANSLATION_TARGETS = {
     "greedy": {"text": "Ein Mann fährt Fahrrad.", "num_beams": 1, "max_new_tokens": 30},
     "beam": {"text": "Ein Mann fährt Fahrrad.", "num_beams": 4, "max_new_tokens": 30},
 }
-GERMAN = ["Zwei Hunde spielen im Schnee.", "Eine Frau mit einem roten Hut sitzt auf einer Bank vor einem Haus.",
-          "Kinder.", "Ein Mann in einem blauen Hemd steht auf einer Leiter und putzt ein Fenster."]
 
-
-def _other_body(kind: str, i: int, version: int) -> dict:
-    """Request i of the 15 beside the target: other lengths, modes and budgets, so rows join and leave."""
-    if kind == "gpt":
-        body = {"prompt": GPT_PROMPTS[i % len(GPT_PROMPTS)], "max_new_tokens": 8 + 5 * i}
-        body.update([{"temperature": 0}, {"temperature": 0.8, "seed": i}, {"num_beams": 2}][i % 3])
-    else:
-        body = {"text": GERMAN[i % len(GERMAN)], "num_beams": 1 + i % 4, "max_new_tokens": 10 + 3 * i}
-    return {**body, "version": version} if version else body
-
-
-def _output(kind: str, response) -> object:
-    assert response.status_code == 200, response.text
-    body = response.json()
-    if "choices" in body:  # OpenAI completions: the text and every token's log-probability, to the last bit
-        choice = body["choices"][0]
-        return choice["text"], choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]
-    return (body["text"], body["finish_reason"], body["usage"]) if kind == "gpt" else body["translations"]
 
 
 @pytest.fixture(scope="module")
@@ -83,29 +59,8 @@ def variant_repository(tiny_repository_copy, data_dir) -> tuple[Path, list[tuple
     return repository, made
 
 
-def _alone_and_among_others(client, kind: str, target: dict) -> tuple[object, list[object]]:
-    """The target's output alone, then among OTHERS concurrent requests: sent first, sent after them (so that it
-    joins their running batch), and in the middle."""
-    path = "/v1/completions" if "logprobs" in target else "/v1/generate" if kind == "gpt" else "/v1/translate"
-    alone = _output(kind, client.post(path, json=target))
-    together = []
-    for position in (0, OTHERS, OTHERS // 2):
-        bodies = [_other_body(kind, i, target.get("version")) for i in range(OTHERS)]
-        bodies.insert(position, target)
-        started = threading.Barrier(len(bodies))
-
-        def post(body):
-            started.wait()  # every request is in flight at once
-            return client.post(path if body is target else "/v1/generate", json=body)
-
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            responses = list(pool.map(post, bodies))
-        together.append(_output(kind, responses[position]))
-    return alone, together
-
-
 @pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
-def test_tiny_in_place_variants_decode_the_same_alone_and_among_others(variant_repository, serving, mode):
+def test_tiny_in_place_variants_decode_the_samealone_and_among_others(variant_repository, serving, mode):
     repository, made = variant_repository
     settings = Settings(repository=repository, models=[f"{name}:{version}" for name, version in made],
                         max_new_tokens=64)
@@ -114,7 +69,7 @@ def test_tiny_in_place_variants_decode_the_same_alone_and_among_others(variant_r
             targets = GPT_TARGETS if name == "gpt" else TRANSLATION_TARGETS
             if mode not in targets:
                 continue
-            alone, together = _alone_and_among_others(client, name, {**targets[mode], "version": version})
+            alone, together = alone_and_among_others(client, name, {**targets[mode], "version": version})
             assert together == [alone] * len(together), (name, version, mode)
 
 
@@ -126,14 +81,14 @@ COMPLETIONS = {  # OpenAI completions on the released GPT: every token's log-pro
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
-def test_the_released_gpt_decodes_the_same_alone_and_among_others(serving, mode):
+def test_the_released_gpt_decodes_the_samealone_and_among_others(serving, mode):
     settings = Settings(repository=RELEASE_REPOSITORY, models=["gpt"], max_new_tokens=64)
     with serving(settings) as client:
         version = ModelRepository(RELEASE_REPOSITORY).get("gpt").version  # the served one, named explicitly
-        alone, together = _alone_and_among_others(client, "gpt", {**GPT_TARGETS[mode], "version": version})
+        alone, together = alone_and_among_others(client, "gpt", {**GPT_TARGETS[mode], "version": version})
         assert together == [alone] * len(together), mode
         if mode in COMPLETIONS:
-            alone, together = _alone_and_among_others(client, "gpt", COMPLETIONS[mode])
+            alone, together = alone_and_among_others(client, "gpt", COMPLETIONS[mode])
             assert together == [alone] * len(together), mode
 
 
