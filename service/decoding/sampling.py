@@ -273,8 +273,10 @@ def step_single_rows(searches: Sequence[SamplingSearch], logits: np.ndarray, iso
         raise ValueError(f"expected logits of shape ({len(searches)}, V), got {x.shape}")
     if any(s.done for s in searches):
         raise RuntimeError("step() called on a finished search")
-    constrained = [s.constraint for s in searches if s.constraint is not None]
-    if constrained:  # every constrained row's allowed tokens at once
+    # every constrained row's allowed tokens at once, for the rows that need a full mask (sampling, penalties): a
+    # greedy row asks of its raw argmax alone (`RowConstraint.bans`)
+    constrained = [s.constraint for s in searches if s.constraint is not None and s.always_processed]
+    if constrained:
         allow_rows(constrained, x.shape[1])
     if not isolate:
         return [search.accept(*chosen) for search, chosen in zip(searches, _choose(searches, x))]

@@ -360,3 +360,24 @@ def test_a_row_whose_mask_cannot_be_filled_fails_alone_in_its_batch(compiler):
     assert isinstance(results[2], RuntimeError) and "allows no token" in str(results[2])
     assert not isinstance(results[0], Exception) and not isinstance(results[1], Exception)
     assert chr(int(results[0].tokens[0])) in "abcdefghijklmnopqrstuvwxyz"
+
+
+@pytest.mark.parametrize("kind, value", [
+    ("json_schema", {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99},
+                                                      "s": {"type": "string", "maxLength": 6}}, "required": ["n", "s"]}),
+    ("regex", "[A-Z][a-z]+ [0-9]{2}"), ("grammar", 'start: "a"+ "b"'), ("json_object", None), ("choice", ["ab", "abc"])])
+def test_asking_of_one_token_answers_as_the_mask_does(compiler, kind, value):
+    """Greedy rows ask `bans(token)` of their raw argmax without a mask (llguidance's `validate_tokens`): the same
+    answer as the mask for every token, EOS included, at every state of random walks."""
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        row = compiler.compile(Constraint.of(kind, value, "f")).row()
+        for _ in range(60):
+            asked = [row.bans(token) for token in range(VOCAB)]
+            allow_rows([row], VOCAB)
+            assert asked == (~row.allowed).tolist()
+            allowed = np.flatnonzero(row.allowed)
+            others = allowed[allowed != EOS]
+            token = int(rng.choice(others)) if others.size else EOS
+            if row.advance(token) or token == EOS:
+                break
