@@ -24,7 +24,11 @@ What it measures (closed loop: N client tasks, each sends its next request when 
   `service/llama-server 1 streams = <ratio>`, `service/llama-server 32 streams = <ratio>` (tokens/s) and
   `service-http 16 clients/ctranslate2 offline b16 = <ratio>` (sentences/s); a peer that cannot run (llama.cpp
   not built: run `make llama-cpp`; ctranslate2 missing; --repository, whose weights the peers cannot rebuild)
-  gives `= n/a (<why>)`, never a failed run.
+  gives `= n/a (<why>)`, never a failed run;
+- constrained (issue 54, bench/httpbench/constrained.py): the gpt case's prompts and streams, each request with a
+  bounded 8-property JSON schema (the same one; and at 1 stream a new one per request, compiled before its first
+  token), printed as `constrained/unconstrained N streams tokens/s = <ratio>` and the p50 TTFT ratios of a new
+  schema, the cached one and unconstrained.
 Goals, printed as PASS/MISS: ViT images/s with batching >= 3x without; GPT tokens/s at 32 streams >= 5x the
 baseline's at 32 clients, and >= 4x this service's at 1 stream. A case with any error voids its goal's PASS.
 Per case it also reports the mean batch (rows per decoding step, images per ONNX Runtime call; from /metrics),
@@ -76,14 +80,14 @@ Run (main venv), e.g. as `make bench-http`:
                                                                  # the peers' rows alone, smoke run
 Options: --duration S | --requests N (per case, over all rounds; CTranslate2's: batches), --rounds N, --warmup N,
 --device cpu|cuda, --threads N, --spin, --repository DIR, --data-dir DIR, --max-new-tokens N,
---cases gpt,translation,vit,baseline,grpc,llama-server,ctranslate2, --gpt-concurrency 1,32,
+--cases gpt,translation,vit,baseline,grpc,llama-server,ctranslate2,constrained, --gpt-concurrency 1,32,
 --baseline-concurrency 1,32, --translation-concurrency 16, --vit-concurrency 64, --num-beams N,
 --translation-tokens N, --server-env KEY=VALUE, --out PATH, --workdir PATH.
 
 Code: this file (options, the run); bench/httpbench/: repository.py (the random-weight models), servers.py (the
 servers, by the shared launcher service.client.launcher, and one running at a time), load.py (the load generator),
-cases.py (workloads and cases), llama_server.py and ct2_offline.py (the C++ peers), report.py (lines, tables, goals,
-the peers' ratios).
+cases.py (workloads and cases), llama_server.py and ct2_offline.py (the C++ peers), constrained.py (the
+constrained case and its ratios), report.py (lines, tables, goals, the peers' ratios).
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ from httpbench.cases import (
     vit_grpc_workload,
     vit_workload,
 )
+from httpbench.constrained import constrained_cases, constrained_ratios, evaluate_constrained, print_constrained
 from httpbench.ct2_offline import ctranslate2_case, ctranslate2_worker
 from httpbench.llama_server import case_name as llama_server_case, llama_server, llama_server_workload
 from httpbench.report import (
@@ -149,10 +154,10 @@ from service.client.launcher import ServiceProcess
 from shipped import served_variants
 
 
-CASES = ("gpt", "translation", "vit", "baseline", "grpc", "llama-server", "ctranslate2")
+CASES = ("gpt", "translation", "vit", "baseline", "grpc", "llama-server", "ctranslate2", "constrained")
 PEERS = ("llama-server", "ctranslate2")  # the C++ peers' cases: on the random-weight models only
 # the cases that need the service: the peers' too (their prompts are screened on it, their inputs tokenized by it)
-SERVICE_CASES = ("gpt", "translation", "vit", "grpc", "llama-server", "ctranslate2")
+SERVICE_CASES = ("gpt", "translation", "vit", "grpc", "llama-server", "ctranslate2", "constrained")
 TRANSLATION_SENTENCES = 1014  # Multi30k's validation split, all of it
 
 
@@ -247,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
     skipped: dict[str, str] = {}
     for case, kind in (("gpt", "gpt"), ("translation", "translation"), ("vit", "vit"), ("baseline", "gpt"),
-                       ("grpc", "gpt"), ("llama-server", "gpt"), ("ctranslate2", "translation")):
+                       ("grpc", "gpt"), ("llama-server", "gpt"), ("ctranslate2", "translation"),
+                       ("constrained", "gpt")):
         if case in args.cases and kind not in kinds:
             skipped[case] = f"no {kind} model in {repository}"
     for case in PEERS:
@@ -269,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     cases: list[Case] = []
     servers: dict[str, ServiceProcess] = {}  # and the peers' (llama_cpp.Server, ct2.Worker): a name, pid, signals
     screening: dict | None = None
+    constrained: dict | None = None
     started = time.perf_counter()
     interrupted = False
     with contextlib.ExitStack() as stack:
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"server 'baseline' (transformers generate() per request) ready in "
                       f"{servers['baseline'].ready_seconds:.1f} s", flush=True)
 
-            if any(c in wanted for c in ("gpt", "grpc", "llama-server")):
+            if any(c in wanted for c in ("gpt", "grpc", "llama-server", "constrained")):
                 prompts, screening = screen_prompts(servers["service"], prompts, max_new_tokens, args)
             if "llama-server" in wanted:
                 slots = max(args.gpt_concurrency, default=1)
@@ -321,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
                 for c in args.gpt_concurrency:
                     cases.append(Case(f"gpt c={c}", "POST /v1/generate (stream, greedy)", servers["service"],
                                       gpt_workload(prompts, max_new_tokens), c, kinds["gpt"].name))
+            if "constrained" in wanted:
+                try:
+                    more, constrained = constrained_cases(servers["service"], kinds["gpt"].name, prompts,
+                                                          max_new_tokens, args.gpt_concurrency)
+                    cases += more
+                except RuntimeError as error:  # its sample request failed
+                    skip("constrained", str(error))
             if "llama-server" in wanted:
                 workload = llama_server_workload(tokenize(servers["service"], kinds["gpt"].name, prompts),
                                                  max_new_tokens)
@@ -404,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [r for r in peer_ratios(args.gpt_concurrency, args.translation_concurrency) if r.peer_option in args.cases]
     peers = evaluate_peers(summaries, ratios, skipped)
     print_peers(peers)
+    if constrained is not None:
+        constrained["ratios"] = evaluate_constrained(summaries, constrained_ratios(args.gpt_concurrency), skipped)
+        print_constrained(constrained["ratios"])
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
     report = {
@@ -420,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_screening": screening,
         "servers": [server_record(s) for s in servers.values()],
         "cases": summaries, "roofline": roofline, "goals": goals, "comparisons": comparisons, "peers": peers,
-        "skipped": skipped,
+        "constrained": constrained, "skipped": skipped,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

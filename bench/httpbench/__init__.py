@@ -6,6 +6,7 @@
 - load.py: the load generator: closed-loop async clients, one streamed or JSON request -> a Result;
 - cases.py: the workloads (request bodies, encoded once) and the cases: (endpoint, concurrency) on a server,
   measured over interleaved rounds;
+- constrained.py: the constrained GPT case (a JSON schema per request, the same or a new one) and its ratios;
 - report.py: the per-round lines, the tables, the goals and the environment recorded in the JSON report.
 """
 
