@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "mutation"
 WORK = HERE / "work"
-LINKED = ("service", "export", "models", "tests", "pyproject.toml")
+LINKED = ("service", "export", "models", "tests", "pyproject.toml", "model_repository")
 KILLED = {1, 3, 24, -24, 152, 255, 36, -11, -9}  # a failing test, a pytest error, a timeout, a crash
 SURVIVED = {0}
 NO_TESTS = {5, 33}
@@ -76,7 +76,8 @@ def setup_cfg(package: dict) -> str:
         + block("source_paths", ["service", "export"])
         + block("only_mutate", package["mutate"])
         + block("do_not_mutate", package.get("skip", []))
-        + block("also_copy", ["models/"])
+        # the released GPT's tokenizer and graphs: the constraint tests compile over its tokenizer and decode with it
+        + block("also_copy", ["models/", "model_repository/gpt/"])
         + block("pytest_add_cli_args", ["-p", "no:cacheprovider", "-q", "-m", "not slow"])
         + block("pytest_add_cli_args_test_selection", package["tests"])
         + f"timeout_multiplier={TIMEOUT_MULTIPLIER}\n"
