@@ -381,3 +381,46 @@ def test_asking_of_one_token_answers_as_the_mask_does(compiler, kind, value):
             token = int(rng.choice(others)) if others.size else EOS
             if row.advance(token) or token == EOS:
                 break
+
+
+def test_a_cached_constraint_gets_a_fresh_matcher_after_its_rows_quota(compiler):
+    """`ROWS_PER_TEMPLATE` rows copied from a cached matcher: the next compile rebuilds it aside (the rows made so
+    far keep theirs), and the count starts again."""
+    from service.decoding.constraints import ROWS_PER_TEMPLATE
+
+    constraint = Constraint.of("regex", "[0-9]{3}x", "f")
+    compiled = compiler.compile(constraint)
+    old = compiled.entry.template
+    rows = [compiled.row() for _ in range(ROWS_PER_TEMPLATE)]
+    again = compiler.compile(constraint)
+    deadline = time.monotonic() + BOUND_S
+    while again.entry.rebuilding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert again.entry is compiled.entry and again.entry.template is not old and again.entry.rows == 0
+    assert all(row.matcher is not again.entry.template for row in rows)
+    assert again.row().bans(ord("x")) and not again.row().bans(ord("7"))
+
+
+def test_the_sampled_rows_of_a_step_get_their_masks_in_one_fill(compiler, monkeypatch):
+    """One parallel fill for every row that samples; a greedy row asks of its argmax alone (no fill unless it is
+    banned)."""
+    import service.decoding.sampling as sampling
+    from service.decoding import SamplingSearch
+
+    calls = []
+
+    def spy(rows, vocab):
+        calls.append(len(rows))
+        allow_rows(rows, vocab)
+
+    monkeypatch.setattr(sampling, "allow_rows", spy)
+    constraint = Constraint.of("regex", "[a-z]{4}", "f")
+    sampled = [SamplingSearch(8, EOS, temperature=1.0, seed=i, constraint=compiler.compile(constraint).row())
+               for i in range(3)]
+    greedy = SamplingSearch(8, EOS, temperature=0, constraint=compiler.compile(constraint).row())
+    logits = np.zeros((4, VOCAB), np.float32)
+    logits[:, ord("q")] = 5.0  # allowed: the greedy row takes it without a mask
+    results = sampling.step_single_rows([*sampled, greedy], logits)
+    assert calls == [3]
+    assert [chr(int(r.tokens[0])) in "abcdefghijklmnopqrstuvwxyz" for r in results] == [True] * 4
+    assert int(results[3].tokens[0]) == ord("q")
