@@ -164,8 +164,7 @@ class ConstraintCompiler:
                 self._rebuilds.submit(self._rebuild, constraint, entry)
             return Compiled(entry, 0.0, True, self.vocab_size)
         started = time.perf_counter()
-        grammar = _on_large_stack(constraint.grammar)
-        entry = _Entry(grammar, self._matcher(constraint, grammar))
+        entry = _on_large_stack(lambda: self._entry(constraint))
         seconds = time.perf_counter() - started
         with self._lock:
             self._cache[constraint] = entry
@@ -176,22 +175,26 @@ class ConstraintCompiler:
     def _rebuild(self, constraint: Constraint, entry: _Entry) -> None:
         """`entry`'s matcher built again from its grammar (`ROWS_PER_TEMPLATE`), off every request's path."""
         try:
-            entry.template, entry.rows = self._matcher(constraint, entry.grammar), 0
+            entry.template, entry.rows = _on_large_stack(lambda: self._matcher(constraint, entry.grammar)), 0
         finally:
             entry.rebuilding = False
 
+    def _entry(self, constraint: Constraint) -> _Entry:
+        """`constraint` compiled: its grammar and a matcher of it (`_matcher`). On a large stack (`_on_large_stack`)."""
+        grammar = constraint.grammar()
+        return _Entry(grammar, self._matcher(constraint, grammar))
+
     def _matcher(self, constraint: Constraint, grammar: str) -> llguidance.LLMatcher:
         """A matcher of `grammar`, checked as far as its first token (some limits are only met there: a regex such as
-        `(a{1000}){1000}` compiles, allows "a", then fails to take it)."""
-        template = _on_large_stack(lambda: llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
-                                                                limits=self.limits))
+        `(a{1000}){1000}` compiles, allows "a", then fails to take it). On a large stack (`_on_large_stack`)."""
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if not template.is_error():
             probe = template.deep_copy()
-            allowed = np.unpackbits(np.frombuffer(_on_large_stack(probe.compute_bitmask), np.uint8),
+            allowed = np.unpackbits(np.frombuffer(probe.compute_bitmask(), np.uint8),
                                     bitorder="little")[: self.vocab_size]
             first = next((int(t) for t in np.flatnonzero(allowed) if t not in self.tokenizer.eos_tokens), None)
             if first is not None:
-                _on_large_stack(lambda: probe.consume_token(first))
+                probe.consume_token(first)
             if probe.is_error():
                 template = probe
         if template.is_error():
