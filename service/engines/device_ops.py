@@ -23,6 +23,7 @@ import onnxruntime as ort
 from service.engines.onnx_graph.onnx_graph_pb2 import (GraphProto, ModelProto, OperatorSetIdProto, TensorProto,
                                                        TypeProto, ValueInfoProto)
 from service.engines.onnx_graph import from_array, make_node
+from service.engines.onnx_schema import past_names
 
 OPSET = 17  # Slice and Pad take their bounds as inputs (int64, read on the host by every provider's kernels)
 IR_VERSION = 8
@@ -31,6 +32,11 @@ ELEMENT_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): 
                  np.dtype(np.int8): TensorProto.INT8, np.dtype(np.int64): TensorProto.INT64}
 # ONNX Runtime's type strings of a session's inputs -> numpy element types (what a cache allocates)
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
+
+
+def past_dtype(session: ort.InferenceSession):
+    """The element type of a decoder session's KV cache (its first past input): what a device cache allocates."""
+    return ORT_TYPES[next(i.type for i in session.get_inputs() if i.name == past_names(0)[0])]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from service.decoding import Search, run_search
 from service.decoding.constraints import ConstraintCompiler
 from service.engines import onnx_schema as schema
 from service.engines.device_cache import DeviceKVCache
-from service.engines.device_ops import ORT_TYPES
+from service.engines.device_ops import past_dtype
 from service.engines.iobinding import HostTransfers, host_bytes, run_bound, step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.kv_quantization import load_scales, quantize
@@ -69,7 +69,7 @@ class GPTEngine:
         # host, so it stays there) or numpy on the host
         self._ops = None if self.kv_scales is not None else device_ops_for(self.session, options)
         self.kv_residence = "host" if self._ops is None else "device"
-        self._kv_dtype = ORT_TYPES[next(i.type for i in self.session.get_inputs() if i.name == schema.past_names(0)[0])]
+        self._kv_dtype = past_dtype(self.session)
         self.eos_id = config["special_tokens"]["eos_id"]
         self.pad_id = schema.PAD_ID  # the GPT config names none
         check_vocabulary(self.tokenizer, self.vocab_size, graphs_of(config["files"], self.session, self._in_place),

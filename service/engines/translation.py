@@ -25,7 +25,7 @@ from service.decoding.types import StepLogits, row_candidates
 from service.decoding.distributions import log_normaliser
 from service.engines import onnx_schema as schema
 from service.engines.device_cache import DeviceKVCache
-from service.engines.device_ops import ORT_TYPES
+from service.engines.device_ops import past_dtype
 from service.engines.encoded_sources import DecoderBatch, EncodedSources
 from service.engines.iobinding import HostTransfers, host_bytes, run_bound, step_runners
 from service.engines.kv_cache import KVCache
@@ -91,7 +91,7 @@ class TranslationEngine:
         step_graph = self.decoder if self.decoder is not None else self._in_place.session
         self._ops = device_ops_for(step_graph, options)
         self.kv_residence = "host" if self._ops is None else "device"
-        self._kv_dtype = ORT_TYPES[next(i.type for i in step_graph.get_inputs() if i.name == schema.past_names(0)[0])]
+        self._kv_dtype = past_dtype(step_graph)
         # the encoder pass: every thread alone, one beside another worker's call
         self._encoder_one_thread = OneThreadSession.beside_others(model.path / config["files"]["encoder"], options,
                                                                   self.encoder, calls)
