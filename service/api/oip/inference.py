@@ -43,8 +43,8 @@ GIVEN_OTHERWISE = {"text": "the texts are the TEXT input", "prompt": "the prompt
                    "stream": "a request streams over gRPC's ModelStreamInfer, not by a parameter"}
 # A PIXELS value is a pixel already scaled to [0, 1]; beyond that range the model's arithmetic can overflow.
 PIXEL_RANGE = (0.0, 1.0)
-MICROSECONDS_PER_MS = 1000
-JSON_PARAMETERS = ("json_schema", "choice")  # gpt parameters given as JSON text (a string), or over REST as JSON  # the `timeout` parameter is in microseconds, the serving deadline in ms
+MICROSECONDS_PER_MS = 1000  # the `timeout` parameter is in microseconds, the serving deadline in ms
+JSON_PARAMETERS = ("json_schema", "choice")  # gpt parameters given as JSON text (a string), or over REST as JSON
 Tensor = tuple[str, str, np.ndarray]  # name, datatype, array
 Tensors = dict[str, np.ndarray]
 

@@ -119,7 +119,8 @@ class ConstrainedFields(BaseModel):
             sent.append(("response_format", JSON_OBJECT, None))
         elif isinstance(form, JSONSchemaFormat):
             schema = form.json_schema.schema_
-            sent.append(("response_format.json_schema.schema", JSON_SCHEMA, dict(ANY_JSON) if schema is None else schema))
+            sent.append(("response_format.json_schema.schema", JSON_SCHEMA,
+                         dict(ANY_JSON) if schema is None else schema))
         if self.structured_outputs is not None:
             sent += self.structured_outputs.sent("structured_outputs")
         for name, kind in (("guided_json", JSON_SCHEMA), ("guided_regex", REGEX), ("guided_choice", CHOICE),
