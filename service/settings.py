@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     # the calibration timings, kept between starts ("" = none kept: every start measures)
     calibration_cache: str = str(Path("~/.cache/tserve/calibration.json"))
 
+    # automatic prefix caching for the GPT (service.engines.prefix_cache): prompt K/V kept in blocks of 16 tokens, so
+    # that a prompt starting like an earlier one computes only the rest; the same outputs either way
+    prefix_cache: bool = True
+    prefix_cache_mb: int = Field(256, ge=1)  # its memory per loaded GPT version, least recently used evicted
+
     # iteration-level batching for the text models: rows (beams count as rows) decoded together per step
     translation_max_batch_rows: int = Field(64, ge=1)
     gpt_max_batch_rows: int = Field(64, ge=1)

@@ -17,6 +17,7 @@ Design notes: docs/architecture.md, service/engines/gpt.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -29,11 +30,23 @@ from service.engines.device_ops import past_dtype
 from service.engines.iobinding import HostTransfers, host_bytes, run_bound, step_runners
 from service.engines.kv_cache import KVCache
 from service.engines.kv_quantization import load_scales, quantize
+from service.engines.prefix_cache import BLOCK_TOKENS, PrefixCache
+from service.engines.prefix_pass import prefill_with_cache, suffix_exact
 from service.engines.runtime import (EngineCalls, OneThreadSession, RuntimeOptions, active_provider, create_session,
                                      device_ops_for)
 from service.engines.vocabulary import check_vocabulary, graphs_of
 from service.engines.weights import changes_step_attention, quantizes_kv_cache
 from service.repository import TOKENIZER_FILE, ModelVersion
+
+
+class PromptResult(NamedTuple):
+    """A prompt pass: next-token logits (rows, V), the cache, the logits at every position of the rows asked for,
+    and how many of each prompt's tokens a prefix cache held."""
+
+    logits: np.ndarray
+    cache: KVCache | DeviceKVCache
+    every: dict[int, np.ndarray]
+    cached_tokens: list[int]
 
 
 class GPTEngine:
@@ -75,8 +88,25 @@ class GPTEngine:
         check_vocabulary(self.tokenizer, self.vocab_size, graphs_of(config["files"], self.session, self._in_place),
                          {"eos_id": self.eos_id})
         self.scores_prompts = returns_every_position(self.session)
+        self.prefix_cache, self.prefix_caching = self._prefix_cache(options.prefix_cache_bytes)
         # output constraints over this tokenizer (`service.decoding.constraints`), compiled once each
         self.constraints = ConstraintCompiler(model.path / TOKENIZER_FILE, self.vocab_size, [self.eos_id])
+
+    def _prefix_cache(self, budget: int) -> tuple[PrefixCache | None, dict]:
+        """The prefix cache (`service.engines.prefix_cache`) and its report for `/v1/models`: none when `budget`
+        is 0, for a cache on the device (not built there yet), for a graph that returns the last position only,
+        or when this host's suffix pass differs from the whole prompt's (`suffix_exact`)."""
+        report = {"enabled": False, "block_tokens": BLOCK_TOKENS, "budget_bytes": budget}
+        if budget <= 0:
+            return None, {**report, "reason": "turned off (TSERVE_PREFIX_CACHE)"}
+        if self._ops is not None:
+            return None, {**report, "reason": "not built for a KV cache on the device yet"}
+        if not self.scores_prompts:
+            return None, {**report, "reason": "the decoder graph returns the last position's logits only"}
+        differs = suffix_exact(self._prompt_pass, self.vocab_size, self.context_length)
+        if differs is not None:
+            return None, {**report, "reason": differs}
+        return PrefixCache(budget), {**report, "enabled": True}
 
     def _empty_cache(self, rows: int) -> KVCache | DeviceKVCache:
         if self._ops is None:
@@ -114,7 +144,7 @@ class GPTEngine:
         """Run the prompts (right-padded to a common length: each row's tokens from slot 0, where they are alone,
         so that its logits do not depend on the batch, `service.engines.kv_cache`) -> logits at each prompt's last token
         (B, V) and the cache holding the prompts."""
-        last, cache, _ = self.prefill_positions(prompts, ())
+        last, cache, _, _ = self.prefill_cached(prompts, ())
         return last, cache
 
     def prefill_positions(self, prompts: Sequence[Sequence[int]], rows: Collection[int]
@@ -122,30 +152,60 @@ class GPTEngine:
         """`prefill`, and for the prompts `rows` (indices into `prompts`) the logits at every one of their
         positions, row -> (len(prompt), V) float32: position t's are those of the token after prompt[: t + 1].
         Same pass, same numbers: the other rows pay nothing."""
+        last, cache, every, _ = self.prefill_cached(prompts, rows)
+        return last, cache, every
+
+    def prefill_cached(self, prompts: Sequence[Sequence[int]], rows: Collection[int] = ()) -> PromptResult:
+        """`prefill_positions`, each prompt starting from its longest cached prefix when the engine keeps a prefix
+        cache (`service.engines.prefix_pass`: the same numbers as without), and how many of each prompt's tokens
+        came from it."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         longest = max(len(p) for p in prompts)
         if longest > self.context_length:
             raise ValueError(f"prompt of {longest} tokens exceeds the context length {self.context_length}")
-        B = len(prompts)
-        lengths = np.array([len(p) for p in prompts], np.int64)
-        ids = np.full((B, longest), self.pad_id, np.int64)
-        mask = (np.arange(longest) < lengths[:, None]).astype(np.int64)
-        positions = np.where(mask == 1, np.arange(longest), 0)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = prompt
-        cache = self._empty_cache(B)
-        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions, schema.ATTENTION_MASK: mask}
-        with self._prompt_one_thread.call(ids.size, self.session) as session:
-            logits, presents = self._pass(session, cache, feeds)  # (B, T, V)
+        if self.prefix_cache is not None:
+            done = prefill_with_cache(prompts, rows, self._prompt_pass, self.prefix_cache)
+            last, presents, mask, lengths, every, cached = (done.last, done.presents, done.mask, done.lengths,
+                                                            done.every, done.cached_tokens)
+        else:
+            logits, presents = self._prompt_pass(prompts)  # (B, T, V)
+            lengths = np.array([len(p) for p in prompts], np.int64)
+            mask = (np.arange(longest) < lengths[:, None]).astype(np.int64)
+            every = {row: logits[row, : lengths[row]].copy() for row in rows}
+            last, cached = logits[np.arange(len(prompts)), lengths - 1], [0] * len(prompts)
         if self.kv_scales is not None:
             presents = quantize(presents, self.kv_scales)
+        cache = self._empty_cache(len(prompts))
         cache.append(presents, mask, lengths)
+        return PromptResult(last, cache, every, cached)
+
+    def _prompt_pass(self, prompts: Sequence[Sequence[int]], past: list[np.ndarray] | None = None
+                     ) -> tuple[np.ndarray, list]:
+        """One pass of the prompt graph over `prompts`, right-padded, after `past` (flat K/V of as many slots for
+        every row, positions 0 onwards; None: from the start) -> logits at every new position (rows, longest, V)
+        and the presents (past and new slots)."""
+        rows, longest = len(prompts), max(len(p) for p in prompts)
+        start = 0 if past is None else past[0].shape[2]
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        ids = np.full((rows, longest), self.pad_id, np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = prompt
+        new_mask = (np.arange(longest) < lengths[:, None]).astype(np.int64)
+        positions = np.where(new_mask == 1, start + np.arange(longest), 0)
+        if past is None:
+            cache = self._empty_cache(rows)
+        else:
+            cache = KVCache(list(past[0::2]), list(past[1::2]), np.ones((rows, start), np.int64),
+                            np.full(rows, start, np.int64))
+        feeds = {schema.INPUT_IDS: ids, schema.POSITION_IDS: positions,
+                 schema.ATTENTION_MASK: np.concatenate([cache.mask, new_mask], axis=1)}
+        with self._prompt_one_thread.call(ids.size, self.session) as session:
+            logits, presents = self._pass(session, cache, feeds)
         if logits.shape[1] != longest:  # right-padded rows end at different positions: each needs its own
             raise ValueError(f"the decoder graph returned logits for {logits.shape[1]} of the {longest} prompt "
                              "positions: it cannot score prompts nor end right-padded ones")
-        every = {row: logits[row, : lengths[row]].copy() for row in rows}
-        return logits[np.arange(B), lengths - 1], cache, every
+        return logits, presents
 
     def step(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
         """Append one token per row (R,) and return the next-token logits (R, V)."""

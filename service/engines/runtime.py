@@ -53,6 +53,9 @@ class RuntimeOptions:
     # the sibling projections (MatMuls reading one input: Q/K/V) run as one MatMul
     # (`service.engines.projection_fusion`); the same outputs bit for bit, fewer kernel calls
     fuse_projections: bool = True
+    # the GPT's prompt K/V kept for prompts that start alike (`service.engines.prefix_cache`), in at most this
+    # many bytes; 0 = none
+    prefix_cache_bytes: int = 0
     # ONNX Runtime's node profiler on every session, its JSON written under this path prefix when a session's
     # `end_profiling()` is called (bench/profile_gpt.py); None = off, as a server runs
     profile_prefix: str | None = None

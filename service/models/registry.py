@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.engines.prefix_cache import MIB
 from service.engines.runtime import RuntimeOptions
 from service.errors import NotFound, Unavailable
 from service.models.calibration import CalibrationCache
@@ -82,7 +83,8 @@ def runtime_options(s: Settings, kind) -> RuntimeOptions:
     single_thread_rows = kind.single_thread_rows if s.single_thread_rows is None else s.single_thread_rows
     return RuntimeOptions(device=s.device, intra_op_threads=s.intra_op_threads, spin=s.ort_spin,
                           single_thread_rows=single_thread_rows, one_thread_when_concurrent=s.decoding_workers > 1,
-                          fuse_projections=s.fuse_projections, kv_residence=s.kv_residence)
+                          fuse_projections=s.fuse_projections, kv_residence=s.kv_residence,
+                          prefix_cache_bytes=s.prefix_cache_mb * MIB if s.prefix_cache else 0)
 
 
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
@@ -159,8 +161,13 @@ class ModelRegistry:
                    **choice.report()}
         if hasattr(engine, "kv_residence"):  # the decoders': where their KV caches live ("device" or "host")
             variant["kv_residence"] = engine.kv_residence
+        details = {"reason": choice.reason, "not_offered": choice.not_offered}
+        if hasattr(engine, "prefix_caching"):  # the GPT's (`service.engines.prefix_cache`): on or off, and why
+            variant["prefix_cache"] = "on" if engine.prefix_caching["enabled"] else "off"
+            details["prefix_caching"] = {key: str(value).lower() if isinstance(value, bool) else str(value)
+                                         for key, value in engine.prefix_caching.items()}
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds,
-                             {**variant, "reason": choice.reason, "not_offered": choice.not_offered})
+                             {**variant, **details})
         previous = self.loaded.get((model.name, model.version))
         self.loaded[(model.name, model.version)] = loaded
         self.active[model.name] = model.version

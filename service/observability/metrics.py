@@ -52,6 +52,19 @@ class Metrics:
             "tserve_generated_tokens", "Tokens generated (every row of a beam search counts).",
             ["model", "version", "mode"], registry=r)
         self.images = Counter("tserve_images", "Images classified.", ["model", "version"], registry=r)
+        # automatic prefix caching (service.engines.prefix_cache), vLLM's prefix_cache_queries / _hits, in tokens
+        self.prefix_cache_queries = Counter(
+            "tserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model", "version"],
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "tserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
+            ["model", "version"], registry=r)
+        self.prefix_cache_evictions = Counter(
+            "tserve_prefix_cache_evictions", "Prefix cache blocks evicted (least recently used, over the budget).",
+            ["model", "version"], registry=r)
+        self.prefix_cache_bytes = Gauge(
+            "tserve_prefix_cache_bytes", "Bytes the prefix cache holds (K/V and logits of its blocks).",
+            ["model", "version"], registry=r)
         self.constrained_requests = Counter(
             "tserve_constrained_requests", "Requests whose output is constrained, by kind (json_schema, json_object, "
             "regex, choice, grammar).", ["model", "version", "kind"], registry=r)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 from service.errors import ServiceError
 from service.observability.metrics import Metrics
 from service.scheduling.jobs import Generation, TextJob
+from service.scheduling.prefix_metrics import PrefixCacheMetrics
 from service.scheduling.queueing import IDLE_WAIT_S, QueuedScheduler, fail, settle
 from service.scheduling.text_batch import DecodingBackend, TextBatch
 
@@ -80,6 +81,7 @@ class ContinuousBatcher(QueuedScheduler):
         self._batch_seconds = metrics.batch_seconds.labels(**self.labels)
         self._last_batch = metrics.last_batch.labels(**self.labels)
         self._prompt_tokens = metrics.prompt_tokens.labels(**self.labels)
+        self._prefix_cache = PrefixCacheMetrics.of(backend, metrics, self.labels)
         self._by_mode: dict[str, _ModeMetrics] = {}
 
     def _in_flight(self) -> list[TextJob]:
@@ -186,6 +188,8 @@ class ContinuousBatcher(QueuedScheduler):
         for job in admitted:
             self._of_mode(job.mode).queue_wait.observe(started - job.arrived)
             self._prompt_tokens.inc(len(job.input_ids))
+        if self._prefix_cache is not None:
+            self._prefix_cache.observe(admitted)
         joined = self._deliver(lane, generations, time.monotonic())
         newcomers.filter(joined)
         try:  # compaction (dropping dead rows) and the newcomers' join, in the batch's buffers when they have room

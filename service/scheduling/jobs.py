@@ -58,7 +58,8 @@ class TextJob:
     search records them (else None); `future` resolves to the search's
     hypotheses, best first. `rows` is the most batch rows it holds (its beam width): what admission reserves.
     `prompt_logprobs`: score the prompt too, with this many top alternatives per token (None: not scored, no
-    cost); the batch sets `prompt_scores` from the prompt pass before the job's first tokens are delivered."""
+    cost); the batch sets `prompt_scores` (and `cached_tokens`) from the prompt pass before the job's first tokens
+    are delivered."""
 
     input_ids: list[int]
     search: Search  # its decoding parameters and state: stepped by the batch (`TextBatch`) alone
@@ -71,6 +72,7 @@ class TextJob:
     phases: TextPhases = field(default_factory=TextPhases)
     prompt_logprobs: int | None = None
     prompt_scores: PromptLogprobs | None = field(default=None, init=False)
+    cached_tokens: int = field(default=0, init=False)  # prompt tokens its prompt pass found in a prefix cache
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:

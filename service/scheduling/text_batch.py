@@ -35,7 +35,9 @@ class DecodingBackend(Protocol):
     def prefill(self, inputs: Sequence[Sequence[int]]) -> tuple[np.ndarray, Any]: ...
 
     # A backend that can score prompts (the GPT) also has `prefill_positions(inputs, rows) -> (logits, state,
-    # {row: logits at every position of inputs[row]})`, the same pass; the batch calls it only for such jobs.
+    # {row: logits at every position of inputs[row]})`, the same pass; the batch calls it only for such jobs. One
+    # with a prefix cache has `prefill_cached(inputs, rows)`, which adds each prompt's cached tokens, and is called
+    # instead of both.
     # A backend whose graphs compute each row's most likely tokens (the translator) sets `returns_row_candidates`:
     # its `prefill` and `step` take `candidates=` (`service.decoding.row_candidates`) and return `StepLogits`.
 
@@ -72,7 +74,13 @@ class TextBatch:
         newcomer; the caller filters out those whose generation is done or an error. Raises if the pass fails."""
         inputs = [job.input_ids for job in jobs]
         scored = [row for row, job in enumerate(jobs) if job.prompt_logprobs is not None]
-        if scored:
+        if hasattr(backend, "prefill_cached"):  # the GPT: from cached prefixes, counted per job
+            logits, state, every, cached = backend.prefill_cached(inputs, scored)
+            for job, tokens in zip(jobs, cached):
+                job.cached_tokens = tokens
+            for row in scored:
+                jobs[row].prompt_scores = score_prompt(inputs[row], every[row], jobs[row].prompt_logprobs)
+        elif scored:
             logits, state, every = backend.prefill_positions(inputs, scored)
             for row in scored:
                 jobs[row].prompt_scores = score_prompt(inputs[row], every[row], jobs[row].prompt_logprobs)

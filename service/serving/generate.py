@@ -183,7 +183,7 @@ async def generate(request: Caller, loaded: LoadedModel, prompts: Sequence[list[
     out, i = [], 0
     for prompt, group in zip(prompts, per_prompt):
         scores = group[0].prompt_scores
-        completions = [completion_from(h, decode, params.stop, len(prompt), scores)
+        completions = [completion_from(h, decode, params.stop, len(prompt), scores, group[0].cached_tokens)
                        for hypotheses in results[i : i + len(group)] for h in hypotheses]
         i += len(group)
         if params.max_new_tokens == 0:  # scored once: every choice is the same
@@ -209,6 +209,8 @@ def stream(loaded: LoadedModel, prompts: Sequence[list[int]], params: Generation
     texts = [IncrementalText(tokenizer, params.stop) for _ in jobs]
 
     def complete(choice: int, hypothesis) -> Completion:
-        return completion_from(hypothesis, tokenizer.decode, params.stop, len(jobs[choice].input_ids))
+        first = jobs[choice - choice % n]  # its prompt's first choice: the prompt's cached tokens (`usage`)
+        return completion_from(hypothesis, tokenizer.decode, params.stop, len(first.input_ids), None,
+                               first.cached_tokens)
 
     return stream_jobs(loaded, jobs, texts, complete)

@@ -20,6 +20,7 @@ class Completion:
     prompt_tokens: int
     logprobs: list | None = None  # TokenLogprob per token of `token_ids`, when asked for
     prompt_logprobs: PromptLogprobs | None = None  # of the prompt's tokens after the first, when asked for
+    cached_tokens: int = 0  # of its prompt's tokens, those a prefix cache held (`TextJob.cached_tokens`)
 
     @property
     def completion_tokens(self) -> int:
@@ -32,10 +33,11 @@ class Completion:
 
 
 def completion_from(hypothesis: Hypothesis, decode: Callable[[list[int]], str], stops: Sequence[str],
-                    prompt_tokens: int, prompt_logprobs: PromptLogprobs | None = None) -> Completion:
+                    prompt_tokens: int, prompt_logprobs: PromptLogprobs | None = None, cached_tokens: int = 0
+                    ) -> Completion:
     """A finished hypothesis as a completion: its text cut before the first stop string (finish_reason "stop").
     The tokens (and log-probabilities) are every token generated, the stop string's included: what was computed
     and is counted as usage."""
     text, hit = truncate_at_stop(decode(hypothesis.tokens), stops)
     return Completion(text, list(hypothesis.tokens), "stop" if hit else hypothesis.finish_reason, hypothesis.score,
-                      prompt_tokens, hypothesis.logprobs, prompt_logprobs)
+                      prompt_tokens, hypothesis.logprobs, prompt_logprobs, cached_tokens)

@@ -39,10 +39,14 @@ def finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def usage(completions: Sequence[Completion], prompt_tokens: int) -> dict:
-    """OpenAI's usage: the prompts' tokens (once, whatever n is) and every choice's generated tokens."""
+def usage(completions: Sequence[Completion], prompt_tokens: int, n: int = 1) -> dict:
+    """OpenAI's usage: the prompts' tokens (once, whatever n is), every choice's generated tokens, and in
+    `prompt_tokens_details.cached_tokens` the prompts' tokens that a prefix cache held (every choice of a prompt
+    carries its prompt's: their sum over n)."""
     generated = sum(c.completion_tokens for c in completions)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+    cached = sum(c.cached_tokens for c in completions) // max(1, n)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # --- token texts and log-probabilities ------------------------------------------------------------------------
@@ -225,7 +229,7 @@ class _Render:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     def _response(self, choices: list[dict], completions: Sequence[Completion]) -> dict:
-        return {**self._object(self.OBJECT, choices), "usage": usage(completions, self.prompt_tokens)}
+        return {**self._object(self.OBJECT, choices), "usage": usage(completions, self.prompt_tokens, self.n)}
 
     def _chunk(self, choices: list[dict]) -> dict:
         out = self._object(self.CHUNK_OBJECT, choices)
@@ -244,7 +248,7 @@ class _Render:
                 self.finished.append(d.completion)
             return self._delta(d)
 
-        usage_of = (lambda: usage(self.finished, self.prompt_tokens)) if self.include_usage else None
+        usage_of = (lambda: usage(self.finished, self.prompt_tokens, self.n)) if self.include_usage else None
         return event_stream(request, events, self._chunk, delta, usage_of, self._first())
 
 

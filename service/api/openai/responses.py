@@ -9,10 +9,16 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(..., description="Prompt tokens whose keys and values came from the prefix cache "
+                               "(not computed again); the output is the same either way.")
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -104,7 +110,8 @@ class OpenAIModel(BaseModel):
         "(the variants the version offers on its provider, comma-separated), `not_offered` (each other variant: "
         "why not, on this provider), `chosen_by` (pinned, only variant, measured, cached measurement) and "
         "`reason`; `attention` (plain, mha) and, for the text models, `kv_cache` (concat, inplace), as its "
-        "config.json says; null when no version is loaded.")
+        "config.json says; for the GPT `prefix_cache` (on, off) and `prefix_caching` (`enabled`, `block_tokens`, "
+        "`budget_bytes`, and `reason` when off); null when no version is loaded.")
     ready: bool
 
 

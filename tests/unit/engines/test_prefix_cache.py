@@ -1,0 +1,165 @@
+"""Automatic prefix caching (`service.engines.prefix_cache`, `service.engines.prefix_pass`): the block store's keys,
+budget and eviction order; and on the released GPT, in the variants the service runs, a prompt pass that starts
+from cached blocks gives the same numbers as one without a cache, bit for bit: next-token logits, the logits at
+every prompt position (prompt log-probabilities), the K/V of every prompt slot, and the decoding steps after it,
+for batches mixing hits of several lengths and misses. A host whose suffix pass differs keeps no cache and says why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.engines.gpt import GPTEngine
+from service.engines.prefix_cache import BLOCK_TOKENS, MIN_SUFFIX_TOKENS, PrefixCache, usable_tokens
+from service.engines.prefix_pass import suffix_exact
+from service.engines.runtime import RuntimeOptions
+from service.repository import ModelRepository
+from tests.support import ROOT
+
+RELEASE_REPOSITORY = ROOT / "model_repository"
+LAYERS, HEADS, HEAD_DIM, VOCAB = 2, 3, 4, 5
+BUDGET = 64 << 20
+STEPS = 6
+SHAKESPEARE = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:\n"
+               "You are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\nFirst Citizen:\n"
+               "First, you know Caius Marcius is chief enemy to the people.\n")
+TAILS = ["ROMEO:\nWhat light", "O", "KING", "MENENIUS:\nWhy, masters, my good friends,", "", "All:\nWe know't."]
+
+
+def _pass(rows: int, slots: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """A fake prompt pass's presents (flat, (rows, heads, slots, head_dim)) and one row's logits (slots, V)."""
+    rng = np.random.default_rng(seed)
+    kv = [rng.standard_normal((rows, HEADS, slots, HEAD_DIM)).astype(np.float32) for _ in range(2 * LAYERS)]
+    return kv, rng.standard_normal((slots, VOCAB)).astype(np.float32)
+
+
+def _block_bytes() -> int:
+    return (2 * LAYERS * HEADS * HEAD_DIM + VOCAB) * BLOCK_TOKENS * 4
+
+
+def test_a_hit_covers_whole_blocks_and_leaves_at_least_two_tokens_to_compute():
+    assert [usable_tokens(n) for n in (0, 1, 17, 18, 33, 34, 35, 50)] == [0, 0, 0, 16, 16, 32, 32, 48]
+    assert all(n - usable_tokens(n) >= MIN_SUFFIX_TOKENS for n in range(2, 300))
+
+
+def test_blocks_are_found_by_their_tokens_and_every_token_before_them():
+    cache = PrefixCache(BUDGET)
+    prompt = list(range(3 * BLOCK_TOKENS + 5))
+    kv, logits = _pass(1, len(prompt), seed=0)
+    cache.insert(prompt, kv, logits, row=0)
+    assert len(cache) == 3 and cache.stats.bytes == 3 * _block_bytes()
+    chain = cache.match(prompt)
+    assert len(chain) == 3
+    np.testing.assert_array_equal(chain[1].kv, np.stack([k[0, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS] for k in kv]))
+    np.testing.assert_array_equal(chain[2].logits, logits[2 * BLOCK_TOKENS : 3 * BLOCK_TOKENS])
+    # the same second block after another first one is another block: not found
+    other = [99, *prompt[1:]]
+    assert cache.match(other) == []
+    # a prompt that ends inside the third block (or leaves fewer than two tokens after it) hits two
+    assert len(cache.match(prompt[: 3 * BLOCK_TOKENS + 1])) == 2
+    assert len(cache.match(prompt[: 3 * BLOCK_TOKENS + 2])) == 3
+    assert cache.stats.queried_tokens == 2 * len(prompt) + 2 * 3 * BLOCK_TOKENS + 3
+    assert cache.stats.hit_tokens == (3 + 2 + 3) * BLOCK_TOKENS
+
+
+def test_inserting_after_a_hit_takes_the_pass_logits_from_the_hits_end():
+    cache = PrefixCache(BUDGET)
+    prompt = list(range(2 * BLOCK_TOKENS + 3))
+    kv, logits = _pass(1, len(prompt), seed=1)
+    cache.insert(prompt[:BLOCK_TOKENS + 3], kv, logits, row=0)
+    known = cache.match(prompt)
+    assert len(known) == 1
+    # the pass over the rest: its logits start at position BLOCK_TOKENS; its presents hold every slot
+    cache.insert(prompt, kv, logits[BLOCK_TOKENS:], row=0, start_block=1, known=known)
+    second = cache.match(prompt + [0])[1]
+    np.testing.assert_array_equal(second.logits, logits[BLOCK_TOKENS : 2 * BLOCK_TOKENS])
+    np.testing.assert_array_equal(second.kv[0], kv[0][0, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS])
+
+
+def test_the_budget_evicts_the_least_recently_used_leaves_first():
+    cache = PrefixCache(4 * _block_bytes())
+    first = list(range(3 * BLOCK_TOKENS))
+    second = [1000 + t for t in range(2 * BLOCK_TOKENS)]
+    cache.insert(first, *_pass(1, len(first), seed=2), row=0)
+    cache.insert(second, *_pass(1, len(second), seed=3), row=0)  # 5 blocks > 4: first's last block goes
+    assert cache.stats.evicted_blocks == 1 and len(cache) == 4 and cache.stats.bytes == 4 * _block_bytes()
+    assert len(cache.match(first + [0, 0])) == 2
+    # first's two blocks are now the most recent: a new block evicts second's leaf, then its root
+    third = [2000 + t for t in range(2 * BLOCK_TOKENS)]
+    cache.insert(third, *_pass(1, len(third), seed=4), row=0)
+    assert len(cache.match(second + [0, 0])) == 0
+    assert len(cache.match(first + [0, 0])) == 2 and len(cache.match(third + [0, 0])) == 2
+    cache.clear()
+    assert len(cache) == 0 and cache.stats.bytes == 0 and cache.stats.evicted_blocks == 3 + 4
+    with pytest.raises(ValueError, match="positive budget"):
+        PrefixCache(0)
+
+
+@pytest.fixture(scope="module")
+def released():
+    return ModelRepository(RELEASE_REPOSITORY).get("gpt")
+
+
+def _prompts(engine: GPTEngine, rng: np.random.Generator, batch: int) -> list[list[int]]:
+    """Prompts that share prefixes of every length with each other (and with earlier batches), and some that
+    share none."""
+    shared = engine.tokenizer.encode(SHAKESPEARE).ids
+    prompts = []
+    for _ in range(batch):
+        tail = engine.tokenizer.encode(TAILS[int(rng.integers(len(TAILS)))]).ids
+        head = shared[: int(rng.integers(len(shared)))] if rng.random() < 0.8 else []
+        prompts.append(((head + tail) or [int(rng.integers(1, 200))])[: engine.context_length - STEPS])
+    return prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [None, "fp32", "fp32+gqa+kv8"])
+def test_a_prompt_pass_from_cached_blocks_gives_the_numbers_of_one_without(released, variant):
+    on = GPTEngine(released, RuntimeOptions(weights=variant, prefix_cache_bytes=BUDGET))
+    off = GPTEngine(released, RuntimeOptions(weights=variant))
+    assert on.prefix_caching["enabled"] and off.prefix_cache is None
+    assert off.prefix_caching["reason"] == "turned off (TSERVE_PREFIX_CACHE)"
+    rng = np.random.default_rng(55)
+    hit_rows = 0
+    for _ in range(12):
+        prompts = _prompts(on, rng, int(rng.integers(1, 6)))
+        rows = range(len(prompts))
+        got, want = on.prefill_cached(prompts, rows), off.prefill_cached(prompts, rows)
+        assert want.cached_tokens == [0] * len(prompts)
+        assert all(c == 0 or (c % BLOCK_TOKENS == 0 and len(p) - c >= MIN_SUFFIX_TOKENS)
+                   for c, p in zip(got.cached_tokens, prompts))
+        hit_rows += sum(c > 0 for c in got.cached_tokens)
+        np.testing.assert_array_equal(got.logits, want.logits)
+        for row in rows:
+            np.testing.assert_array_equal(got.every[row], want.every[row])
+        a, b = got.cache, want.cache
+        np.testing.assert_array_equal(a.mask, b.mask)
+        np.testing.assert_array_equal(a.positions, b.positions)
+        for row, prompt in enumerate(prompts):
+            for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
+                np.testing.assert_array_equal(x[row, :, : len(prompt)], y[row, :, : len(prompt)])
+        tokens = got.logits.argmax(-1)
+        for _ in range(STEPS):
+            stepped, reference = on.step(a, tokens), off.step(b, tokens)
+            np.testing.assert_array_equal(stepped, reference)
+            tokens = reference.argmax(-1)
+    assert hit_rows >= 10, "the prompts were meant to hit"
+    assert 0 < on.prefix_cache.stats.bytes <= BUDGET
+
+
+def test_a_host_whose_suffix_pass_differs_keeps_no_cache(released, monkeypatch):
+    engine = GPTEngine(released, RuntimeOptions(prefix_cache_bytes=BUDGET))
+    assert suffix_exact(engine._prompt_pass, engine.vocab_size, engine.context_length) is None
+
+    def drifting(prompts, past=None):  # a pass after cached K/V that rounds differently
+        logits, presents = engine._prompt_pass(prompts, past)
+        return (logits if past is None else logits + np.float32(1e-6)), presents
+
+    reason = suffix_exact(drifting, engine.vocab_size, engine.context_length)
+    assert reason is not None and "suffix" in reason and "differs" in reason
+    monkeypatch.setattr("service.engines.gpt.suffix_exact", lambda *args: reason)
+    off = GPTEngine(released, RuntimeOptions(prefix_cache_bytes=BUDGET))
+    assert off.prefix_cache is None and off.prefix_caching == {
+        "enabled": False, "block_tokens": BLOCK_TOKENS, "budget_bytes": BUDGET, "reason": reason}
+    assert off.prefill_cached([list(range(1, 40))]).cached_tokens == [0]
