@@ -2,7 +2,8 @@
 bit for bit, for every version whose decoder steps in place (`service.engines.kv_cache`: every row's slots from 0, so no
 masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny GPT
 converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV); the GPTs' logits
-also in their `+gqa` variants (GroupQueryAttention steps).
+also in their `+gqa` variants (GroupQueryAttention steps); and with prompts that start from cached prefixes
+(`service.engines.prefix_cache`): the same outputs with the cache on and off, on a miss, a hit and among others.
 
 The released translator steps by concatenation (the in-place option costs it 4-13% of its throughput, docs/export.md);
 its weights with the in-place step graph are checked per step here. Versions that step by concatenation are not
@@ -171,3 +172,42 @@ def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(v
     alone, batched = _logits_alone_and_batched(engine, prompts, steps=12)
     for prompt, (a, b) in enumerate(zip(alone, batched)):
         np.testing.assert_array_equal(a, b, err_msg=f"prompt {prompt}: {GPT_PROMPTS[prompt]!r}")
+
+
+SHARED_PREFIX = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+
+
+def test_the_released_gpt_decodes_the_same_with_its_prefix_cache_on_and_off_hit_or_miss(serving):
+    """The golden outputs with cached prefixes: a cache-off server's alone, against a cache-on server's first
+    request (a miss), its repeat (a hit) and among others that share the prefix."""
+    targets = {mode: {**body, "prompt": SHARED_PREFIX + body["prompt"]} for mode, body in GPT_TARGETS.items()}
+    targets.update({f"completions {mode}": {**body, "prompt": SHARED_PREFIX + body["prompt"]}
+                    for mode, body in COMPLETIONS.items()})
+    with serving(Settings(repository=RELEASE_REPOSITORY, models=["gpt"], max_new_tokens=64,
+                          prefix_cache=False)) as client:
+        reference = {mode: alone_and_among_others(client, "gpt", target)[0] for mode, target in targets.items()}
+    with serving(Settings(repository=RELEASE_REPOSITORY, models=["gpt"], max_new_tokens=64)) as client:
+        for mode, target in targets.items():
+            miss, together = alone_and_among_others(client, "gpt", target)
+            hit, _ = alone_and_among_others(client, "gpt", target)
+            assert [miss, hit, *together] == [reference[mode]] * (2 + len(together)), mode
+
+
+@pytest.mark.parametrize("variant", [None, "fp32+gqa+kv8"])
+def test_a_rows_logits_are_bit_identical_from_cached_prefixes_alone_and_in_a_batch_that_others_join(variant):
+    """`_logits_alone_and_batched` on an engine with a prefix cache (the alone runs fill it, the batch's prefills
+    hit it), against the same engine without one."""
+    from service.engines.gpt import GPTEngine
+    from service.engines.runtime import RuntimeOptions
+
+    model = ModelRepository(RELEASE_REPOSITORY).get("gpt")
+    cached = GPTEngine(model, RuntimeOptions(weights=variant, prefix_cache_bytes=64 << 20))
+    plain = GPTEngine(model, RuntimeOptions(weights=variant))
+    prompts = [cached.tokenizer.encode(SHARED_PREFIX + text).ids[: cached.context_length // 2]
+               for text in GPT_PROMPTS]
+    reference, _ = _logits_alone_and_batched(plain, prompts, steps=12)
+    alone, batched = _logits_alone_and_batched(cached, prompts, steps=12)
+    assert cached.prefix_cache.stats.hit_tokens > 0
+    for prompt, (r, a, b) in enumerate(zip(reference, alone, batched)):
+        np.testing.assert_array_equal(r, a, err_msg=f"prompt {prompt} alone")
+        np.testing.assert_array_equal(r, b, err_msg=f"prompt {prompt} batched")
