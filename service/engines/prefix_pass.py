@@ -65,8 +65,8 @@ def prefill_with_cache(prompts: Sequence[Sequence[int]], rows: Collection[int], 
                 every[row] = np.concatenate([logits_of(chains[row]), computed]) if blocks else computed.copy()
             cache.insert(prompts[row], presents, computed, index, start_block=blocks, known=chains[row])
         parts.append((members, presents))
-    if len(parts) == 1 and parts[0][0] == list(range(len(prompts))):
-        presents = parts[0][1]  # one pass in the prompts' order: its presents as they are
+    if len(parts) == 1:
+        presents = parts[0][1]  # one pass (over every row, in order): its presents as they are
     else:
         presents = _laid_out(parts, len(prompts), int(lengths.max()))
     mask = (np.arange(presents[0].shape[2]) < lengths[:, None]).astype(np.int64)

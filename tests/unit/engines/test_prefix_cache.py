@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from service.engines.gpt import GPTEngine
-from service.engines.prefix_cache import BLOCK_TOKENS, MIN_SUFFIX_TOKENS, PrefixCache, usable_tokens
+from service.engines.prefix_cache import (BLOCK_TOKENS, MIN_SUFFIX_TOKENS, PrefixCache, logits_of, past_of,
+                                          usable_tokens)
 from service.engines.prefix_pass import suffix_exact
 from service.engines.runtime import RuntimeOptions
 from service.repository import ModelRepository
@@ -94,6 +95,42 @@ def test_the_budget_evicts_the_least_recently_used_leaves_first():
     assert len(cache) == 0 and cache.stats.bytes == 0 and cache.stats.evicted_blocks == 3 + 4
     with pytest.raises(ValueError, match="positive budget"):
         PrefixCache(0)
+    assert len(PrefixCache(1)) == 0
+
+
+def test_a_prompt_inserted_again_adds_nothing_and_any_int_array_finds_its_blocks():
+    cache = PrefixCache(BUDGET)
+    prompt = list(range(2 * BLOCK_TOKENS + 2))
+    cache.insert(prompt, *_pass(1, len(prompt), seed=5), row=0)
+    first = cache.match(prompt)
+    cache.insert(prompt, *_pass(1, len(prompt), seed=6), row=0)
+    assert len(cache) == 2 and cache.stats.bytes == 2 * _block_bytes()
+    assert [b.id for b in cache.match(np.array(prompt, dtype=np.int32))] == [b.id for b in first]
+    np.testing.assert_array_equal(cache.match(prompt)[1].kv, first[1].kv)  # the first pass's, kept
+
+
+def test_a_block_follows_only_its_own_parent():
+    cache = PrefixCache(BUDGET)
+    a, b, x, y = ([t] * BLOCK_TOKENS for t in (1, 2, 3, 4))
+    cache.insert(a + x, *_pass(1, 2 * BLOCK_TOKENS, seed=7), row=0)
+    cache.insert(b + y, *_pass(1, 2 * BLOCK_TOKENS, seed=8), row=0)
+    assert len(cache.match(b + x + [0, 0])) == 1
+    assert len(cache.match(a + x + [0, 0])) == 2
+    assert len({block.id for block in cache.match(a + x + [0, 0]) + cache.match(b + y + [0, 0])}) == 4
+
+
+def test_the_past_of_several_chains_is_each_rows_blocks_in_order():
+    cache = PrefixCache(BUDGET)
+    prompts = [list(range(1, 2 * BLOCK_TOKENS + 3)), list(range(100, 100 + 2 * BLOCK_TOKENS + 3))]
+    kv, logits = _pass(2, 2 * BLOCK_TOKENS + 2, seed=9)
+    for row, prompt in enumerate(prompts):
+        cache.insert(prompt, kv, logits, row=row)
+    past = past_of([cache.match(p) for p in prompts])
+    assert len(past) == 2 * LAYERS
+    for got, want in zip(past, kv):
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        np.testing.assert_array_equal(got, want[:, :, : 2 * BLOCK_TOKENS])
+    np.testing.assert_array_equal(logits_of(cache.match(prompts[0])), logits[: 2 * BLOCK_TOKENS])
 
 
 @pytest.fixture(scope="module")

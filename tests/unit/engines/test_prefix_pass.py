@@ -69,6 +69,9 @@ def test_a_prefill_from_cached_blocks_equals_one_without_a_cache():
         assert all(c % BLOCK_TOKENS == 0 and c <= usable_tokens(len(p)) for p, c in zip(prompts, got.cached_tokens))
         hits |= {c for c in got.cached_tokens if c}
         np.testing.assert_array_equal(got.last, want.last)
+        np.testing.assert_array_equal(got.last, [FakeModel()([p])[0][0, -1] for p in prompts])
+        assert got.last.dtype == np.float32 and got.mask.dtype == got.lengths.dtype == np.int64
+        assert all(p.dtype == np.float32 for p in got.presents)
         assert sorted(got.every) == sorted(want.every) == sorted(rows)
         for row in rows:
             np.testing.assert_array_equal(got.every[row], want.every[row])
@@ -132,8 +135,34 @@ def test_the_load_check_passes_an_exact_pass_and_names_the_suffix_where_one_diff
         return (logits if past is None else np.nextafter(logits, np.inf)), presents
 
     assert "differs" in suffix_exact(logits_drift, VOCAB, CONTEXT)
-    # a context too short for a split is not checked there
-    assert suffix_exact(drifting_after(2), VOCAB, 2 * BLOCK_TOKENS + 7) is None
+
+    def first_row_drift(prompts, past=None):  # the shorter row only
+        logits, presents = exact(prompts, past)
+        if past is not None:
+            logits = logits.copy()
+            logits[0, 0, 0] += 1
+        return logits, presents
+
+    assert "max |difference| 1" in suffix_exact(first_row_drift, VOCAB, CONTEXT)
+    # a context too short for a split is not checked there; one that just fits it is
+    blocks, suffix = CHECK_SPLITS[1]
+    assert suffix_exact(drifting_after(blocks), VOCAB, blocks * BLOCK_TOKENS + suffix) is None
+    assert suffix_exact(drifting_after(blocks), VOCAB, blocks * BLOCK_TOKENS + suffix + 1) is not None
+
+
+def test_the_load_check_runs_real_tokens_of_two_lengths():
+    seen = []
+
+    def recording(prompts, past=None):
+        seen.append([list(p) for p in prompts])
+        return FakeModel()(prompts, past)
+
+    assert suffix_exact(recording, VOCAB, CONTEXT) is None
+    wholes = seen[0::3]
+    assert [[len(p) for p in whole] for whole in wholes] == [
+        [b * BLOCK_TOKENS + s, b * BLOCK_TOKENS + s + 1] for b, s in CHECK_SPLITS]
+    tokens = {t for whole in wholes for p in whole for t in p}
+    assert min(tokens) >= 1 and max(tokens) < VOCAB and len(tokens) > 2
     assert MIN_SUFFIX_TOKENS == CHECK_SPLITS[0][1]
 
 
