@@ -65,12 +65,18 @@ attention over the cache, LayerNorm, GELU, the search and everything else. It is
 a hardware bound: at small batches (8-16 rows) ONNX Runtime's own MatMul kernels (MLAS) can beat it, and the
 fraction then comes out near or above 1.
 
+Prefix-cache task (`prefix`, issue 55; bench/enginebench/prefix.py): our GPT engine as `shipped` runs it, on the
+release shape, the prompt pass of a 200-token shared prefix + 16 tokens at batch 1 with its prefix cache (a hit, and
+a miss: a prefix never seen) and without one -> ms per prompt pass and `prefix hit/miss`, `hit/off`, `miss/off`,
+with the tokens each hit took from the cache and whether the hit's logits equal the cache-off engine's.
+
 Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
     .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, 1-2 minutes once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
+    .venv-bench/bin/python bench/bench_engine.py --tasks prefix   # the prefix cache's prompt pass alone
 Options: --device cpu|cuda (ours and shipped), --threads N, --spin, --single-thread-rows N, --repeats N, --warmup N,
 --sentences N, --gpt-batches 1,16,
---translation-batches 1,16,32, --scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling, --systems
+--translation-batches 1,16,32, --scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling,prefix, --systems
 transformers,optimum,genai,ctranslate2,llama.cpp,ours,shipped, --out PATH, --workdir PATH. A system whose package
 or build is missing (e.g. Optimum in the main venv, llama.cpp before `make llama-cpp`) or that does not apply to a
 task (genai: translation) is reported as skipped, with the reason. The CPU model and its ISA are printed first
@@ -79,7 +85,7 @@ task (genai: translation) is reported as skipped, with the reason. The CPU model
 Code: this file (options, the run); bench/enginebench/: workloads.py (sizes, inputs, thread settings), baselines.py
 (transformers, Optimum, GenAI), ct2.py (CTranslate2 on our weights), llama_cpp.py (llama.cpp on our GPT's weights),
 ours.py (our engine, plain and shipped), systems.py (the systems by task), measure.py (interleaved timing, checks,
-summaries), scaling.py (the scaling table), report.py (printing, environment).
+summaries), scaling.py (the scaling table), prefix.py (the prefix-cache task), report.py (printing, environment).
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ for folder in (PROJECT_ROOT, PROJECT_ROOT / "bench"):  # the project's packages,
 from cpuinfo import describe as describe_cpu  # after the sys.path set-up
 from enginebench.llama_cpp import add_batched_bench
 from enginebench.measure import measure, summarise
+from enginebench.prefix import bench_prefix
 from enginebench.report import environment, print_result, print_table
 from enginebench.scaling import bench_scaling, print_scaling
 from enginebench.systems import SYSTEMS, build_systems
@@ -115,7 +122,7 @@ from enginebench.workloads import GptSpec, Runtime, TranslationSpec, make_prompt
 from service.models.variants import AUTO, parse_pins
 from shipped import served_variants
 
-TASKS = ("gpt", "translation", "scaling")  # scaling: see `enginebench.scaling.bench_scaling`
+TASKS = ("gpt", "translation", "scaling", "prefix")  # scaling, prefix: `enginebench.scaling`, `enginebench.prefix`
 
 
 def bench_gpt(args, systems: list[str]) -> list[dict]:
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="translation batch sizes (default 1,16,32; 1: --sentences one at a time)")
     parser.add_argument("--scaling-batches", default="1,8,16,32,64,128",
                         help="scaling table batch sizes (default 1,8,16,32,64,128)")
-    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling,prefix")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="comma-separated: transformers,optimum,genai,ctranslate2,llama.cpp,ours,shipped (the "
                              "scaling task always runs ours and shipped)")
@@ -245,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if "translation" in tasks:
         results += bench_translation(args, systems)
     scaling = bench_scaling(args) if "scaling" in tasks else None
+    prefix = bench_prefix(args) if "prefix" in tasks else None
     if results:
         print_table(results)
     if scaling is not None:
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                            "gpt_batches": args.gpt_batches,
                            "translation_batches": args.translation_batches, "scaling_batches": args.scaling_batches,
                            "gpt": asdict(GptSpec()), "translation": asdict(TranslationSpec())},
-              "results": results, "scaling": scaling}
+              "results": results, "scaling": scaling, "prefix": prefix}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -28,7 +28,16 @@ What it measures (closed loop: N client tasks, each sends its next request when 
 - constrained (issue 54, bench/httpbench/constrained.py): the gpt case's prompts and streams, each request with a
   bounded 8-property JSON schema (the same one; and at 1 stream a new one per request, compiled before its first
   token), printed as `constrained/unconstrained N streams tokens/s = <ratio>` and the p50 TTFT ratios of a new
-  schema, the cached one and unconstrained.
+  schema, the cached one and unconstrained;
+- issue 55's cases, each on two GPT-only servers started with one setting apart (--server-env below it), printed
+  as ratios with their goals (PASS/MISS) under the CPU: `prefix` (bench/httpbench/prefix.py; TSERVE_PREFIX_CACHE
+  true / false): time to first token of a 200-token shared prefix + 16 tokens, hit / miss at 1 stream (goal <= 0.3),
+  and tokens/s at 32 streams of prompts that share no prefix, cache on / off (goal >= 0.97); `lm-eval`
+  (bench/httpbench/lmeval.py; the same two servers): the requests lm-eval sends for a multiple-choice task (its
+  order, its `/v1/completions` bodies: echo, logprobs) over a larger task of the fixture's shape, replayed one at a
+  time -> wall time cache on / off (goal <= 0.67); `speculation` (bench/httpbench/speculation.py; TSERVE_SPECULATION
+  ngram / off, on the release GPT's trained weights: model_repository unless --repository): greedy tokens/s on / off
+  on copy-heavy prompts at 1 stream (goal >= 1.5), on open continuations at 1 stream (>= 0.95) and 32 (>= 0.98).
 Goals, printed as PASS/MISS: ViT images/s with batching >= 3x without; GPT tokens/s at 32 streams >= 5x the
 baseline's at 32 clients, and >= 4x this service's at 1 stream. A case with any error voids its goal's PASS.
 Per case it also reports the mean batch (rows per decoding step, images per ONNX Runtime call; from /metrics),
@@ -78,16 +87,20 @@ Run (main venv), e.g. as `make bench-http`:
     nice -n 10 .venv/bin/python bench/bench_http.py              # full run (24 s per case), reports/bench_http.json
     nice -n 10 .venv/bin/python bench/bench_http.py --quick --cases gpt,llama-server,translation,ctranslate2
                                                                  # the peers' rows alone, smoke run
+    nice -n 10 .venv/bin/python bench/bench_http.py --quick --cases prefix,lm-eval,speculation
+                                                                 # issue 55's cases alone, smoke run (~1-2 minutes)
 Options: --duration S | --requests N (per case, over all rounds; CTranslate2's: batches), --rounds N, --warmup N,
 --device cpu|cuda, --threads N, --spin, --repository DIR, --data-dir DIR, --max-new-tokens N,
---cases gpt,translation,vit,baseline,grpc,llama-server,ctranslate2,constrained, --gpt-concurrency 1,32,
+--cases gpt,translation,vit,baseline,grpc,llama-server,ctranslate2,constrained,prefix,lm-eval,speculation,
+--gpt-concurrency 1,32,
 --baseline-concurrency 1,32, --translation-concurrency 16, --vit-concurrency 64, --num-beams N,
---translation-tokens N, --server-env KEY=VALUE, --out PATH, --workdir PATH.
+--translation-tokens N, --server-env KEY=VALUE, --speculation-variant VARIANT, --out PATH, --workdir PATH.
 
 Code: this file (options, the run); bench/httpbench/: repository.py (the random-weight models), servers.py (the
 servers, by the shared launcher service.client.launcher, and one running at a time), load.py (the load generator),
 cases.py (workloads and cases), llama_server.py and ct2_offline.py (the C++ peers), constrained.py (the
-constrained case and its ratios), report.py (lines, tables, goals, the peers' ratios).
+constrained case and its ratios), prefix.py, lmeval.py and speculation.py (issue 55's cases) with ab.py (their
+servers, counters and ratios), report.py (lines, tables, goals, the peers' ratios).
 """
 
 from __future__ import annotations
@@ -124,6 +137,7 @@ from httpbench.cases import (
     vit_grpc_workload,
     vit_workload,
 )
+from httpbench import ab, lmeval, prefix, speculation
 from httpbench.constrained import constrained_cases, constrained_ratios, evaluate_constrained, print_constrained
 from httpbench.ct2_offline import ctranslate2_case, ctranslate2_worker
 from httpbench.llama_server import case_name as llama_server_case, llama_server, llama_server_workload
@@ -154,11 +168,13 @@ from service.client.launcher import ServiceProcess
 from shipped import served_variants
 
 
-CASES = ("gpt", "translation", "vit", "baseline", "grpc", "llama-server", "ctranslate2", "constrained")
+CASES = ("gpt", "translation", "vit", "baseline", "grpc", "llama-server", "ctranslate2", "constrained", "prefix",
+         "lm-eval", "speculation")
 PEERS = ("llama-server", "ctranslate2")  # the C++ peers' cases: on the random-weight models only
 # the cases that need the service: the peers' too (their prompts are screened on it, their inputs tokenized by it)
 SERVICE_CASES = ("gpt", "translation", "vit", "grpc", "llama-server", "ctranslate2", "constrained")
 TRANSLATION_SENTENCES = 1014  # Multi30k's validation split, all of it
+RELEASE_REPOSITORY = PROJECT_ROOT / "model_repository"  # the speculation case's trained GPT (unless --repository)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -197,6 +213,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, seconds")
     parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the service (e.g. TSERVE_VIT_MAX_QUEUE_DELAY_MS=2); repeatable")
+    parser.add_argument("--speculation-variant", default=None,
+                        help="the GPT's weights variant on both speculation servers (e.g. int8+gqa+kv8, fp32); "
+                             "default: the host's, less +kv8 (speculation verifies float KV caches only)")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_http.json"))
     parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_http"),
                         help="built models and server logs (default .cache/bench_http)")
@@ -221,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C: stop the servers, report, exit 130
     from models.data import resolve_data_dir
-    from service.repository import ModelRepository
+    from service.repository import TOKENIZER_FILE, ModelRepository
 
     data_dir = resolve_data_dir(args.data_dir)
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if args.spin else "PASSIVE"  # for the export, if it runs
@@ -253,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     for case, kind in (("gpt", "gpt"), ("translation", "translation"), ("vit", "vit"), ("baseline", "gpt"),
                        ("grpc", "gpt"), ("llama-server", "gpt"), ("ctranslate2", "translation"),
-                       ("constrained", "gpt")):
+                       ("constrained", "gpt"), ("prefix", "gpt"), ("lm-eval", "gpt")):
         if case in args.cases and kind not in kinds:
             skipped[case] = f"no {kind} model in {repository}"
     for case in PEERS:
@@ -261,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
             skipped[case] = "the peers run the benchmark's own random-weight models, not --repository's"
     if "ctranslate2" in args.cases and "ctranslate2" not in skipped and not translation_tokens:
         skipped["ctranslate2"] = "CTranslate2 is timed on pinned lengths: --translation-tokens must be > 0"
+    spec_repository = args.repository or RELEASE_REPOSITORY
+    spec_gpt = None
+    if "speculation" in args.cases:
+        spec_repo = ModelRepository(spec_repository)
+        spec_gpt = next((spec_repo.get(name) for name in spec_repo.model_names() if spec_repo.get(name).kind == "gpt"),
+                        None)
+        if spec_gpt is None:
+            skipped["speculation"] = f"no gpt model in {spec_repository}"
     wanted = [c for c in args.cases if c not in skipped]
     max_new_tokens, prompts, gpt_architecture = args.max_new_tokens, [], {}
     if "gpt" in kinds:
@@ -276,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, ServiceProcess] = {}  # and the peers' (llama_cpp.Server, ct2.Worker): a name, pid, signals
     screening: dict | None = None
     constrained: dict | None = None
+    issue55: dict[str, dict] = {}  # per case (prefix, lm-eval, speculation): what was set up, then its ratios
     started = time.perf_counter()
     interrupted = False
     with contextlib.ExitStack() as stack:
@@ -314,6 +342,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"server 'baseline' (transformers generate() per request) ready in "
                       f"{servers['baseline'].ready_seconds:.1f} s", flush=True)
 
+            if any(c in wanted for c in ("prefix", "lm-eval")):  # the GPT alone, prefix cache on and off
+                for name, env in prefix.SERVERS.items():
+                    keep(name, ab.gpt_server(args, name, repository, kinds["gpt"].name, env))
+                    print(f"server '{name}' ({', '.join(f'{k}={v}' for k, v in env.items())}, gpt only) ready in "
+                          f"{servers[name].ready_seconds:.1f} s", flush=True)
+            if "speculation" in wanted:  # the GPT alone, trained weights, speculation on and off
+                variant, why = speculation.speculation_variant(args.server_env.get("TSERVE_VARIANT"), spec_gpt.name,
+                                                               args.speculation_variant)
+                print(f"speculation servers: {spec_repository} ({spec_gpt.name}:{spec_gpt.version}), variant {why}",
+                      flush=True)
+                for name, env in speculation.SERVERS.items():
+                    env = {**env, **({"TSERVE_VARIANT": variant} if variant else {})}
+                    keep(name, ab.gpt_server(args, name, spec_repository, spec_gpt.name, env))
+                    print(f"server '{name}' ({', '.join(f'{k}={v}' for k, v in env.items())}, gpt only) ready in "
+                          f"{servers[name].ready_seconds:.1f} s", flush=True)
+
             if any(c in wanted for c in ("gpt", "grpc", "llama-server", "constrained")):
                 prompts, screening = screen_prompts(servers["service"], prompts, max_new_tokens, args)
             if "llama-server" in wanted:
@@ -335,6 +379,38 @@ def main(argv: list[str] | None = None) -> int:
                     cases += more
                 except RuntimeError as error:  # its sample request failed
                     skip("constrained", str(error))
+            if any(c in wanted for c in ("prefix", "lm-eval")):
+                # one set of line starts for both cases' prompts, dealt out so that none begins like another
+                text = prefix.shakespeare_text(data_dir)
+                ttft_starts, no_prefix_starts, lm_eval_starts = ab.split_starts(ab.block_starts(
+                    text, prefix.BLOCK_TOKENS, gpt_config["context_length"]), 3)
+            if "prefix" in wanted:
+                more, issue55["prefix"] = prefix.prefix_cases(servers, kinds["gpt"].name, text, ttft_starts,
+                                                              no_prefix_starts)
+                cases += more
+            if "lm-eval" in wanted:
+                try:
+                    more, issue55["lm-eval"] = lmeval.lm_eval_cases(
+                        servers, kinds["gpt"].name, text, lm_eval_starts,
+                        kinds["gpt"].path / TOKENIZER_FILE, gpt_config["context_length"])
+                    cases += more
+                except RuntimeError as error:  # the tokenizer differs from the server's; too few documents
+                    skip("lm-eval", str(error))
+            if "speculation" in wanted:
+                candidates = gpt_prompts(data_dir, speculation.CANDIDATES, args.prompt_chars)
+                try:
+                    if args.prompt_chars + speculation.COPY_PREFIX + speculation.NEW_TOKENS > \
+                            spec_gpt.config["context_length"]:
+                        raise RuntimeError(f"--prompt-chars {args.prompt_chars} + {speculation.COPY_PREFIX} + "
+                                           f"{speculation.NEW_TOKENS} tokens exceed the GPT's context")
+                    copy, info = speculation.screen(servers[speculation.OFF], candidates)
+                except RuntimeError as error:  # no copy-heavy prompt: the case is skipped, the run goes on
+                    skip("speculation", str(error))
+                else:
+                    issue55["speculation"] = {**info, "variant": why,
+                                              "servers": {name: servers[name].environment.get("TSERVE_VARIANT")
+                                                          for name in speculation.SERVERS}}
+                    cases += speculation.speculation_cases(servers, spec_gpt.name, copy, candidates)
             if "llama-server" in wanted:
                 workload = llama_server_workload(tokenize(servers["service"], kinds["gpt"].name, prompts),
                                                  max_new_tokens)
@@ -421,6 +497,18 @@ def main(argv: list[str] | None = None) -> int:
     if constrained is not None:
         constrained["ratios"] = evaluate_constrained(summaries, constrained_ratios(args.gpt_concurrency), skipped)
         print_constrained(constrained["ratios"])
+    cpu_line = describe_cpu().removeprefix("CPU: ")
+    for option, title, ratios, annotate in (
+            ("prefix", "Prefix caching (issue 55): hit / miss, cache on / off", prefix.prefix_ratios(),
+             prefix.annotate),
+            ("lm-eval", "lm-eval multiple choice over HTTP (issue 55), replayed, cache on / off",
+             lmeval.lm_eval_ratios(), prefix.annotate),
+            ("speculation", "n-gram speculation (issue 55), on / off", speculation.speculation_ratios(),
+             speculation.annotate)):
+        if option in args.cases:
+            rows = annotate(ab.evaluate(summaries, ratios, skipped), summaries)
+            issue55.setdefault(option, {})["ratios"] = rows
+            ab.print_ratios(title, cpu_line, rows)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
     report = {
@@ -437,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_screening": screening,
         "servers": [server_record(s) for s in servers.values()],
         "cases": summaries, "roofline": roofline, "goals": goals, "comparisons": comparisons, "peers": peers,
-        "constrained": constrained, "skipped": skipped,
+        "constrained": constrained, "issue55": issue55, "skipped": skipped,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -64,15 +64,9 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[s
     export's rewrite (`export.repository.rewrite_graphs`), `runs_as`: the variant the engine derives from it when
     the graphs load (`service.engines.weights.VARIANTS`; None: as stored).
     """
-    from export.kv_scales import calibration_peaks, save_scales
     from service.decoding import GreedySearch
-    from service.engines.gpt import GPTEngine
-    from service.engines.weights import quantizes_kv_cache
 
-    version = ours_gpt_version(spec, workdir, variant)
-    if quantizes_kv_cache(runs_as):  # its int8 cache's scales: random weights, random prompts, random calibration
-        save_scales(version, calibration_peaks(version, None), "random tokens only (the bench's random-weight GPT)")
-    engine = on_device(GPTEngine(version, _ours_runtime_options(runtime, "gpt", runs_as)), runtime)
+    engine = ours_gpt_engine(spec, runtime, workdir, variant, runs_as)
 
     def generate(prompts: np.ndarray) -> np.ndarray:
         searches = engine.generate(prompts.tolist(), lambda _: GreedySearch(spec.new_tokens, EOS_ID,
@@ -80,6 +74,23 @@ def run_ours_gpt(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[s
         return np.array([search.results()[0].tokens for search in searches], dtype=np.int64)
 
     return generate
+
+
+def ours_gpt_engine(spec: GptSpec, runtime: Runtime, workdir: Path, variant: dict[str, str] | None = None,
+                    runs_as: str | None = None, prefix_cache_bytes: int = 0):
+    """`run_ours_gpt`'s engine: `GPTEngine` on our GPT exported at `spec`'s sizes (`variant`, `runs_as`: as there),
+    keeping a prefix cache of `prefix_cache_bytes` (0: none, as the benchmark's other GPT cases run)."""
+    from dataclasses import replace
+
+    from export.kv_scales import calibration_peaks, save_scales
+    from service.engines.gpt import GPTEngine
+    from service.engines.weights import quantizes_kv_cache
+
+    version = ours_gpt_version(spec, workdir, variant)
+    if quantizes_kv_cache(runs_as):  # its int8 cache's scales: random weights, random prompts, random calibration
+        save_scales(version, calibration_peaks(version, None), "random tokens only (the bench's random-weight GPT)")
+    options = replace(_ours_runtime_options(runtime, "gpt", runs_as), prefix_cache_bytes=prefix_cache_bytes)
+    return on_device(GPTEngine(version, options), runtime)
 
 
 def ours_gpt_version(spec: GptSpec, workdir: Path, variant: dict[str, str] | None = None):
@@ -184,11 +195,13 @@ SPECIAL_TOKENS = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID}
 def _write_id_tokenizer(path: Path) -> None:
     """The engines load a tokenizer and check that the config's special ids are its special tokens
     (`service.engines.vocabulary`); generation from ids never uses it otherwise, so the special tokens and an
-    unknown word will do. Written on every build: a folder exported before that check holds a one-word one."""
-    from tokenizers import AddedToken, Tokenizer
+    unknown word will do. Written on every build: a folder exported before that check holds a one-word one. Its
+    decoder is byte-level's: the GPT engine's constraint compiler (llguidance) refuses a tokenizer without one."""
+    from tokenizers import AddedToken, Tokenizer, decoders
     from tokenizers.models import WordLevel
 
     tokenizer = Tokenizer(WordLevel({**SPECIAL_TOKENS, "<unk>": FIRST_REGULAR_ID}, unk_token="<unk>"))
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
     tokenizer.save(str(path))
 

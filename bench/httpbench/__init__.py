@@ -7,6 +7,9 @@
 - cases.py: the workloads (request bodies, encoded once) and the cases: (endpoint, concurrency) on a server,
   measured over interleaved rounds;
 - constrained.py: the constrained GPT case (a JSON schema per request, the same or a new one) and its ratios;
+- prefix.py, lmeval.py, speculation.py: issue 55's cases (prefix caching hit / miss and on / off, an lm-eval
+  multiple-choice run replayed with the cache on / off, n-gram speculation on / off), with ab.py: their GPT-only
+  servers, the counters they read from /metrics, their ratios with goals and the text windows of their prompts;
 - report.py: the per-round lines, the tables, the goals and the environment recorded in the JSON report.
 """
 

@@ -60,7 +60,8 @@ class Workload:
     """The requests of a case: `bodies` (encoded once) sent in turn to `path`; `work` counts the units of a JSON
     response (a stream's are its token events). With `grpc`, `path` is the gRPC method, the bodies are serialized
     `ModelInferRequest`s, and `work` reads the response message (a stream's: the list of its responses). A stream's
-    events are read by `events` (see `StreamEvent`)."""
+    events are read by `events` (see `StreamEvent`); its work is its token events, or with `usage_tokens` the
+    `completion_tokens` of its usage (an event may carry several tokens: a speculative step's accepted draft)."""
 
     path: str
     bodies: list[bytes]
@@ -70,6 +71,7 @@ class Workload:
     work: Callable[[object], float] = lambda payload: 1.0  # work units in a successful response
     grpc: bool = False
     events: Callable[[dict], StreamEvent] = native_event
+    usage_tokens: bool = False
 
 
 @dataclass
@@ -124,7 +126,12 @@ async def send_stream(client, workload: Workload, body: bytes) -> Result:
         result.error = "stream ended without [DONE]"
     if result.error is None:
         result.work = float(tokens)
-        if usage is not None and usage.get("completion_tokens") != tokens:
+        if workload.usage_tokens:
+            if usage is None or not isinstance(usage.get("completion_tokens"), int):
+                result.error = "stream without usage"
+            else:
+                result.work = float(usage["completion_tokens"])
+        elif usage is not None and usage.get("completion_tokens") != tokens:
             result.note = f"usage says {usage.get('completion_tokens')} tokens, {tokens} token events"
     return result
 

@@ -54,6 +54,34 @@ def batch_stats(url: str) -> dict[str, tuple[float, float]]:
     return {model: (a, b) for model, (a, b) in stats.items()}
 
 
+def metric_totals(url: str, names: Iterable[str]) -> dict[str, float]:
+    """The service's counters `names` (without `_total`), each summed over its labels (models, versions): 0.0 for
+    one it does not export (yet), {} when /metrics cannot be read."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.endswith("_total") and name[: -len("_total")] in totals:
+            totals[name[: -len("_total")]] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def model_variant(url: str, model: str) -> dict:
+    """The `variant` `/v1/models` reports for `model` (weights, prefix_cache, prefix_caching, ...); {} when none."""
+    import httpx
+
+    try:
+        listing = httpx.get(f"{url}/v1/models", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return next((entry.get("variant") or {} for entry in listing.get("data", []) if entry.get("id") == model), {})
+
+
 def tokenize(server: ServiceProcess, model: str, texts: list[str]) -> list[list[int]]:
     """The token ids the service feeds `model` for each text (its `/tokenize`: the GPT's prompt as it is, a
     translator's source with its end-of-source token), so that a peer given ids gets the service's very input."""
@@ -92,16 +120,17 @@ def server_record(server) -> dict:
 
 
 def service_server(args, name: str, repository: Path, vit_batching: bool,
-                   models: list[str] | None = None) -> ServiceProcess:
+                   models: list[str] | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     """`python -m service` on the repository, on --device (default CPU), the benchmark's threads, its gRPC port on;
-    --server-env over these settings."""
+    --server-env over these settings, and `env` over --server-env (a case's own A/B setting)."""
     knobs = {"device": getattr(args, "device", "cpu"), "intra_op_threads": args.threads,
              "ort_spin": "true" if args.spin else "false",
              "vit_batching": "true" if vit_batching else "false", "drain_timeout_s": 5,
              "max_new_tokens": max(256, args.max_new_tokens), "grpc_port": free_port()}
     if models:
         knobs["models"] = json.dumps(models)
-    return ServiceProcess(name, repository, env=args.server_env, log_path=args.workdir / "logs" / f"{name}.log",
+    return ServiceProcess(name, repository, env={**args.server_env, **(env or {})},
+                          log_path=args.workdir / "logs" / f"{name}.log",
                           ready_timeout=READY_TIMEOUT_S, die_with_parent=True, **knobs)
 
 

@@ -29,7 +29,7 @@ def fake_system(new_tokens: int, token: int):
 
 
 def test_every_system_of_a_task_is_a_known_system_and_the_tasks_are_the_cli_choices():
-    assert set(BUILDERS) | {"scaling"} == set(bench_engine.TASKS)
+    assert set(BUILDERS) | {"scaling", "prefix"} == set(bench_engine.TASKS)
     assert all(set(builders) <= set(SYSTEMS) for builders in BUILDERS.values())
 
 
