@@ -1,18 +1,16 @@
 """Automatic prefix caching for the GPT: the prompt pass's K/V (and logits) kept in blocks of `BLOCK_TOKENS` tokens,
 so that a prompt that starts like an earlier one runs its pass over the rest only.
 
-After vLLM's automatic prefix caching (blocks keyed by the chain of their tokens, least-recently-used eviction
-under a budget) and ONNX Runtime GenAI's check of a block's tokens before reuse: a block is found by (its parent
-block, its tokens), so two blocks are one only when every token before them matches too; no hash can collide.
-One cache per loaded engine, so the model version and weights variant are part of every key by construction.
-Touching a chain moves its blocks to the recent end from the last to the first, so a parent is always more recent
-than its children and eviction takes leaves first. Blocks are immutable numpy arrays: a hit copies them into
-the batch's cache; eviction drops a reference (a copy in use is unaffected).
+After vLLM's automatic prefix caching (a fixed pool of blocks keyed by the chain of their tokens, reference-counted
+while in use, the least recently used evicted) and ONNX Runtime GenAI's check of a block's tokens before reuse: a
+block is found by (its parent block, its tokens), so it is reused only when every token before it matches too; no
+hash can collide. One cache per loaded engine: the model version and weights variant are in every key by
+construction. The pool is allocated once, as large as the budget; its pages are touched as blocks fill them.
+Touching a chain moves it to the recent end from its last block to its first, so parents outlive their children.
 
-Why a hit gives the same numbers as a miss: the prompt graph's pass over a suffix of S >= 2 tokens after the
-cached K/V is bit-identical to its pass over the whole prompt (every position's logits and K/V; measured:
-docs/prefix_caching.md), so `usable_tokens` leaves at least `MIN_SUFFIX_TOKENS` to compute, and
-`service.engines.prefix_pass.suffix_exact` checks the property on the host at load (off if it fails there).
+Why a hit gives the same numbers as a miss: a prompt pass over S >= 2 tokens after cached K/V is bit-identical to
+the pass over the whole prompt (docs/prefix_caching.md), so a hit leaves at least `MIN_SUFFIX_TOKENS` to compute;
+`service.engines.prefix_pass.suffix_exact` checks that on the host at load.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 
 import numpy as np
@@ -32,26 +30,45 @@ MIN_SUFFIX_TOKENS = 2
 MIB = 1 << 20
 
 
+class BlockPool:
+    """Every block's storage: keys and values (slot, 2 * layers, heads, BLOCK_TOKENS, head_dim: layer 0 key, layer
+    0 value, ...) and logits (slot, BLOCK_TOKENS, V), and the free slots."""
+
+    def __init__(self, slots: int, kv_shape: tuple[int, ...], vocab: int, dtype: np.dtype):
+        self.kv = np.empty((slots, *kv_shape), dtype)
+        self.logits = np.empty((slots, BLOCK_TOKENS, vocab), np.float32)
+        self.free = list(range(slots - 1, -1, -1))
+
+    @staticmethod
+    def block_bytes(kv_shape: tuple[int, ...], vocab: int, dtype: np.dtype) -> int:
+        return int(np.prod(kv_shape)) * np.dtype(dtype).itemsize + BLOCK_TOKENS * vocab * 4
+
+
 @dataclass(eq=False)
 class Block:
-    """`BLOCK_TOKENS` prompt positions: `tokens`, their keys and values (2 * layers, heads, BLOCK_TOKENS, head_dim:
-    layer 0 key, layer 0 value, ...) and the logits at each of them (BLOCK_TOKENS, V), after `parent`'s."""
+    """`BLOCK_TOKENS` prompt positions after `parent`'s: their `tokens` and where the pool holds them; `pins`:
+    prefills reading it now (not evicted meanwhile)."""
 
     id: int
     parent: int  # the parent block's id (0: the first block of a prompt)
     tokens: bytes
-    kv: np.ndarray
-    logits: np.ndarray
-    nbytes: int = field(init=False)
+    slot: int
+    pool: BlockPool
+    pins: int = 0
 
-    def __post_init__(self) -> None:
-        self.nbytes = self.kv.nbytes + self.logits.nbytes
+    @property
+    def kv(self) -> np.ndarray:
+        return self.pool.kv[self.slot]
+
+    @property
+    def logits(self) -> np.ndarray:
+        return self.pool.logits[self.slot]
 
 
 @dataclass
 class PrefixStats:
     """Totals since start: prompt tokens looked up and found (vLLM's `prefix_cache_queries` / `_hits`), blocks
-    evicted; and the bytes held now."""
+    evicted; and the bytes the blocks held now take."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
@@ -69,12 +86,14 @@ def _key(parent: int, tokens: Sequence[int]) -> tuple[int, bytes]:
 
 
 class PrefixCache:
-    """Blocks under a byte budget; thread-safe (several decoding workers share an engine)."""
+    """Blocks in a pool of at most `budget_bytes`; thread-safe (several decoding workers share an engine)."""
 
     def __init__(self, budget_bytes: int):
         if budget_bytes <= 0:
             raise ValueError(f"a prefix cache needs a positive budget, got {budget_bytes} bytes")
         self.budget_bytes = budget_bytes
+        self._pool: BlockPool | None = None  # made at the first insert, with the model's shapes
+        self._block_bytes = 0
         self._blocks: OrderedDict[tuple[int, bytes], Block] = OrderedDict()  # least recently used first
         self._ids = count(1)
         self._lock = threading.Lock()
@@ -84,8 +103,8 @@ class PrefixCache:
         return len(self._blocks)
 
     def match(self, prompt: Sequence[int]) -> list[Block]:
-        """The cached blocks of `prompt`'s longest cached prefix of at most `usable_tokens` tokens, in order
-        (touched: most recently used); counts the query."""
+        """The cached blocks of `prompt`'s longest cached prefix of at most `usable_tokens` tokens, in order,
+        touched and pinned until `release`; counts the query."""
         usable = usable_tokens(len(prompt))
         chain: list[Block] = []
         with self._lock:
@@ -94,6 +113,7 @@ class PrefixCache:
                 block = self._blocks.get(_key(parent, prompt[start : start + BLOCK_TOKENS]))
                 if block is None:
                     break
+                block.pins += 1
                 chain.append(block)
                 parent = block.id
             self._touch(chain)
@@ -101,67 +121,106 @@ class PrefixCache:
             self.stats.hit_tokens += len(chain) * BLOCK_TOKENS
         return chain
 
+    def release(self, chains: Sequence[Sequence[Block]]) -> None:
+        """Unpin the chains `match` returned: their blocks may be evicted again."""
+        with self._lock:
+            for chain in chains:
+                for block in chain:
+                    block.pins -= 1
+
     def insert(self, prompt: Sequence[int], kv: Sequence[np.ndarray], logits: np.ndarray, row: int,
                start_block: int = 0, known: Sequence[Block] = ()) -> None:
         """Keep the whole blocks of `prompt` from block `start_block` on, from the pass that computed them: `kv`
         the pass's presents (flat: layer 0 key, layer 0 value, ...; (rows, heads, slots, head_dim), row `row`'s
-        slot t holding position t) and `logits` (slots, V) the row's logits at positions `start_block *
-        BLOCK_TOKENS` onwards. `known`: the blocks before `start_block` (the hit the pass started from)."""
+        slot t holding position t) and `logits` (slots, V) the row's logits from position `start_block *
+        BLOCK_TOKENS` on. `known`: the blocks before `start_block` (the hit the pass started from). A block not
+        kept yet takes a free slot, else the least recently used unpinned block's."""
         blocks = len(prompt) // BLOCK_TOKENS
         if blocks <= start_block:
             return
         with self._lock:
+            pool = self._pool or self._make_pool(kv, logits.shape[-1])
             parent = known[-1].id if known else 0
-            chain = list(known)
+            chain, new = list(known), []
             for index in range(start_block, blocks):
                 first = index * BLOCK_TOKENS
                 key = _key(parent, prompt[first : first + BLOCK_TOKENS])
                 block = self._blocks.get(key)
                 if block is None:
-                    window = slice(first, first + BLOCK_TOKENS)
-                    done = (index - start_block) * BLOCK_TOKENS
-                    block = Block(next(self._ids), parent, key[1],
-                                  np.stack([present[row, :, window] for present in kv]),
-                                  logits[done : done + BLOCK_TOKENS].copy())
-                    self._blocks[key] = block
-                    self.stats.bytes += block.nbytes
+                    slot = self._free_slot()
+                    if slot is None:  # every slot is pinned: keep what is kept so far
+                        break
+                    block = self._blocks[key] = Block(next(self._ids), parent, key[1], slot, pool)
+                    self.stats.bytes += self._block_bytes
+                    new.append(index)
+                block.pins += 1  # the chain so far stays while later blocks take slots
                 chain.append(block)
                 parent = block.id
+            for block in chain[len(known):]:
+                block.pins -= 1
             self._touch(chain)
-            self._evict()
+            self._copy(pool, [chain[i - start_block + len(known)].slot for i in new], new, kv, logits, row,
+                       start_block)
+
+    def _make_pool(self, kv: Sequence[np.ndarray], vocab: int) -> BlockPool:
+        shape = (len(kv), kv[0].shape[1], BLOCK_TOKENS, kv[0].shape[3])
+        self._block_bytes = BlockPool.block_bytes(shape, vocab, kv[0].dtype)
+        self._pool = BlockPool(self.budget_bytes // self._block_bytes, shape, vocab, kv[0].dtype)
+        return self._pool
+
+    @staticmethod
+    def _copy(pool: BlockPool, slots: list[int], indices: list[int], kv: Sequence[np.ndarray], logits: np.ndarray,
+              row: int, start_block: int) -> None:
+        """Blocks `indices` of the row (consecutive: after a new block every block is new) into `slots`."""
+        if not slots:
+            return
+        n, heads, head_dim = len(slots), kv[0].shape[1], kv[0].shape[3]
+        window = slice(indices[0] * BLOCK_TOKENS, (indices[-1] + 1) * BLOCK_TOKENS)
+        for i, present in enumerate(kv):
+            pool.kv[slots, i] = present[row, :, window].reshape(heads, n, BLOCK_TOKENS, head_dim).swapaxes(0, 1)
+        done = (indices[0] - start_block) * BLOCK_TOKENS
+        pool.logits[slots] = logits[done : done + n * BLOCK_TOKENS].reshape(n, BLOCK_TOKENS, -1)
+
+    def _free_slot(self) -> int | None:
+        """A free slot, else the slot of the least recently used unpinned block, evicted; None if all are pinned."""
+        if self._pool.free:
+            return self._pool.free.pop()
+        for key, block in self._blocks.items():
+            if not block.pins:
+                del self._blocks[key]
+                self.stats.bytes -= self._block_bytes
+                self.stats.evicted_blocks += 1
+                return block.slot
+        return None
 
     def _touch(self, chain: list[Block]) -> None:
         """Most recently used: the chain's blocks, the first last (a parent outlives its children)."""
         for block in reversed(chain):
             self._blocks.move_to_end((block.parent, block.tokens))
 
-    def _evict(self) -> None:
-        while self.stats.bytes > self.budget_bytes and self._blocks:
-            _, block = self._blocks.popitem(last=False)
-            self.stats.bytes -= block.nbytes
-            self.stats.evicted_blocks += 1
-
     def clear(self) -> None:
+        """Evict every unpinned block."""
         with self._lock:
-            self.stats.evicted_blocks += len(self._blocks)
-            self._blocks.clear()
-            self.stats.bytes = 0
+            for key, block in list(self._blocks.items()):
+                if not block.pins:
+                    del self._blocks[key]
+                    self._pool.free.append(block.slot)
+                    self.stats.bytes -= self._block_bytes
+                    self.stats.evicted_blocks += 1
 
 
 def past_of(chains: Sequence[Sequence[Block]]) -> list[np.ndarray]:
     """The K/V of rows that hit as many blocks each: flat (layer 0 key, layer 0 value, ...), each (rows, heads,
     blocks * BLOCK_TOKENS, head_dim), one copy."""
-    rows, first = len(chains), chains[0][0].kv
-    slots = len(chains[0]) * BLOCK_TOKENS
-    past = [np.empty((rows, first.shape[1], slots, first.shape[3]), first.dtype) for _ in range(first.shape[0])]
-    for row, chain in enumerate(chains):
-        for index, block in enumerate(chain):
-            window = slice(index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS)
-            for array, kv in zip(past, block.kv):
-                array[row, :, window] = kv
-    return past
+    first = chains[0][0]
+    pool, blocks = first.pool, len(chains[0])
+    slots = np.array([[block.slot for block in chain] for chain in chains])  # (rows, blocks)
+    gathered = pool.kv[slots]  # (rows, blocks, 2L, heads, BLOCK_TOKENS, head_dim)
+    rows, _, kinds, heads, _, head_dim = gathered.shape
+    ordered = gathered.transpose(2, 0, 3, 1, 4, 5).reshape(kinds, rows, heads, blocks * BLOCK_TOKENS, head_dim)
+    return list(np.ascontiguousarray(ordered))
 
 
 def logits_of(chain: Sequence[Block]) -> np.ndarray:
     """The logits at every position of a chain's blocks (tokens, V)."""
-    return np.concatenate([block.logits for block in chain])
+    return chain[0].pool.logits[[block.slot for block in chain]].reshape(-1, chain[0].pool.logits.shape[-1])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.engines.prefix_cache import BLOCK_TOKENS, MIN_SUFFIX_TOKENS, PrefixCache, logits_of, past_of
+from service.engines.prefix_cache import BLOCK_TOKENS, MIN_SUFFIX_TOKENS, Block, PrefixCache, logits_of, past_of
 
 # One pass of the prompt graph: (prompts, past K/V of as many slots for every row, or None) -> (logits (rows,
 # longest, V), presents (flat, (rows, heads, past + longest, head_dim)))
@@ -44,14 +44,30 @@ def prefill_with_cache(prompts: Sequence[Sequence[int]], rows: Collection[int], 
                        cache: PrefixCache) -> Prefilled:
     """The prompt pass of `prompts` over `cache`: one `run` per distinct hit length; every computed whole block
     goes into the cache."""
-    chains = [cache.match(prompt) for prompt in prompts]
+    chains = [cache.match(prompt) for prompt in prompts]  # pinned: no block is evicted while this pass reads it
+    try:
+        last, every, parts = _passes(prompts, rows, run, cache, chains)
+    finally:
+        cache.release(chains)
+    lengths = np.array([len(p) for p in prompts], np.int64)
+    if len(parts) == 1:
+        presents = parts[0][1]  # one pass (over every row, in order): its presents as they are
+    else:
+        presents = _laid_out(parts, len(prompts), int(lengths.max()))
+    mask = (np.arange(presents[0].shape[2]) < lengths[:, None]).astype(np.int64)
+    return Prefilled(last, presents, mask, lengths, every, [len(c) * BLOCK_TOKENS for c in chains])
+
+
+def _passes(prompts: Sequence[Sequence[int]], rows: Collection[int], run: PromptPass, cache: PrefixCache,
+            chains: list[list[Block]]) -> tuple[np.ndarray, dict[int, np.ndarray], list]:
+    """One `run` per distinct hit length, misses first -> the next-token logits, the logits at every position of
+    `rows`, and each pass's (rows, presents); every whole block computed goes into `cache`."""
     groups: dict[int, list[int]] = {}
     for row, chain in enumerate(chains):
         groups.setdefault(len(chain), []).append(row)
-    lengths = np.array([len(p) for p in prompts], np.int64)
     last = None
     every: dict[int, np.ndarray] = {}
-    parts = []  # (rows, presents) of each pass
+    parts = []
     for blocks, members in sorted(groups.items()):
         start = blocks * BLOCK_TOKENS
         past = past_of([chains[r] for r in members]) if blocks else None
@@ -59,18 +75,13 @@ def prefill_with_cache(prompts: Sequence[Sequence[int]], rows: Collection[int], 
         if last is None:
             last = np.empty((len(prompts), logits.shape[2]), logits.dtype)
         for index, row in enumerate(members):
-            computed = logits[index, : lengths[row] - start]
+            computed = logits[index, : len(prompts[row]) - start]
             last[row] = computed[-1]
             if row in rows:
                 every[row] = np.concatenate([logits_of(chains[row]), computed]) if blocks else computed.copy()
             cache.insert(prompts[row], presents, computed, index, start_block=blocks, known=chains[row])
         parts.append((members, presents))
-    if len(parts) == 1:
-        presents = parts[0][1]  # one pass (over every row, in order): its presents as they are
-    else:
-        presents = _laid_out(parts, len(prompts), int(lengths.max()))
-    mask = (np.arange(presents[0].shape[2]) < lengths[:, None]).astype(np.int64)
-    return Prefilled(last, presents, mask, lengths, every, [len(c) * BLOCK_TOKENS for c in chains])
+    return last, every, parts
 
 
 def _laid_out(parts: list[tuple[list[int], list[np.ndarray]]], rows: int, slots: int) -> list[np.ndarray]:

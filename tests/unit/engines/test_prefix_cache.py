@@ -35,6 +35,13 @@ def _pass(rows: int, slots: int, seed: int) -> tuple[list[np.ndarray], np.ndarra
     return kv, rng.standard_normal((slots, VOCAB)).astype(np.float32)
 
 
+def matched(cache: PrefixCache, prompt) -> list:
+    """`match`, released at once (a prefill holds its chains only while its passes run)."""
+    chain = cache.match(prompt)
+    cache.release([chain])
+    return chain
+
+
 def _block_bytes() -> int:
     return (2 * LAYERS * HEADS * HEAD_DIM + VOCAB) * BLOCK_TOKENS * 4
 
@@ -50,16 +57,16 @@ def test_blocks_are_found_by_their_tokens_and_every_token_before_them():
     kv, logits = _pass(1, len(prompt), seed=0)
     cache.insert(prompt, kv, logits, row=0)
     assert len(cache) == 3 and cache.stats.bytes == 3 * _block_bytes()
-    chain = cache.match(prompt)
+    chain = matched(cache, prompt)
     assert len(chain) == 3
     np.testing.assert_array_equal(chain[1].kv, np.stack([k[0, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS] for k in kv]))
     np.testing.assert_array_equal(chain[2].logits, logits[2 * BLOCK_TOKENS : 3 * BLOCK_TOKENS])
     # the same second block after another first one is another block: not found
     other = [99, *prompt[1:]]
-    assert cache.match(other) == []
+    assert matched(cache, other) == []
     # a prompt that ends inside the third block (or leaves fewer than two tokens after it) hits two
-    assert len(cache.match(prompt[: 3 * BLOCK_TOKENS + 1])) == 2
-    assert len(cache.match(prompt[: 3 * BLOCK_TOKENS + 2])) == 3
+    assert len(matched(cache, prompt[: 3 * BLOCK_TOKENS + 1])) == 2
+    assert len(matched(cache, prompt[: 3 * BLOCK_TOKENS + 2])) == 3
     assert cache.stats.queried_tokens == 2 * len(prompt) + 2 * 3 * BLOCK_TOKENS + 3
     assert cache.stats.hit_tokens == (3 + 2 + 3) * BLOCK_TOKENS
 
@@ -69,11 +76,11 @@ def test_inserting_after_a_hit_takes_the_pass_logits_from_the_hits_end():
     prompt = list(range(2 * BLOCK_TOKENS + 3))
     kv, logits = _pass(1, len(prompt), seed=1)
     cache.insert(prompt[:BLOCK_TOKENS + 3], kv, logits, row=0)
-    known = cache.match(prompt)
+    known = matched(cache, prompt)
     assert len(known) == 1
     # the pass over the rest: its logits start at position BLOCK_TOKENS; its presents hold every slot
     cache.insert(prompt, kv, logits[BLOCK_TOKENS:], row=0, start_block=1, known=known)
-    second = cache.match(prompt + [0])[1]
+    second = matched(cache, prompt + [0])[1]
     np.testing.assert_array_equal(second.logits, logits[BLOCK_TOKENS : 2 * BLOCK_TOKENS])
     np.testing.assert_array_equal(second.kv[0], kv[0][0, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS])
 
@@ -85,12 +92,12 @@ def test_the_budget_evicts_the_least_recently_used_leaves_first():
     cache.insert(first, *_pass(1, len(first), seed=2), row=0)
     cache.insert(second, *_pass(1, len(second), seed=3), row=0)  # 5 blocks > 4: first's last block goes
     assert cache.stats.evicted_blocks == 1 and len(cache) == 4 and cache.stats.bytes == 4 * _block_bytes()
-    assert len(cache.match(first + [0, 0])) == 2
+    assert len(matched(cache, first + [0, 0])) == 2
     # first's two blocks are now the most recent: a new block evicts second's leaf, then its root
     third = [2000 + t for t in range(2 * BLOCK_TOKENS)]
     cache.insert(third, *_pass(1, len(third), seed=4), row=0)
-    assert len(cache.match(second + [0, 0])) == 0
-    assert len(cache.match(first + [0, 0])) == 2 and len(cache.match(third + [0, 0])) == 2
+    assert len(matched(cache, second + [0, 0])) == 0
+    assert len(matched(cache, first + [0, 0])) == 2 and len(matched(cache, third + [0, 0])) == 2
     cache.clear()
     assert len(cache) == 0 and cache.stats.bytes == 0 and cache.stats.evicted_blocks == 3 + 4
     with pytest.raises(ValueError, match="positive budget"):
@@ -98,15 +105,31 @@ def test_the_budget_evicts_the_least_recently_used_leaves_first():
     assert len(PrefixCache(1)) == 0
 
 
+def test_pinned_blocks_stay_until_released_and_a_full_pool_of_pinned_blocks_keeps_nothing_new():
+    cache = PrefixCache(2 * _block_bytes())
+    first = list(range(2 * BLOCK_TOKENS + 2))
+    cache.insert(first, *_pass(1, len(first), seed=10), row=0)
+    chain = cache.match(first)  # pinned, as a prefill holds it
+    kv = chain[1].kv.copy()
+    second = [500 + t for t in range(2 * BLOCK_TOKENS)]
+    cache.insert(second, *_pass(1, len(second), seed=11), row=0)
+    assert len(cache) == 2 and cache.stats.evicted_blocks == 0 and matched(cache, second + [0, 0]) == []
+    np.testing.assert_array_equal(chain[1].kv, kv)  # its slot was not reused
+    cache.release([chain])
+    cache.insert(second, *_pass(1, len(second), seed=11), row=0)
+    assert len(matched(cache, second + [0, 0])) == 2 and matched(cache, first) == []
+    assert cache.stats.evicted_blocks == 2 and cache.stats.bytes == 2 * _block_bytes()
+
+
 def test_a_prompt_inserted_again_adds_nothing_and_any_int_array_finds_its_blocks():
     cache = PrefixCache(BUDGET)
     prompt = list(range(2 * BLOCK_TOKENS + 2))
     cache.insert(prompt, *_pass(1, len(prompt), seed=5), row=0)
-    first = cache.match(prompt)
+    first = matched(cache, prompt)
     cache.insert(prompt, *_pass(1, len(prompt), seed=6), row=0)
     assert len(cache) == 2 and cache.stats.bytes == 2 * _block_bytes()
-    assert [b.id for b in cache.match(np.array(prompt, dtype=np.int32))] == [b.id for b in first]
-    np.testing.assert_array_equal(cache.match(prompt)[1].kv, first[1].kv)  # the first pass's, kept
+    assert [b.id for b in matched(cache, np.array(prompt, dtype=np.int32))] == [b.id for b in first]
+    np.testing.assert_array_equal(matched(cache, prompt)[1].kv, first[1].kv)  # the first pass's, kept
 
 
 def test_a_block_follows_only_its_own_parent():
@@ -114,9 +137,9 @@ def test_a_block_follows_only_its_own_parent():
     a, b, x, y = ([t] * BLOCK_TOKENS for t in (1, 2, 3, 4))
     cache.insert(a + x, *_pass(1, 2 * BLOCK_TOKENS, seed=7), row=0)
     cache.insert(b + y, *_pass(1, 2 * BLOCK_TOKENS, seed=8), row=0)
-    assert len(cache.match(b + x + [0, 0])) == 1
-    assert len(cache.match(a + x + [0, 0])) == 2
-    assert len({block.id for block in cache.match(a + x + [0, 0]) + cache.match(b + y + [0, 0])}) == 4
+    assert len(matched(cache, b + x + [0, 0])) == 1
+    assert len(matched(cache, a + x + [0, 0])) == 2
+    assert len({block.id for block in matched(cache, a + x + [0, 0]) + matched(cache, b + y + [0, 0])}) == 4
 
 
 def test_the_past_of_several_chains_is_each_rows_blocks_in_order():
@@ -125,12 +148,12 @@ def test_the_past_of_several_chains_is_each_rows_blocks_in_order():
     kv, logits = _pass(2, 2 * BLOCK_TOKENS + 2, seed=9)
     for row, prompt in enumerate(prompts):
         cache.insert(prompt, kv, logits, row=row)
-    past = past_of([cache.match(p) for p in prompts])
+    past = past_of([matched(cache, p) for p in prompts])
     assert len(past) == 2 * LAYERS
     for got, want in zip(past, kv):
         assert got.dtype == np.float32 and got.flags.c_contiguous
         np.testing.assert_array_equal(got, want[:, :, : 2 * BLOCK_TOKENS])
-    np.testing.assert_array_equal(logits_of(cache.match(prompts[0])), logits[: 2 * BLOCK_TOKENS])
+    np.testing.assert_array_equal(logits_of(matched(cache, prompts[0])), logits[: 2 * BLOCK_TOKENS])
 
 
 @pytest.fixture(scope="module")
