@@ -223,3 +223,47 @@ def test_a_host_whose_suffix_pass_differs_keeps_no_cache(released, monkeypatch):
     assert off.prefix_cache is None and off.prefix_caching == {
         "enabled": False, "block_tokens": BLOCK_TOKENS, "budget_bytes": BUDGET, "reason": reason}
     assert off.prefill_cached([list(range(1, 40))]).cached_tokens == [0]
+
+
+def test_a_block_pinned_twice_stays_until_both_release_it():
+    cache = PrefixCache(2 * _block_bytes())
+    first = list(range(BLOCK_TOKENS + 2))
+    cache.insert(first, *_pass(1, len(first), seed=12), row=0)
+    held, again = cache.match(first), cache.match(first)
+    cache.insert(first, *_pass(1, len(first), seed=12), row=0)  # inserting it again keeps its pins
+    cache.release([again])
+    other = [[300 + t] * BLOCK_TOKENS for t in range(2)]
+    cache.insert(other[0] + other[1], *_pass(1, 2 * BLOCK_TOKENS, seed=13), row=0)  # 2 slots: one is pinned
+    assert matched(cache, first) == held and held[0].logits.dtype == np.float32
+    assert len(matched(cache, other[0] + other[1] + [0, 0])) == 1
+    cache.release([held])
+    cache.insert(other[0] + other[1], *_pass(1, 2 * BLOCK_TOKENS, seed=13), row=0)
+    assert matched(cache, first) == [] and len(matched(cache, other[0] + other[1] + [0, 0])) == 2
+
+
+def test_a_pool_full_of_pinned_blocks_keeps_the_blocks_it_could_with_their_numbers():
+    cache = PrefixCache(3 * _block_bytes())
+    a = [7] * BLOCK_TOKENS
+    cache.insert(a, *_pass(1, BLOCK_TOKENS, seed=14), row=0)
+    pinned = cache.match(a + [0, 0])
+    b = list(range(100, 100 + 3 * BLOCK_TOKENS))
+    kv, logits = _pass(1, len(b), seed=15)
+    cache.insert(b, kv, logits, row=0)  # 2 free slots, then only pinned blocks
+    cache.release([pinned])
+    chain = matched(cache, b + [0, 0])
+    assert len(chain) == 2 and len(cache) == 3
+    np.testing.assert_array_equal(chain[1].kv, np.stack([k[0, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS] for k in kv]))
+    cache.insert(b, kv, logits, row=0)  # nothing pinned now: the third block evicts a's
+    assert len(matched(cache, b + [0, 0])) == 3 and matched(cache, a + [0, 0]) == []
+
+
+def test_a_cleared_cache_takes_blocks_again():
+    cache = PrefixCache(2 * _block_bytes())
+    prompt = list(range(2 * BLOCK_TOKENS + 2))
+    kv, logits = _pass(1, len(prompt), seed=16)
+    cache.insert(prompt, kv, logits, row=0)
+    cache.clear()
+    cache.insert(prompt, kv, logits, row=0)
+    chain = matched(cache, prompt)
+    assert len(chain) == 2 and {block.slot for block in chain} == {0, 1}
+    np.testing.assert_array_equal(logits_of(chain), logits[: 2 * BLOCK_TOKENS])
