@@ -82,6 +82,14 @@ class Settings(BaseSettings):
     # that a prompt starting like an earlier one computes only the rest; the same outputs either way
     prefix_cache: bool = True
     prefix_cache_mb: int = Field(256, ge=1)  # its memory per loaded GPT version, least recently used evicted
+    # draft-free speculative decoding for greedy GPT requests (service.scheduling.speculation): ngram = drafts from
+    # the row's own context, verified in one multi-token pass. Off by default: that pass may differ from plain steps
+    # in a logit's last bits, which flips a near-tie now and then (docs/speculation.md has the measurement)
+    speculation: Literal["off", "ngram"] = "off"
+    speculation_max_draft: int = Field(8, ge=1)  # the longest draft (it adapts below this to the acceptance)
+    # a step speculates only while its batch holds at most this many rows (above it a verify pass costs more than
+    # the tokens it saves: measured in docs/speculation.md)
+    speculation_max_rows: int = Field(1, ge=1)
 
     # iteration-level batching for the text models: rows (beams count as rows) decoded together per step
     translation_max_batch_rows: int = Field(64, ge=1)

@@ -5,7 +5,8 @@ Inference Protocol are `service.api.oip.signatures`'.
 
 - translation: `TranslationEngine`, a continuous batcher of at most `TSERVE_TRANSLATION_MAX_BATCH_ROWS` rows per
   worker (`TSERVE_DECODING_WORKERS` of them);
-- gpt: `GPTEngine`, a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows per worker;
+- gpt: `GPTEngine`, a continuous batcher of at most `TSERVE_GPT_MAX_BATCH_ROWS` rows per worker, with n-gram
+  speculation for greedy requests when `TSERVE_SPECULATION=ngram`;
 - vit: `ViTEngine`, the dynamic batcher (`TSERVE_VIT_MAX_BATCH_SIZE` images, waiting `TSERVE_VIT_MAX_QUEUE_DELAY_MS`).
 
 Invariant: the registry loads a version through its kind's entry; no other module branches on a kind's name to
@@ -16,6 +17,7 @@ Design notes: docs/architecture.md, service/models/kinds.py.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,10 @@ from service.models.warmup import check_length_penalty, grey_images, warm_up_ima
 from service.observability.metrics import BEAM, GREEDY, SAMPLE, Metrics
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.dynamic import DynamicBatcher
+from service.scheduling.speculation import SpeculationConfig
 from service.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # The warm-up inputs: a short German sentence for the translator (a source it truncates nothing of), a one-token
 # prompt for the GPT (any text encodes to at least one token), and one image of one mid-grey level, scaled to
@@ -64,13 +69,19 @@ class ModelKind:
     single_thread_rows: int = 0
 
 
-def continuous_batcher(max_rows: Callable[[Settings], int]) -> SchedulerFactory:
-    """A text kind's scheduler: the continuous batcher, holding at most `max_rows(settings)` rows."""
+def continuous_batcher(max_rows: Callable[[Settings], int], speculates: bool = False) -> SchedulerFactory:
+    """A text kind's scheduler: the continuous batcher, holding at most `max_rows(settings)` rows; `speculates`:
+    with n-gram speculation as `TSERVE_SPECULATION` says, where its engine can verify drafts."""
 
     def build(engine, model: ModelVersion, metrics: Metrics, s: Settings) -> ContinuousBatcher:
+        speculation = SpeculationConfig.from_settings(s) if speculates else None
+        if speculation is not None and not engine.speculates:
+            log.warning("%s:%d: TSERVE_SPECULATION=%s is not used: its KV cache (int8, or in a device's memory) cannot "
+                        "be verified (docs/speculation.md)", model.name, model.version, s.speculation)
+            speculation = None
         return ContinuousBatcher(engine, model.name, model.version, metrics, max_rows=max_rows(s),
                                  max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size,
-                                 workers=s.decoding_workers)
+                                 workers=s.decoding_workers, speculation=speculation)
 
     return build
 
@@ -126,7 +137,7 @@ KIND_TABLE: dict[str, ModelKind] = {
                            _warm_up_translation, decoding_modes=(GREEDY, BEAM), max_rows=_translation_rows,
                            calibration=_time_translation, calibration_unit="token",
                            single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[TRANSLATION]),
-    GPT: ModelKind(GPT, GPTEngine, continuous_batcher(_gpt_rows), _warm_up_gpt,
+    GPT: ModelKind(GPT, GPTEngine, continuous_batcher(_gpt_rows, speculates=True), _warm_up_gpt,
                    decoding_modes=(GREEDY, BEAM, SAMPLE), max_rows=_gpt_rows, calibration=_time_gpt,
                    calibration_unit="token", single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[GPT]),
     VIT: ModelKind(VIT, ViTEngine, dynamic_batcher, _warm_up_vit, decoding_modes=(), max_rows=_vit_images,

@@ -52,6 +52,15 @@ class Metrics:
             "tserve_generated_tokens", "Tokens generated (every row of a beam search counts).",
             ["model", "version", "mode"], registry=r)
         self.images = Counter("tserve_images", "Images classified.", ["model", "version"], registry=r)
+        # n-gram speculation (TSERVE_SPECULATION=ngram), vLLM's names; acceptance rate = accepted / draft tokens
+        self.spec_decode_drafts = Counter(
+            "tserve_spec_decode_num_drafts", "Drafts verified (one per row of a speculative step that drafted).",
+            ["model", "version"], registry=r)
+        self.spec_decode_draft_tokens = Counter(
+            "tserve_spec_decode_num_draft_tokens", "Draft tokens verified.", ["model", "version"], registry=r)
+        self.spec_decode_accepted_tokens = Counter(
+            "tserve_spec_decode_num_accepted_tokens", "Draft tokens accepted (kept as generated tokens).",
+            ["model", "version"], registry=r)
         # automatic prefix caching (service.engines.prefix_cache), vLLM's prefix_cache_queries / _hits, in tokens
         self.prefix_cache_queries = Counter(
             "tserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model", "version"],

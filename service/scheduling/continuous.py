@@ -27,6 +27,7 @@ from service.observability.metrics import Metrics
 from service.scheduling.jobs import Generation, TextJob
 from service.scheduling.prefix_metrics import PrefixCacheMetrics
 from service.scheduling.queueing import IDLE_WAIT_S, QueuedScheduler, fail, settle
+from service.scheduling.speculation import SpeculationConfig
 from service.scheduling.text_batch import DecodingBackend, TextBatch
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,11 @@ class ContinuousBatcher(QueuedScheduler):
     `decoding_workers`)."""
 
     def __init__(self, backend: DecodingBackend, model: str, version: int, metrics: Metrics, *, max_rows: int,
-                 max_prefill: int, max_queue: int, workers: int = 1):
+                 max_prefill: int, max_queue: int, workers: int = 1, speculation: SpeculationConfig | None = None):
         self.backend = backend
         self.max_rows = max_rows
         self.max_prefill = max_prefill
+        self.speculation = speculation  # n-gram speculation for the batches' greedy rows (None: off)
         self._lanes = [_Lane() for _ in range(workers)]
         self._rows = 0  # the live rows of every lane's batch, published with `_active`
         super().__init__(model, version, metrics, max_queue, rows=lambda: self._rows, workers=workers)
@@ -83,6 +85,11 @@ class ContinuousBatcher(QueuedScheduler):
         self._prompt_tokens = metrics.prompt_tokens.labels(**self.labels)
         self._prefix_cache = PrefixCacheMetrics.of(backend, metrics, self.labels)
         self._by_mode: dict[str, _ModeMetrics] = {}
+        # drafts, draft tokens and accepted tokens of speculative steps, declared at zero when speculation is on
+        self._speculated = None if speculation is None else tuple(
+            counter.labels(**self.labels) for counter in (metrics.spec_decode_drafts,
+                                                          metrics.spec_decode_draft_tokens,
+                                                          metrics.spec_decode_accepted_tokens))
 
     def _in_flight(self) -> list[TextJob]:
         return [job for lane in self._lanes for job in lane.admitting]
@@ -192,6 +199,7 @@ class ContinuousBatcher(QueuedScheduler):
             self._prefix_cache.observe(admitted)
         joined = self._deliver(lane, generations, time.monotonic())
         newcomers.filter(joined)
+        newcomers.speculation = self.speculation
         try:  # compaction (dropping dead rows) and the newcomers' join, in the batch's buffers when they have room
             lane.batch = newcomers if lane.batch is None else TextBatch.concatenate([lane.batch, newcomers])
         except Exception as error:
@@ -235,7 +243,10 @@ class ContinuousBatcher(QueuedScheduler):
             try:
                 if generation.error is not None:
                     raise generation.error
-                self._of_mode(job.mode).generated_tokens.inc(generation.rows)  # a choice per row
+                # a choice per row, and each draft token a speculative step kept
+                self._of_mode(job.mode).generated_tokens.inc(generation.rows + generation.accepted)
+                if generation.drafted:
+                    self._count_draft(generation)
                 self._after_step(lane, generation, now)
             except Exception as error:
                 log.exception("decoding failed for one request of %s", self.labels["model"])
@@ -247,6 +258,12 @@ class ContinuousBatcher(QueuedScheduler):
             else:
                 survivors.append(job)
         return survivors
+
+    def _count_draft(self, generation: Generation) -> None:
+        drafts, draft_tokens, accepted_tokens = self._speculated
+        drafts.inc()
+        draft_tokens.inc(generation.drafted)
+        accepted_tokens.inc(generation.accepted)
 
     def _after_step(self, lane: _Lane, generation: Generation, now: float) -> None:
         job = generation.job

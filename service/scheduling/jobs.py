@@ -99,6 +99,10 @@ class Generation:
     done: bool = False
     hypotheses: list[Hypothesis] | None = None
     error: Exception | None = None
+    # a speculative step (`service.scheduling.speculation`): its draft's tokens, and those of them kept (each one a
+    # token more than a plain step gives)
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass

@@ -23,8 +23,10 @@ import numpy as np
 from service.decoding import StepResult, TokenLogprob, step_searches
 from service.decoding.types import StepLogits, row_candidates
 from service.decoding.distributions import log_normaliser, top_logprobs
+from service.decoding.ngram_draft import NGramDrafter
 from service.engines.onnx_schema import PAD_ID
 from service.scheduling.jobs import Generation, PromptLogprobs, TextJob
+from service.scheduling.speculation import SpeculationConfig, draft_for, speculable, step_verified
 
 DEAD_ROWS_BEFORE_COMPACTION = 0.25  # fraction of the rows that may be dead before a step compacts the batch
 
@@ -67,6 +69,10 @@ class TextBatch:
         self.spans = spans
         self.pending = pending
         self.handed = handed
+        self.drafters: dict[TextJob, NGramDrafter] = {}  # each job's n-gram drafter, once it speculated
+
+    # n-gram speculation (`service.scheduling.speculation`): None = off, every step a plain one
+    speculation: SpeculationConfig | None = None
 
     @classmethod
     def prefill(cls, backend: DecodingBackend, jobs: list[TextJob]) -> tuple[TextBatch, list[Generation]]:
@@ -108,6 +114,7 @@ class TextBatch:
         self.spans = {job: span for job, span in self.spans.items() if job in kept}
         self.pending = {job: step for job, step in self.pending.items() if job in kept}
         self.handed = {job: count for job, count in self.handed.items() if job in kept}
+        self.drafters = {job: drafter for job, drafter in self.drafters.items() if job in kept}
         self.jobs = list(jobs)
         return self
 
@@ -129,11 +136,21 @@ class TextBatch:
                 row += rows
             pending.update(batch.pending)
             handed.update(batch.handed)
-        return TextBatch(first.backend, state, row, jobs, spans, pending, handed)
+        merged = TextBatch(first.backend, state, row, jobs, spans, pending, handed)
+        merged.speculation = first.speculation
+        for batch in batches:
+            merged.drafters.update(batch.drafters)
+        return merged
 
     def generate_token(self) -> list[Generation]:
         """One decoding step: feed every request's pending tokens, then step every search. Returns one
-        `Generation` per job, in order. Raises if the engine step fails (the state is unusable then)."""
+        `Generation` per job, in order. Raises if the engine step fails (the state is unusable then). A batch that
+        may speculate verifies its rows' drafts instead (`_speculate`), several tokens a row."""
+        if speculable(self.backend, self.jobs, self.live_rows, self.speculation):
+            drafts = {job: draft_for(job, self._drafter(job), self.speculation, self.backend.context_length)
+                      for job in self.jobs}
+            if any(drafts.values()):
+                return self._speculate(drafts)
         parents, tokens = self._plan()
         self.state = self.backend.select(self.state, parents)
         if getattr(self.backend, "returns_row_candidates", False):
@@ -145,6 +162,43 @@ class TextBatch:
             rows = self.row_indices()
             logits = logits.take(rows) if isinstance(logits, StepLogits) else logits[rows]
         return self._step_searches(logits)
+
+    def _drafter(self, job: TextJob) -> NGramDrafter:
+        drafter = self.drafters.get(job)
+        if drafter is None:
+            drafter = self.drafters[job] = NGramDrafter(job.input_ids)
+        return drafter
+
+    def _speculate(self, drafts: dict[TextJob, list[int]]) -> list[Generation]:
+        """One verify pass feeding every row its pending token and its job's draft, every search stepped on its
+        positions while it agrees with its draft (`step_verified`), each row's cache rolled back past the first
+        disagreement; one `Generation` per job, in order, with its drafted and accepted tokens."""
+        parents, tokens = self._plan()
+        self.state = self.backend.select(self.state, parents)
+        fed = [[token] for token in tokens.tolist()]  # dead rows: their padding token alone, nothing kept
+        rows = [self.spans[job][0] for job in self.jobs]
+        for job, row in zip(self.jobs, rows):
+            fed[row] += drafts[job]
+        verification = self.backend.verify(self.state, fed)
+        outcomes, kept = step_verified([job.search for job in self.jobs], verification.logits[rows],
+                                       [fed[row] for row in rows])
+        keep = np.zeros(self.rows, np.int64)
+        keep[rows] = kept
+        verification.commit(keep)
+        generations = []
+        for job, outcome, count in zip(self.jobs, outcomes, kept.tolist()):
+            drafted, accepted = len(drafts[job]), count - 1  # accepted: draft tokens kept in the cache
+            self.drafters[job].record(drafted, accepted)
+            try:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                self.pending[job] = outcome
+                generation = self._generation(job, 1, outcome.done)
+                generation.drafted, generation.accepted = drafted, accepted
+            except Exception as error:  # its search raised (stepping, or collecting its results)
+                generation = Generation(job, 1, error=error)
+            generations.append(generation)
+        return generations
 
     def _plan(self) -> tuple[np.ndarray, np.ndarray]:
         """Parents and tokens of the next step's rows; moves the requests' spans when the batch is compacted."""
