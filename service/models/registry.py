@@ -164,6 +164,8 @@ class ModelRegistry:
         details = {"reason": choice.reason, "not_offered": choice.not_offered}
         if hasattr(engine, "prefix_caching"):  # the GPT's (`service.engines.prefix_cache`): on or off, and why
             variant["prefix_cache"] = "on" if engine.prefix_caching["enabled"] else "off"
+            # n-gram speculation (`service.scheduling.speculation`): ngram where its scheduler speculates
+            variant["speculation"] = s.speculation if getattr(scheduler, "speculation", None) else "off"
             details["prefix_caching"] = {key: str(value).lower() if isinstance(value, bool) else str(value)
                                          for key, value in engine.prefix_caching.items()}
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds,

@@ -74,7 +74,7 @@ def test_a_repeated_prompt_is_answered_from_its_cached_blocks_with_the_output_of
         assert sampled["usage"]["prompt_tokens_details"] == {"cached_tokens": usable_tokens(other_tokens)}
         assert _output(sampled) == reference["sampled"]
         model = next(m for m in client.get("/v1/models").json()["data"] if m["id"] == "gpt")
-        assert model["variant"]["prefix_cache"] == "on"
+        assert model["variant"]["prefix_cache"] == "on" and model["variant"]["speculation"] == "off"
         assert model["variant"]["prefix_caching"] == {"enabled": "true", "block_tokens": str(BLOCK_TOKENS),
                                                       "budget_bytes": str(8 << 20)}
 

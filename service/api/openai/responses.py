@@ -111,7 +111,8 @@ class OpenAIModel(BaseModel):
         "why not, on this provider), `chosen_by` (pinned, only variant, measured, cached measurement) and "
         "`reason`; `attention` (plain, mha) and, for the text models, `kv_cache` (concat, inplace), as its "
         "config.json says; for the GPT `prefix_cache` (on, off) and `prefix_caching` (`enabled`, `block_tokens`, "
-        "`budget_bytes`, and `reason` when off); null when no version is loaded.")
+        "`budget_bytes`, and `reason` when off), and `speculation` (off, ngram: where its steps speculate); null "
+        "when no version is loaded.")
     ready: bool
 
 
