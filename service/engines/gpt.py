@@ -109,6 +109,12 @@ class GPTEngine:
             return None, {**report, "reason": differs}
         return PrefixCache(budget), {**report, "enabled": True}
 
+    def reserve_prefix_cache(self) -> None:
+        """Take the prefix cache's memory now (the engine that serves, at warm-up; not the variants timed at load):
+        otherwise the first requests' blocks pay for fresh pages."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reserve(self.n_layers, self.n_heads, self.head_dim, self.vocab_size)
+
     def _empty_cache(self, rows: int) -> KVCache | DeviceKVCache:
         if self._ops is None:
             return KVCache.empty(rows, self.n_layers, self.n_heads, self.head_dim, self.cache_limit)

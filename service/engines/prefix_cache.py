@@ -35,8 +35,12 @@ class BlockPool:
     0 value, ...) and logits (slot, BLOCK_TOKENS, V), and the free slots."""
 
     def __init__(self, slots: int, kv_shape: tuple[int, ...], vocab: int, dtype: np.dtype):
-        self.kv = np.empty((slots, *kv_shape), dtype)
-        self.logits = np.empty((slots, BLOCK_TOKENS, vocab), np.float32)
+        # written once now: every page is the process's from the start (a block copied into a page touched for the
+        # first time pays its page faults, ~0.5 ms a block, inside a request)
+        self.kv = np.zeros((slots, *kv_shape), dtype)
+        self.logits = np.zeros((slots, BLOCK_TOKENS, vocab), np.float32)
+        self.kv.fill(0)
+        self.logits.fill(0)
         self.free = list(range(slots - 1, -1, -1))
 
     @staticmethod
@@ -92,7 +96,7 @@ class PrefixCache:
         if budget_bytes <= 0:
             raise ValueError(f"a prefix cache needs a positive budget, got {budget_bytes} bytes")
         self.budget_bytes = budget_bytes
-        self._pool: BlockPool | None = None  # made at the first insert, with the model's shapes
+        self._pool: BlockPool | None = None  # made by `reserve` or at the first insert, with the model's shapes
         self._block_bytes = 0
         self._blocks: OrderedDict[tuple[int, bytes], Block] = OrderedDict()  # least recently used first
         self._ids = count(1)
@@ -162,10 +166,18 @@ class PrefixCache:
             self._copy(pool, [chain[i - start_block + len(known)].slot for i in new], new, kv, logits, row,
                        start_block)
 
+    def reserve(self, layers: int, heads: int, head_dim: int, vocab: int, dtype: np.dtype = np.float32) -> None:
+        """Make the pool now (its memory taken at load, not by the first requests), for a model of these shapes."""
+        with self._lock:
+            if self._pool is None:
+                self._new_pool((2 * layers, heads, BLOCK_TOKENS, head_dim), vocab, np.dtype(dtype))
+
     def _make_pool(self, kv: Sequence[np.ndarray], vocab: int) -> BlockPool:
-        shape = (len(kv), kv[0].shape[1], BLOCK_TOKENS, kv[0].shape[3])
-        self._block_bytes = BlockPool.block_bytes(shape, vocab, kv[0].dtype)
-        self._pool = BlockPool(self.budget_bytes // self._block_bytes, shape, vocab, kv[0].dtype)
+        return self._new_pool((len(kv), kv[0].shape[1], BLOCK_TOKENS, kv[0].shape[3]), vocab, kv[0].dtype)
+
+    def _new_pool(self, shape: tuple[int, ...], vocab: int, dtype: np.dtype) -> BlockPool:
+        self._block_bytes = BlockPool.block_bytes(shape, vocab, dtype)
+        self._pool = BlockPool(self.budget_bytes // self._block_bytes, shape, vocab, dtype)
         return self._pool
 
     @staticmethod
@@ -211,14 +223,14 @@ class PrefixCache:
 
 def past_of(chains: Sequence[Sequence[Block]]) -> list[np.ndarray]:
     """The K/V of rows that hit as many blocks each: flat (layer 0 key, layer 0 value, ...), each (rows, heads,
-    blocks * BLOCK_TOKENS, head_dim), one copy."""
-    first = chains[0][0]
-    pool, blocks = first.pool, len(chains[0])
-    slots = np.array([[block.slot for block in chain] for chain in chains])  # (rows, blocks)
-    gathered = pool.kv[slots]  # (rows, blocks, 2L, heads, BLOCK_TOKENS, head_dim)
-    rows, _, kinds, heads, _, head_dim = gathered.shape
-    ordered = gathered.transpose(2, 0, 3, 1, 4, 5).reshape(kinds, rows, heads, blocks * BLOCK_TOKENS, head_dim)
-    return list(np.ascontiguousarray(ordered))
+    blocks * BLOCK_TOKENS, head_dim), each block copied once into its place."""
+    pool, blocks = chains[0][0].pool, len(chains[0])
+    kinds, heads, _, head_dim = pool.kv.shape[1:]
+    past = np.empty((kinds, len(chains), heads, blocks, BLOCK_TOKENS, head_dim), pool.kv.dtype)
+    for row, chain in enumerate(chains):
+        for index, block in enumerate(chain):
+            past[:, row, :, index] = pool.kv[block.slot]
+    return list(past.reshape(kinds, len(chains), heads, blocks * BLOCK_TOKENS, head_dim))
 
 
 def logits_of(chain: Sequence[Block]) -> np.ndarray:

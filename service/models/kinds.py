@@ -111,6 +111,7 @@ def _warm_up_translation(engine: TranslationEngine) -> None:
 
 
 def _warm_up_gpt(engine: GPTEngine) -> None:
+    engine.reserve_prefix_cache()
     warm_up_text(engine, engine.tokenizer.encode(GPT_WARM_UP_PROMPT).ids)
 
 

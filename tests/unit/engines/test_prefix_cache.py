@@ -179,6 +179,9 @@ def test_a_prompt_pass_from_cached_blocks_gives_the_numbers_of_one_without(relea
     on = GPTEngine(released, RuntimeOptions(weights=variant, prefix_cache_bytes=BUDGET))
     off = GPTEngine(released, RuntimeOptions(weights=variant))
     assert on.prefix_caching["enabled"] and off.prefix_cache is None
+    on.reserve_prefix_cache()
+    off.reserve_prefix_cache()  # nothing to reserve
+    assert on.prefix_cache.stats.bytes == 0 and len(on.prefix_cache) == 0
     assert off.prefix_caching["reason"] == "turned off (TSERVE_PREFIX_CACHE)"
     rng = np.random.default_rng(55)
     hit_rows = 0
@@ -255,6 +258,17 @@ def test_a_pool_full_of_pinned_blocks_keeps_the_blocks_it_could_with_their_numbe
     np.testing.assert_array_equal(chain[1].kv, np.stack([k[0, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS] for k in kv]))
     cache.insert(b, kv, logits, row=0)  # nothing pinned now: the third block evicts a's
     assert len(matched(cache, b + [0, 0])) == 3 and matched(cache, a + [0, 0]) == []
+
+
+def test_a_reserved_pool_holds_the_budget_in_whole_blocks_of_the_models_shapes():
+    cache = PrefixCache(5 * _block_bytes() + 7)
+    cache.reserve(LAYERS, HEADS, HEAD_DIM, VOCAB)
+    cache.reserve(LAYERS + 1, HEADS, HEAD_DIM, VOCAB)  # once made, the pool stays
+    prompt = list(range(7 * BLOCK_TOKENS))
+    cache.insert(prompt, *_pass(1, len(prompt), seed=17), row=0)
+    # its first five blocks: the sixth finds only the chain being kept, pinned while it is
+    assert len(cache) == 5 and cache.stats.bytes == 5 * _block_bytes() and cache.stats.evicted_blocks == 0
+    assert matched(cache, prompt)[0].kv.shape == (2 * LAYERS, HEADS, BLOCK_TOKENS, HEAD_DIM)
 
 
 def test_a_cleared_cache_takes_blocks_again():
