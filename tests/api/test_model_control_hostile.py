@@ -92,14 +92,14 @@ def test_a_version_unloaded_past_its_drain_timeout_tells_its_requests_it_was_unl
     try:
         assert client.post("/v2/repository/models/gpt/load", json={"parameters": {"version": "3"}}).status_code == 200
         loaded = client.app.state.registry.loaded[("gpt", 3)]
-        scheduler, real = loaded.scheduler, loaded.engine.prefill
+        scheduler, real = loaded.scheduler, loaded.engine.prefill_cached
 
         def held(*args, **kwargs):  # the prompt pass waits for the scheduler's stop: no request can finish first
             while not scheduler._stop:
                 time.sleep(HOLD_POLL_S)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(loaded.engine, "prefill", held)
+        monkeypatch.setattr(loaded.engine, "prefill_cached", held)
         outcomes: dict[str, object] = {}
 
         def plain() -> None:
