@@ -55,7 +55,10 @@ def test_health_and_models(client):
         assert variant.pop("not_offered")["fp16"].startswith("ONNX Runtime's CPU provider")  # CUDA's variant
         plain = {"weights": "fp32", "stored_weights": "fp32", "chosen_by": "pinned", "attention": "plain"}
         # ViT: no KV cache; the text models' on the host under the CPU provider (TSERVE_KV_RESIDENCE=auto)
-        assert variant == (plain if name == "vit" else {**plain, "kv_cache": "concat", "kv_residence": "host"})
+        # the GPT's prompt passes from its prefix cache (on by default), its steps not speculated (off by default)
+        gpt = {"prefix_cache": "on", "speculation": "off", "prefix_caching": {
+            "enabled": "true", "block_tokens": "16", "budget_bytes": str(256 << 20)}} if name == "gpt" else {}
+        assert variant == (plain if name == "vit" else {**plain, "kv_cache": "concat", "kv_residence": "host", **gpt})
 
 
 def test_request_id_is_accepted_and_echoed(client):
@@ -321,7 +324,9 @@ def test_metrics_describe_the_traffic(client):
                  'tserve_model_info{attention="plain",chosen_by="pinned",kind="vit",model="vit",offered_weights=',
                  "tserve_ready 1.0"):
         assert name in text, name
-    assert text.count('provider="CPUExecutionProvider",stored_weights="fp32",version="1",weights="fp32"} 1.0') == 3
+    assert text.count('provider="CPUExecutionProvider",stored_weights="fp32",version="1",weights="fp32"} 1.0') == 2
+    assert ('prefix_cache="on",provider="CPUExecutionProvider",speculation="off",stored_weights="fp32",version="1",'
+            'weights="fp32"} 1.0') in text  # the GPT's
     assert 'tserve_request_failures_total{model="translation",reason="bad_input",version="1"}' in text
 
 
