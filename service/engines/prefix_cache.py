@@ -106,6 +106,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    @property
+    def capacity(self) -> int:
+        """The blocks its pool holds (0 until the pool is made: `reserve` or the first insert)."""
+        return 0 if self._pool is None else len(self._pool.kv)
+
     def match(self, prompt: Sequence[int]) -> list[Block]:
         """The cached blocks of `prompt`'s longest cached prefix of at most `usable_tokens` tokens, in order,
         touched and pinned until `release`; counts the query."""

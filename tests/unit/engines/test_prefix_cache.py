@@ -262,13 +262,17 @@ def test_a_pool_full_of_pinned_blocks_keeps_the_blocks_it_could_with_their_numbe
 
 def test_a_reserved_pool_holds_the_budget_in_whole_blocks_of_the_models_shapes():
     cache = PrefixCache(5 * _block_bytes() + 7)
+    assert cache.capacity == 0
     cache.reserve(LAYERS, HEADS, HEAD_DIM, VOCAB)
+    assert cache.capacity == 5
     cache.reserve(LAYERS + 1, HEADS, HEAD_DIM, VOCAB)  # once made, the pool stays
     prompt = list(range(7 * BLOCK_TOKENS))
     cache.insert(prompt, *_pass(1, len(prompt), seed=17), row=0)
     # its first five blocks: the sixth finds only the chain being kept, pinned while it is
     assert len(cache) == 5 and cache.stats.bytes == 5 * _block_bytes() and cache.stats.evicted_blocks == 0
-    assert matched(cache, prompt)[0].kv.shape == (2 * LAYERS, HEADS, BLOCK_TOKENS, HEAD_DIM)
+    chain = matched(cache, prompt)
+    assert chain[0].kv.shape == (2 * LAYERS, HEADS, BLOCK_TOKENS, HEAD_DIM) and chain[0].kv.dtype == np.float32
+    assert past_of([chain])[0].dtype == np.float32
 
 
 def test_a_cleared_cache_takes_blocks_again():
