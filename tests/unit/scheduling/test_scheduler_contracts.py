@@ -271,9 +271,11 @@ def test_an_image_job_expired_in_the_queue_says_where_it_was():
 # --- the queue ----------------------------------------------------------------------------------------------------
 
 
-def test_max_queue_must_be_positive_and_one_is_enough(batcher):
+def test_max_queue_and_workers_must_be_positive_and_one_is_enough(batcher):
     with pytest.raises(ValueError, match="^max_queue must be >= 1$"):
         ContinuousBatcher(FakeBackend(), "m", 1, Metrics(), max_rows=4, max_prefill=1, max_queue=0)
+    with pytest.raises(ValueError, match="^workers must be >= 1$"):
+        ContinuousBatcher(FakeBackend(), "m", 1, Metrics(), max_rows=4, max_prefill=1, max_queue=1, workers=0)
     b = batcher(start=False, max_queue=1)
     b.submit(job([1], GreedySearch(2, None)))
     assert b.queue_depth == 1

@@ -3,7 +3,8 @@ fake model whose verify pass is exact (its logits a function of a row's last tok
 into loops that drafts predict): with speculation, every greedy request ends as plain decoding ends it, bit for bit
 (tokens, score, finish reason at EOS, a stop or max_new_tokens mid-draft, log-probabilities, n-gram bans), in
 batches that rows join and leave, while most tokens come out of verify passes; a step with a sampled or beam
-request, or more rows than allowed, is a plain one; the continuous batcher counts drafts in vLLM's metrics."""
+request, or more rows than allowed, is a plain one; the continuous batcher counts drafts in vLLM's metrics; a
+search that raises in a verify pass fails its request alone; a row's draft length adapts across steps."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import numpy as np
 import pytest
 
 from service.decoding import BeamSearch, GreedySearch, SamplingSearch, run_search
+from service.decoding.ngram_draft import FIRST_DRAFT
 from service.observability.metrics import Metrics
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.jobs import TextJob
 from service.scheduling.speculation import SpeculationConfig
 from service.scheduling.text_batch import TextBatch
+from tests.support.fake_decoding import ExplodingSearch
 
 VOCAB, EOS, WINDOW = 9, 0, 2  # the fake model's logits depend on a row's last WINDOW tokens
 SURPRISE = 13  # ... and, at every SURPRISE-th position, on the position too: a loop's drafts are rejected there
@@ -258,3 +261,37 @@ def test_the_continuous_batcher_speculates_and_counts_drafts_in_vllm_metrics():
     accepted = value("tserve_spec_decode_num_accepted_tokens_total")
     assert backend.verifies > 0 and 0 < drafts <= drafted and 0 < accepted <= drafted
     assert value("tserve_generated_tokens_total", mode="greedy") == 3 * 120  # every choice counted once
+
+
+def test_a_search_that_raises_in_a_verify_pass_fails_its_request_alone():
+    """Two speculating rows; one search raises at a position of a verify pass: its request gets the error (one row
+    stepped), the other goes on to the end it reaches alone."""
+    backend = LoopingBackend()
+    failing, going = make_job([1, 2, 3], ExplodingSearch(100, explode_at=40)), make_job([4, 5], GreedySearch(60, None))
+    batch, generations = TextBatch.prefill(backend, [failing, going])
+    batch.speculation = SpeculationConfig(max_draft=8, max_rows=2)
+    errors = []
+    while batch.jobs:
+        verifies = backend.verifies
+        generations = batch.generate_token()
+        for generation in generations:
+            if generation.error is not None:
+                errors.append((generation.job, generation.rows, type(generation.error), backend.verifies > verifies))
+        batch.filter([g.job for g in generations if not g.done and g.error is None])
+    assert errors == [(failing, 1, ValueError, True)]
+    assert outcome(going.search) == alone([4, 5], GreedySearch(60, None))
+
+
+def test_a_rows_draft_length_grows_across_steps_as_the_scheduler_filters_the_batch():
+    """The row's drafter (its draft length, adapted to acceptance) lasts from step to step, through the `filter`
+    the scheduler calls at every step: accepted drafts make longer ones."""
+    job = make_job([1, 2, 3], GreedySearch(200, None))
+    batch, generations = TextBatch.prefill(LoopingBackend(), [job])
+    batch.speculation = SpeculationConfig(max_draft=8, max_rows=1)
+    drafted = []
+    while not generations[0].done:
+        generations = batch.generate_token()
+        drafted.append(generations[0].drafted)
+        batch.filter([job])
+    assert max(drafted) > FIRST_DRAFT
+    assert outcome(job.search) == alone([1, 2, 3], GreedySearch(200, None))
