@@ -124,3 +124,45 @@ def test_bad_arguments_are_refused():
         NGramDrafter(max_draft=0)
     with pytest.raises(ValueError):
         NGramDrafter().record(2, 3)
+
+
+def test_the_bounds_of_its_settings_are_checked_with_their_names():
+    assert NGramDrafter(min_n=1, max_n=1).min_n == 1
+    assert NGramDrafter(min_n=3, max_n=3, max_draft=1).draft_length == 1
+    for bad in ({"min_n": 0, "max_n": 2}, {"min_n": 3, "max_n": 2}):
+        with pytest.raises(ValueError, match=r"^need 1 <= min_n <= max_n$"):
+            NGramDrafter(**bad)
+    with pytest.raises(ValueError, match=r"^max_draft must be >= 1$"):
+        NGramDrafter(max_draft=0)
+    drafter = NGramDrafter()
+    with pytest.raises(ValueError, match=r"^accepted 3 of 2 drafted tokens$"):
+        drafter.record(2, 3)
+    with pytest.raises(ValueError, match=r"^accepted -1 of 1 drafted tokens$"):
+        drafter.record(1, -1)
+
+
+def test_a_one_token_draft_counts_and_an_empty_one_does_not():
+    drafter = NGramDrafter(min_n=1, max_n=2, window=2, min_acceptance=0.5, pause=3)
+    drafter.record(0, 0)
+    assert drafter.acceptance is None and drafter.draft_length == 2
+    drafter.record(1, 1)
+    assert drafter.acceptance == 1.0 and drafter.draft_length == 4
+    drafter.record(1, 0)  # the window of 2 draft tokens is half accepted: enough
+    assert not drafter.paused and drafter.draft_length == 1
+
+
+def test_unigrams_and_the_shortest_contexts_are_looked_up_exactly():
+    drafter = NGramDrafter([7, 1, 2, 7], min_n=1, max_n=3, max_draft=4)
+    # the context ends in 7, whose last earlier occurrence ended at 0: [1, 2] follow, then the loop goes on
+    assert drafter.propose(4) == [1, 2]  # the first draft holds two tokens
+    short = NGramDrafter([5, 5], min_n=1, max_n=8)
+    assert short.propose(3) == [5, 5]  # the 1-gram [5] ended at 0; the first draft holds two tokens
+    assert NGramDrafter([5], min_n=1).propose(3) == []  # nothing before the last token
+    exact = NGramDrafter([1, 2, 3, 9, 1, 2, 3], min_n=3, max_n=3)
+    assert exact.propose(2) == [9, 1]
+    assert NGramDrafter([1, 2, 3], min_n=3, max_n=3).propose(2) == []  # as long as min_n: nothing earlier
+    grown = NGramDrafter([4, 1, 2], min_n=2, max_n=2)
+    grown.extend([3, 1, 2])
+    assert grown.propose(2) == [3, 1] and len(grown) == 6
+    grown.extend([])
+    assert grown.propose(2) == [3, 1]
