@@ -1,9 +1,12 @@
 """Timing the systems alike: warm-up, then repeats interleaved round-robin across systems (a background load that
 drifts over time hits them all alike), the output shapes checked (every system generates exactly as many tokens),
-and the summary of a case: median throughput, ratios, and how often two systems on the same weights agree."""
+and the summary of a case: median throughput, ratios with their spread over the rounds (each round's ratio from
+that round's two passes: one system misbehaving in one round shows as spread, not as the ratio), the machine's load
+before and after, and how often two systems on the same weights agree."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -11,6 +14,9 @@ import numpy as np
 
 from .llama_cpp import agreement as llama_cpp_agreement
 from .workloads import GenerateFn
+
+# a ratio whose rounds disagree by more than this (max / min of the per-round ratios) is flagged as unreliable
+SPREAD_FLAG = 1.3
 
 def measure(systems: dict[str, GenerateFn], inputs: list[np.ndarray], expected_new: int, warmup: int,
             repeats: int, skipped: dict[str, str] | None = None
@@ -37,13 +43,31 @@ def measure(systems: dict[str, GenerateFn], inputs: list[np.ndarray], expected_n
                 raise RuntimeError(f"{name} returned shape {y.shape}, expected {(x.shape[0], expected_new)}: "
                                    "every system must generate exactly the same number of tokens")
     times: dict[str, list[float]] = {name: [] for name in systems}
+    times_load = os.getloadavg()[0]
     for _ in range(repeats):
         for name, generate in systems.items():
             start = time.perf_counter()
             for x in inputs:
                 generate(x)
             times[name].append(time.perf_counter() - start)
+    LOADS.append((times_load, os.getloadavg()[0]))
     return times, outputs
+
+
+# the 1-minute load average before and after each `measure`'s timed rounds, in call order (`summarise` takes the last)
+LOADS: list[tuple[float, float]] = []
+
+
+def ratio_spread(mine: list[float], other: list[float]) -> dict | None:
+    """The per-round ratios of two systems' seconds per pass (round r: other[r] / mine[r], > 1: mine faster) ->
+    median, min, max, rounds and whether max / min exceeds `SPREAD_FLAG`; None without a common round."""
+    rounds = min(len(mine), len(other))
+    if not rounds:
+        return None
+    ratios = [other[r] / mine[r] for r in range(rounds)]
+    low, high = min(ratios), max(ratios)
+    return {"median": statistics.median(ratios), "min": low, "max": high, "rounds": rounds,
+            "flagged": high / low > SPREAD_FLAG}
 
 
 def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -69,6 +93,10 @@ def summarise(case: str, unit: str, work: float, times: dict[str, list[float]], 
     }
     result["ratios"]["optimum/transformers"] = (throughput["optimum"] / throughput["transformers"]
                                                 if {"optimum", "transformers"} <= throughput.keys() else None)
+    result["ratio_spread"] = {key: ratio_spread(times[key.split("/")[0]], times[key.split("/")[1]])
+                              for key, value in result["ratios"].items() if value is not None}
+    if LOADS:
+        result["load_before_after"] = [round(value, 2) for value in LOADS[-1]]
     if {"transformers", "optimum"} <= outputs.keys():
         result["transformers_optimum_agreement"] = agreement(outputs["transformers"], outputs["optimum"])
     if {"ours", "ctranslate2"} <= outputs.keys():  # the same weights (enginebench.ct2): the beams should agree

@@ -11,6 +11,7 @@ import sys
 from cpuinfo import cpu
 
 from .llama_cpp import version as llama_cpp_version
+from .measure import SPREAD_FLAG
 from .systems import SYSTEMS
 from .workloads import Runtime
 
@@ -31,6 +32,14 @@ def print_result(result: dict) -> None:
                   f"range {min(seconds):.3f}-{max(seconds):.3f})")
     ratios = result["ratios"]
     print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items() if value is not None))
+    for key, spread in result.get("ratio_spread", {}).items():  # each round's ratio: how far one run can be off
+        if spread is not None:
+            print(f"    {key}: rounds {spread['min']:.2f}-{spread['max']:.2f}, median {spread['median']:.2f} of "
+                  f"{spread['rounds']}" + (f"   FLAGGED: rounds disagree by more than {SPREAD_FLAG:.1f}x"
+                                           if spread["flagged"] else ""))
+    if "load_before_after" in result:
+        before, after = result["load_before_after"]
+        print(f"    machine load (1-minute average) before / after the timed rounds: {before:.2f} / {after:.2f}")
     for mine in ("ours", "shipped"):  # the C++ peer's line, as the issue of record asks: `ours/<peer> <case> = x`
         for peer in ("ctranslate2", "ctranslate2-int8"):
             if ratios.get(f"{mine}/{peer}") is not None:

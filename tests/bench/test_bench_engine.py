@@ -15,7 +15,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import bench_engine  # noqa: E402 - after the sys.path set-up, as the script's own
-from enginebench.measure import measure, summarise  # noqa: E402
+from enginebench.measure import measure, ratio_spread, summarise  # noqa: E402
 from enginebench.report import print_result, print_table  # noqa: E402
 from enginebench.systems import BUILDERS, SYSTEMS  # noqa: E402
 from enginebench.workloads import GptSpec, make_prompts  # noqa: E402
@@ -54,6 +54,31 @@ def test_measure_summarise_and_print_a_case(capsys):
     print_table([result])
     out = capsys.readouterr().out
     assert "genai" in out and "skipped" in out and "identical outputs transformers vs optimum: 100%" in out
+
+
+def test_every_ratio_comes_with_its_rounds_spread_and_a_flag_when_they_disagree(capsys):
+    # ours: 1 s a pass each round; ctranslate2: 2 s, then 1 s in the round it misbehaved (2x apart: flagged)
+    times = {"ours": [1.0, 1.0, 1.0], "ctranslate2": [2.0, 1.0, 2.0], "genai": [1.1, 1.2, 1.1]}
+    outputs = {}
+    result = summarise("translation beam 4 batch 16", "sentences/s", 16, times, outputs, {})
+    spread = result["ratio_spread"]
+    assert spread["ours/ctranslate2"] == {"median": 2.0, "min": 1.0, "max": 2.0, "rounds": 3, "flagged": True}
+    assert spread["ours/genai"]["flagged"] is False and spread["ours/genai"]["max"] == pytest.approx(1.2)
+    assert set(spread) == {key for key, value in result["ratios"].items() if value is not None}
+    assert ratio_spread([1.0], []) is None
+    assert ratio_spread([1.0, 1.0], [1.3, 1.0])["flagged"] is False  # 1.3x apart: the margin itself is not flagged
+    print_result(result)
+    out = capsys.readouterr().out
+    assert "ours/ctranslate2: rounds 1.00-2.00, median 2.00 of 3   FLAGGED: rounds disagree by more than 1.3x" in out
+    assert "ours/genai: rounds 1.10-1.20, median 1.10 of 3\n" in out
+
+
+def test_measure_samples_the_machine_load_before_and_after_its_rounds():
+    prompts = make_prompts(GptSpec(new_tokens=4), 2)
+    times, outputs = measure({"ours": fake_system(4, 7)}, [prompts], 4, warmup=1, repeats=2)
+    result = summarise("gpt greedy batch 2", "tokens/s", 8, times, outputs, {})
+    before, after = result["load_before_after"]
+    assert before >= 0 and after >= 0
 
 
 def test_a_system_that_generates_a_different_number_of_tokens_is_an_error():
