@@ -165,27 +165,17 @@ class GPTEngine:
     def prefill_cached(self, prompts: Sequence[Sequence[int]], rows: Collection[int] = ()) -> PromptResult:
         """`prefill_positions`, each prompt starting from its longest cached prefix when the engine keeps a prefix
         cache (`service.engines.prefix_pass`: the same numbers as without), and how many of each prompt's tokens
-        came from it."""
+        came from it (all 0 without one)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         longest = max(len(p) for p in prompts)
         if longest > self.context_length:
             raise ValueError(f"prompt of {longest} tokens exceeds the context length {self.context_length}")
-        if self.prefix_cache is not None:
-            done = prefill_with_cache(prompts, rows, self._prompt_pass, self.prefix_cache)
-            last, presents, mask, lengths, every, cached = (done.last, done.presents, done.mask, done.lengths,
-                                                            done.every, done.cached_tokens)
-        else:
-            logits, presents = self._prompt_pass(prompts)  # (B, T, V)
-            lengths = np.array([len(p) for p in prompts], np.int64)
-            mask = (np.arange(longest) < lengths[:, None]).astype(np.int64)
-            every = {row: logits[row, : lengths[row]].copy() for row in rows}
-            last, cached = logits[np.arange(len(prompts)), lengths - 1], [0] * len(prompts)
-        if self.kv_scales is not None:
-            presents = quantize(presents, self.kv_scales)
+        done = prefill_with_cache(prompts, rows, self._prompt_pass, self.prefix_cache)
+        presents = done.presents if self.kv_scales is None else quantize(done.presents, self.kv_scales)
         cache = self._empty_cache(len(prompts))
-        cache.append(presents, mask, lengths)
-        return PromptResult(last, cache, every, cached)
+        cache.append(presents, done.mask, done.lengths)
+        return PromptResult(done.last, cache, done.every, done.cached_tokens)
 
     def _prompt_pass(self, prompts: Sequence[Sequence[int]], past: list[np.ndarray] | None = None
                      ) -> tuple[np.ndarray, list]:

@@ -41,27 +41,30 @@ class Prefilled:
 
 
 def prefill_with_cache(prompts: Sequence[Sequence[int]], rows: Collection[int], run: PromptPass,
-                       cache: PrefixCache) -> Prefilled:
+                       cache: PrefixCache | None) -> Prefilled:
     """The prompt pass of `prompts` over `cache`: one `run` per distinct hit length; every computed whole block
-    goes into the cache."""
-    chains = [cache.match(prompt) for prompt in prompts]  # pinned: no block is evicted while this pass reads it
+    goes into the cache. Without a cache: one `run` over every prompt (its presents may be a device's OrtValues)."""
+    # pinned: no block is evicted while this pass reads it
+    chains = [cache.match(prompt) for prompt in prompts] if cache is not None else [[] for _ in prompts]
     try:
         last, every, parts = _passes(prompts, rows, run, cache, chains)
     finally:
-        cache.release(chains)
+        if cache is not None:
+            cache.release(chains)
     lengths = np.array([len(p) for p in prompts], np.int64)
+    slots = int(lengths.max())  # every pass's presents (past and new) end at its longest prompt
     if len(parts) == 1:
         presents = parts[0][1]  # one pass (over every row, in order): its presents as they are
     else:
-        presents = _laid_out(parts, len(prompts), int(lengths.max()))
-    mask = (np.arange(presents[0].shape[2]) < lengths[:, None]).astype(np.int64)
+        presents = _laid_out(parts, len(prompts), slots)
+    mask = (np.arange(slots) < lengths[:, None]).astype(np.int64)
     return Prefilled(last, presents, mask, lengths, every, [len(c) * BLOCK_TOKENS for c in chains])
 
 
-def _passes(prompts: Sequence[Sequence[int]], rows: Collection[int], run: PromptPass, cache: PrefixCache,
+def _passes(prompts: Sequence[Sequence[int]], rows: Collection[int], run: PromptPass, cache: PrefixCache | None,
             chains: list[list[Block]]) -> tuple[np.ndarray, dict[int, np.ndarray], list]:
     """One `run` per distinct hit length, misses first -> the next-token logits, the logits at every position of
-    `rows`, and each pass's (rows, presents); every whole block computed goes into `cache`."""
+    `rows`, and each pass's (rows, presents); every whole block computed goes into `cache`, if any."""
     groups: dict[int, list[int]] = {}
     for row, chain in enumerate(chains):
         groups.setdefault(len(chain), []).append(row)
@@ -79,7 +82,8 @@ def _passes(prompts: Sequence[Sequence[int]], rows: Collection[int], run: Prompt
             last[row] = computed[-1]
             if row in rows:
                 every[row] = np.concatenate([logits_of(chains[row]), computed]) if blocks else computed.copy()
-            cache.insert(prompts[row], presents, computed, index, start_block=blocks, known=chains[row])
+            if cache is not None:
+                cache.insert(prompts[row], presents, computed, index, start_block=blocks, known=chains[row])
         parts.append((members, presents))
     return last, every, parts
 
