@@ -17,7 +17,7 @@ from typing import NamedTuple
 from service.client.launcher import ServiceProcess
 
 from .cases import Case
-from .report import NOT_MEASURED, peer_line
+from .report import NOT_MEASURED, case_metric, peer_line
 from .servers import metric_totals, service_server
 
 # the service's counters a case reads before and after each round (`CountingCase`), without `_total`
@@ -83,18 +83,6 @@ class ABRatio(NamedTuple):
 UNITS = {"ttft_p50": "ms", "time_per_request": "ms"}
 
 
-def metric(summary: dict | None, name: str) -> float | None:
-    if summary is None:
-        return None
-    if name == "throughput":
-        return summary["throughput"] or None
-    if name == "ttft_p50":
-        return (summary["ttft_ms"] or {}).get("p50")
-    if name == "time_per_request":
-        return summary["wall_s"] / summary["ok"] * 1000.0 if summary["ok"] else None
-    raise ValueError(f"unknown metric {name!r}")
-
-
 def judge(value: float | None, goal: tuple[str, float] | None, errors: int) -> str | None:
     """PASS or MISS against the goal (any error in the cases voids a PASS); None without a goal or a value."""
     if goal is None or value is None:
@@ -111,7 +99,7 @@ def evaluate(cases: list[dict], ratios: list[ABRatio], skipped: dict[str, str]) 
     rows = []
     for ratio in ratios:
         a, b = by_case.get(ratio.numerator), by_case.get(ratio.denominator)
-        x, y = metric(a, ratio.metric), metric(b, ratio.metric)
+        x, y = case_metric(a, ratio.metric), case_metric(b, ratio.metric)
         value = x / y if x is not None and y else None
         reason = None
         if value is None:

@@ -29,7 +29,7 @@ from service.client.launcher import ServiceProcess
 
 from .cases import JSON_HEADERS, Case
 from .load import Workload
-from .report import NOT_MEASURED, peer_line
+from .report import NOT_MEASURED, case_metric, peer_line
 
 CACHED_NAME = "jul"  # the enum value of the cached schema; a new schema's is 3 capitals (`fresh_name`)
 FRESH_SCHEMAS = 26**3  # distinct new schemas (AAA..ZZZ): more requests than a run sends at 1 stream
@@ -182,12 +182,6 @@ def constrained_ratios(concurrencies: list[int]) -> list[ConstrainedRatio]:
     return ratios
 
 
-def metric(summary: dict | None, name: str) -> float | None:
-    if summary is None:
-        return None
-    return summary["throughput"] if name == "throughput" else (summary["ttft_ms"] or {}).get("p50")
-
-
 def evaluate_constrained(cases: list[dict], ratios: list[ConstrainedRatio], skipped: dict[str, str]) -> list[dict]:
     """Each ratio's row, shaped like the peers' (`report.evaluate_peers`): the value (None, with the `reason`, when
     a case did not run), both figures, the mean tokens per request of each case and the errors in them."""
@@ -195,7 +189,7 @@ def evaluate_constrained(cases: list[dict], ratios: list[ConstrainedRatio], skip
     rows = []
     for ratio in ratios:
         a, b = by_case.get(ratio.numerator), by_case.get(ratio.denominator)
-        x, y = metric(a, ratio.metric), metric(b, ratio.metric)
+        x, y = case_metric(a, ratio.metric), case_metric(b, ratio.metric)
         value = x / y if x is not None and y else None
         reason = None
         if value is None:

@@ -68,6 +68,21 @@ def gpt_roofline(architecture: dict, batch: int, threads: int) -> dict:
             "throughput": batch * ROOFLINE_STEPS / statistics.median(seconds), "seconds": seconds}
 
 
+def case_metric(summary: dict | None, name: str) -> float | None:
+    """A case summary's figure that ratios are taken of: "throughput" (work/s; None for a case that did no work),
+    "ttft_p50" (ms), "time_per_request" (ms of wall time per successful request); None for a case that did not
+    run."""
+    if summary is None:
+        return None
+    if name == "throughput":
+        return summary["throughput"] or None
+    if name == "ttft_p50":
+        return (summary["ttft_ms"] or {}).get("p50")
+    if name == "time_per_request":
+        return summary["wall_s"] / summary["ok"] * 1000.0 if summary["ok"] else None
+    raise ValueError(f"unknown metric {name!r}")
+
+
 def _fmt(value, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
 
