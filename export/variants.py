@@ -1,7 +1,7 @@
 """Check the weights variants a version does not store, so that the service may run them: the variants are derived
 when the graphs load (`service.engines.weights`), and offered only once checked here (`service.models.variants`).
 
-    python -m export.variants --repository DIR --name NAME [--version N] [--data-dir DIR]
+    python -m export.variants --repository DIR --name NAME [--version N] [--data-dir DIR] [--variants V,...]
 
 For each variant other than the stored one (`service.engines.weights.VARIANTS`: int8 <-> fp32 weights, and with an
 in-place step graph each of them with its attention as GroupQueryAttention, `+gqa`, and over an int8 KV
@@ -39,6 +39,7 @@ from service.repository import CONFIG_FILE, ModelRepository, ModelVersion, Repos
 
 METRICS_FILE, CARD_FILE = "metrics.json", "README.md"
 CARD_SECTION = "## Weights variants"
+VARIANT_CHECK_SUFFIX = "_weights_variant"  # metrics.json `export_checks`: <variant>_weights_variant -> the result
 
 
 def candidate_variants(version: ModelVersion) -> list[str]:
@@ -50,16 +51,24 @@ def candidate_variants(version: ModelVersion) -> list[str]:
     return [v for v in VARIANTS if v != stored and (rewritable or not changes_step_attention(v))]
 
 
-def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[str, dict[str, Any]]:
-    """Measure every variant `version` does not store (`candidate_variants`; first the int8 KV cache's scales,
-    `export.kv_scales`, where a `+gqa+kv8` variant needs them and the version has none), and record the results in
-    its folder (config.json, metrics.json, README.md); returns variant -> result (`check_quality`'s, with `passed`, and the
-    failure's message where it failed)."""
+def check_variants(version: ModelVersion, data_dir: str | None = None,
+                   only: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Measure every variant `version` does not store (`candidate_variants`, or those of them named in `only`, the
+    results of the others kept as recorded; first the int8 KV cache's scales, `export.kv_scales`, where a `+gqa+kv8`
+    variant needs them and the version has none), and record the results in its folder (config.json, metrics.json,
+    README.md); returns variant -> result (`check_quality`'s, with `passed`, and the failure's message where it
+    failed) of the variants measured."""
     stored = compute_weights(version.config.get("weights", "fp32"))
     card = json.loads((version.path / METRICS_FILE).read_text())
     tokenizer = version_tokenizer(version)
     results: dict[str, dict[str, Any]] = {}
     candidates = candidate_variants(version)
+    if only is not None:
+        unknown = sorted(set(only) - set(candidates))
+        if unknown:
+            raise ValueError(f"not a variant {version.name}:{version.version} can run besides its stored one: "
+                             f"{', '.join(unknown)} (candidates: {', '.join(candidates)})")
+        candidates = [v for v in candidates if v in only]
     if any(quantizes_kv_cache(v) for v in candidates) and not (version.path / SCALES_FILE).is_file():
         write_scales(version, data_dir)  # the int8 cache's scales, from the training text
     for weights in candidates:
@@ -70,8 +79,17 @@ def check_variants(version: ModelVersion, data_dir: str | None = None) -> dict[s
             result = {"passed": False, "failure": str(error)}
         results[weights] = {"derived_from": stored, **result,
                             "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _record(version, card, stored, results)
+    if only is None:  # a whole check: no earlier result stays
+        checks = card.get("export_checks", {})
+        for key in [k for k in checks if k.endswith(VARIANT_CHECK_SUFFIX)]:
+            del checks[key]
+    _record(version, card, stored, {**(_recorded(version) if only is not None else {}), **results})
     return results
+
+
+def _recorded(version: ModelVersion) -> dict[str, dict[str, Any]]:
+    """The variants an earlier check offered (config.json `variants`); its failures stay in metrics.json."""
+    return {w: {**r, "passed": True} for w, r in version.config.get("variants", {}).items()}
 
 
 def describe_result(weights: str, result: dict[str, Any]) -> str:
@@ -89,7 +107,7 @@ def _record(version: ModelVersion, card: dict, stored: str, results: dict[str, d
     (version.path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     checks = card.setdefault("export_checks", {})
     for weights, result in results.items():
-        checks[f"{weights}_weights_variant"] = describe_result(weights, result)
+        checks[f"{weights}{VARIANT_CHECK_SUFFIX}"] = describe_result(weights, result)
     (version.path / METRICS_FILE).write_text(json.dumps(card, indent=2))
     readme = version.path / CARD_FILE
     if readme.exists():
@@ -100,7 +118,7 @@ def _record(version: ModelVersion, card: dict, stored: str, results: dict[str, d
                    "derived when the graphs load (`service.engines.weights`); the service runs the fastest offered "
                    "one on its host unless TSERVE_VARIANT pins one (`service.models.variants`). Checked by "
                    f"`python -m export.variants --name {version.name} --version {version.version}`:", ""]
-        section += [f"- {describe_result(w, r)}" for w, r in results.items()]
+        section += [f"- {line}" for key, line in checks.items() if key.endswith(VARIANT_CHECK_SUFFIX)]
         text = head.rstrip("\n") + "\n\n" + "\n".join(section) + "\n" + (f"\n## {tail}" if tail else "")
         readme.write_text(text)
 
@@ -111,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="model name in the repository")
     parser.add_argument("--version", type=int, default=None, help="default: the highest")
     parser.add_argument("--data-dir", default=None, help="the data the card was measured on (default: TSERVE_DATA_DIR)")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated: check only these, keeping the others' recorded results (default: all)")
     args = parser.parse_args(argv)
     try:
         version = ModelRepository(args.repository).get(args.name, args.version)
-        results = check_variants(version, args.data_dir)
+        only = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+        results = check_variants(version, args.data_dir, only)
     except (RepositoryError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

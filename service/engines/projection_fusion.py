@@ -21,7 +21,7 @@ import numpy as np
 
 from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A, NBITS_B, NBITS_BIAS, NBITS_G_IDX,
                                         NBITS_SCALES, NBITS_ZERO_POINTS, ModelProto, NodeProto, TensorProto,
-                                        attribute, drop_unread_initializers, float_constants, from_array, make_node,
+                                        attribute, default_opset, drop_unread_initializers, float_constants, from_array, make_node,
                                         to_array, to_float32)
 
 __all__ = ["fuse_projections", "fused_projection_count"]
@@ -42,7 +42,7 @@ def fuse_projections(model: ModelProto) -> int:
     goes only to an Add of a constant bias, one Add of the concatenated biases (a MatMulNBits' bias input) before
     the Split; returns how many groups were fused."""
     graph = model.graph
-    if _default_opset(model) < SPLIT_INPUT_OPSET:
+    if default_opset(model) < SPLIT_INPUT_OPSET:
         return 0
     constants = float_constants(model)
     initializers = {t.name: t for t in graph.initializer}
@@ -111,10 +111,6 @@ def _bias_add(graph, readers: dict[str, list[int]], outputs: set[str], constants
 
 def _has_bias_input(node: NodeProto) -> bool:
     return len(node.input) > NBITS_BIAS and bool(node.input[NBITS_BIAS])
-
-
-def _default_opset(model: ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _group_key(node: NodeProto, constants: dict[str, TensorProto], initializers: dict[str, TensorProto]

@@ -5,6 +5,8 @@ another, so that the repository stores each model once and the service runs the 
 - `fp32`: every MatMul computes in float32 on float32 weights (stored as float32 or as float16, `export.compress`);
 - `int8`: every MatMul with a constant weight is ONNX Runtime's `com.microsoft.MatMulNBits` (8-bit symmetric blocks
   of `BLOCK_SIZE`, `accuracy_level` 4): what `export.quantize` stores;
+- `int8rows`: every such MatMul on ONNX Runtime's integer GEMM with activations quantised per row
+  (`service.engines.integer_gemm`), derived from the float32 weights after the projections are fused;
 - `fp16` (`FLOAT16_VARIANTS`, for CUDA): the `fp32` graph computing in float16 (`service.engines.float16`);
 - `+gqa`, `+gqa+kv8`: the in-place step graph's attention as GroupQueryAttention
   (`service.engines.step_attention`), with `+kv8` over an int8 cache (`service.engines.kv_quantization`).
@@ -26,6 +28,7 @@ from service.engines.onnx_graph import (MATMUL_NBITS, MICROSOFT_DOMAIN, NBITS_A,
                                         drop_unread_initializers, float_constants, from_array, load, make_node,
                                         to_array, to_float32)
 from service.engines.float16 import to_float16
+from service.engines.integer_gemm import INT8_ROWS, has_integer_gemm, to_int8_rows
 from service.engines.kv_quantization import KV8, SCALES_FILE, load_scales, quantize_step_cache
 from service.engines.projection_fusion import fuse_projections
 from service.engines.row_candidates import add_row_candidates, has_row_candidates
@@ -38,9 +41,11 @@ VARIANT_SEPARATOR = "+"
 # the step graph's attention: GroupQueryAttention over the float32 cache, or over an int8 one
 GQA_KV8 = f"{GQA}{VARIANT_SEPARATOR}{KV8}"
 ATTENTIONS = (GQA, GQA_KV8)
+# the weights a graph is derived in (`int8rows` is never stored: it is derived from the float32 weights)
+DERIVED_WEIGHTS = (*WEIGHTS, INT8_ROWS)
 # the variants `export.variants` checks on the exporting CPU
-VARIANTS = (*WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{attention}" for attention in ATTENTIONS
-                        for weights in WEIGHTS))
+VARIANTS = (*DERIVED_WEIGHTS, *(f"{weights}{VARIANT_SEPARATOR}{attention}" for attention in ATTENTIONS
+                                for weights in DERIVED_WEIGHTS))
 # float16 computation, for CUDA (`service.models.variants` offers them there only); no `+gqa+kv8`: ONNX Runtime
 # 1.31's CUDA GroupQueryAttention over an int8 cache with per-channel scales is unverified here
 FLOAT16_VARIANTS = (FP16, f"{FP16}{VARIANT_SEPARATOR}{GQA}")
@@ -79,8 +84,10 @@ def quantizes_kv_cache(variant: str | None) -> bool:
 
 
 def graph_weights(model: ModelProto) -> str:
-    """`int8` if any MatMul of the graph is a MatMulNBits, else `fp32`."""
-    return INT8 if any(node.op_type == MATMUL_NBITS for node in model.graph.node) else FP32
+    """`int8` if any MatMul of the graph is a MatMulNBits, `int8rows` if any runs on the integer GEMM, else `fp32`."""
+    if any(node.op_type == MATMUL_NBITS for node in model.graph.node):
+        return INT8
+    return INT8_ROWS if has_integer_gemm(model) else FP32
 
 
 @functools.lru_cache(maxsize=DERIVED_GRAPHS_KEPT)
@@ -93,7 +100,8 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
     if in_place_step:
         to_group_query_attention(model)
         changed = True
-    matmuls = FP32 if weights == FP16 else weights  # float16 is converted from the float32 graph, last
+    # float16 is converted from the float32 graph, last; int8rows quantised from it after the projections are fused
+    matmuls = FP32 if weights in (FP16, INT8_ROWS) else weights
     if matmuls is not None and graph_weights(model) != matmuls:
         rewritten = to_fp32(model) if matmuls == FP32 else to_int8(model)
         if weights == INT8 and rewritten == 0:
@@ -106,6 +114,10 @@ def _derived(path: str, mtime_ns: int, size: int, variant: str | None, row_candi
         changed = True
         if attention is not None:
             pack_query_key_value(model)
+    if weights == INT8_ROWS and not has_integer_gemm(model):
+        if to_int8_rows(model) == 0:
+            raise ValueError(f"{path}: no MatMul with a constant 2-D float weight to quantise")
+        changed = True
     if in_place_step and quantizes_kv_cache(variant):
         quantize_step_cache(model, load_scales(Path(path).parent))
     if weights == FP16:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.engines.runtime import CPU, CUDA, RuntimeOptions, preferred_providers
-from service.engines.weights import (ALL_VARIANTS, FLOAT16_VARIANTS, FP16, VARIANTS, changes_step_attention,
+from service.engines.weights import (ALL_VARIANTS, FLOAT16_VARIANTS, FP16, INT8_ROWS, VARIANTS, changes_step_attention,
                                      compute_weights, split_variant)
 from service.models.calibration import CalibrationCache, calibration_key, measure
 from service.repository import ModelVersion
@@ -79,6 +79,8 @@ CPU_FLOAT16 = ("ONNX Runtime's CPU provider runs most float16 ops by casting the
                "weights, no faster (the release GPT's step 1.93 ms against fp32's 1.57 ms, 2 cores)")
 CUDA_FLOAT_GQA = ("ONNX Runtime's CUDA GroupQueryAttention takes float16 or bfloat16 only: its nodes would run on "
                   "the CPU, the cache copied there and back at every step (fp16+gqa is CUDA's)")
+CUDA_INTEGER_GEMM = ("int8rows runs on ONNX Runtime's CPU integer GEMM (MLAS): on CUDA its quantiser and "
+                     "MatMulIntegerToFloat nodes would run on the CPU, every activation copied there and back")
 NOT_CHECKED = "config.json `variants` records no passing check of it at export (`export.variants`)"
 NO_STEP_REWRITE = "no +gqa variant of this version passed its check at export: its step graph's rewrite is unchecked"
 
@@ -88,6 +90,8 @@ def provider_limit(variant: str, provider: str) -> str | None:
     weights, attention = split_variant(variant)
     if weights == FP16 and provider != CUDA:
         return CPU_FLOAT16 if provider == CPU else f"float16 variants are offered on {CUDA} only"
+    if weights == INT8_ROWS and provider == CUDA:
+        return CUDA_INTEGER_GEMM
     if attention is not None and weights != FP16 and provider == CUDA:
         return CUDA_FLOAT_GQA
     return None

@@ -185,21 +185,45 @@ def test_an_inplace_kv_cache_conversion_adds_a_step_graph_and_changes_no_output(
 
 # --- the weights variants the service may choose (export.variants, service.models.variants) ---------------------
 
-def test_every_export_checks_the_other_weights_variant_and_offers_it_only_when_it_passed(tiny_repository):
+def test_every_export_checks_the_other_weights_variants_and_offers_them_only_when_they_passed(tiny_repository):
     for kind in ("translation", "gpt", "vit"):
         folder = tiny_repository / kind / "1"
         config = json.loads((folder / "config.json").read_text())
-        result = json.loads((folder / "metrics.json").read_text())["export_checks"]["int8_weights_variant"]
-        assert result.startswith("int8 (derived from fp32"), result
+        checks = json.loads((folder / "metrics.json").read_text())["export_checks"]
         offered = config.get("variants", {})
-        assert set(offered) <= {"int8"} and ("int8" in offered) == ("not offered" not in result), (kind, result)
-        if offered:
-            check = offered["int8"]
-            assert check["derived_from"] == "fp32" and check["reference"] == json.loads(
-                (folder / "metrics.json").read_text())[check["metric"]]
-            assert check["delta"] <= check["tolerance"] if check["metric"] == "val_loss" else \
-                abs(check["delta"]) <= check["tolerance"]
+        assert set(offered) <= {"int8", "int8rows"}, (kind, offered)  # no step graph to rewrite: no +gqa
+        for weights in ("int8", "int8rows"):
+            result = checks[f"{weights}_weights_variant"]
+            assert result.startswith(f"{weights} (derived from fp32"), result
+            assert (weights in offered) == ("not offered" not in result), (kind, result)
+            if weights in offered:
+                check = offered[weights]
+                assert check["derived_from"] == "fp32" and check["reference"] == json.loads(
+                    (folder / "metrics.json").read_text())[check["metric"]]
+                assert check["delta"] <= check["tolerance"] if check["metric"] == "val_loss" else \
+                    abs(check["delta"]) <= check["tolerance"]
         assert "## Weights variants" in (folder / "README.md").read_text()
+
+
+def test_checking_some_variants_keeps_the_others_results(tiny_repository, data_dir, tmp_path, capsys):
+    from export.variants import main as variants_main
+
+    repository = _copy(tiny_repository, tmp_path, "vit")
+    folder = repository / "vit" / "1"
+    before = json.loads((folder / "config.json").read_text())["variants"]
+    before_checks = json.loads((folder / "metrics.json").read_text())["export_checks"]
+    assert variants_main(["--repository", str(repository), "--name", "vit", "--data-dir", str(data_dir),
+                          "--variants", "int8rows"]) == 0
+    assert capsys.readouterr().out.startswith("int8rows (derived from fp32")
+    after = json.loads((folder / "config.json").read_text())["variants"]
+    assert {k: v for k, v in after.items() if k != "int8rows"} == {k: v for k, v in before.items() if k != "int8rows"}
+    checks = json.loads((folder / "metrics.json").read_text())["export_checks"]
+    assert checks["int8_weights_variant"] == before_checks["int8_weights_variant"]
+    card = (folder / "README.md").read_text()
+    assert card.count("## Weights variants") == 1 and card.count("- int8 (derived") == 1
+    assert card.count("- int8rows (derived") == 1
+    assert variants_main(["--repository", str(repository), "--name", "vit", "--variants", "int8+gqa"]) == 2
+    assert "int8+gqa" in capsys.readouterr().err
 
 
 def test_a_variant_outside_the_tolerance_is_recorded_and_not_offered(tiny_repository, data_dir, tmp_path, capsys):

@@ -13,8 +13,8 @@ import numpy as np
 
 from service.engines.onnx_graph.onnx_graph_pb2 import AttributeProto, ModelProto, NodeProto, TensorProto
 
-__all__ = ["AttributeProto", "ModelProto", "NodeProto", "TensorProto", "attribute", "drop_unread_initializers",
-           "float_constants", "from_array", "load", "make_node", "to_array", "to_float32"]
+__all__ = ["AttributeProto", "ModelProto", "NodeProto", "TensorProto", "attribute", "default_opset",
+           "drop_unread_initializers", "float_constants", "from_array", "load", "make_node", "to_array", "to_float32"]
 
 MICROSOFT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators, MatMulNBits among them
 MATMUL_NBITS = "MatMulNBits"
@@ -96,6 +96,11 @@ def float_constants(model: ModelProto) -> dict[str, TensorProto]:
         if node.op_type == "Cast" and node.input[0] in floats and attribute(node, "to", -1) == TensorProto.FLOAT:
             named[node.output[0]] = floats[node.input[0]]
     return named
+
+
+def default_opset(model: ModelProto) -> int:
+    """The version of the default (ai.onnx) operator set the graph imports; 0 when it imports none."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def drop_unread_initializers(model: ModelProto) -> None:

@@ -2,7 +2,7 @@
 bit for bit, for every version whose decoder steps in place (`service.engines.kv_cache`: every row's slots from 0, so no
 masked slot ever sits before a row's tokens; `export.kv_inplace`: each row writes its own slot) - the tiny GPT
 converted into those variants, and the released GPT (version 3, int8 + fused attention + in-place KV); the GPTs' logits
-also in their `+gqa` variants (GroupQueryAttention steps); and with prompts that start from cached prefixes
+also in their `+gqa` variants (GroupQueryAttention steps) and on the integer GEMM (`int8rows`); and with prompts that start from cached prefixes
 (`service.engines.prefix_cache`): the same outputs with the cache on and off, on a miss, a hit and among others.
 
 The released translator steps by concatenation (the in-place option costs it 4-13% of its throughput, docs/export.md);
@@ -137,10 +137,14 @@ def _logits_alone_and_batched(engine, inputs: list[list[int]], steps: int) -> tu
     return alone, [np.stack(seen[i][:steps]) for i in range(len(inputs))]
 
 
-def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_a_batch_that_others_join(tmp_path):
+@pytest.mark.parametrize("variant", [None, "int8rows"])
+def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_a_batch_that_others_join(tmp_path,
+                                                                                                          variant):
     """The option the README states the cost of: the released translator's weights with the in-place step graph (what
-    `python -m export.convert --kv-cache inplace` writes, without its quality check)."""
+    `python -m export.convert --kv-cache inplace` writes, without its quality check), as stored and on the integer
+    GEMM (`int8rows`)."""
     from export.kv_inplace import add_step_graph
+    from service.engines.runtime import RuntimeOptions
     from service.engines.translation import TranslationEngine
 
     released = ModelRepository(RELEASE_REPOSITORY).get("translation")
@@ -149,14 +153,15 @@ def test_the_released_translators_in_place_option_is_bit_identical_alone_and_in_
     config = json.loads((version / "config.json").read_text())
     add_step_graph(version, config)
     (version / "config.json").write_text(json.dumps(config))
-    engine = TranslationEngine(ModelRepository(tmp_path).get("translation", released.version))
+    engine = TranslationEngine(ModelRepository(tmp_path).get("translation", released.version),
+                               RuntimeOptions(weights=variant))
     sources = [engine.source_ids(text) for text in [TRANSLATION_TARGETS["greedy"]["text"], *GERMAN, "Hallo."]]
     alone, batched = _logits_alone_and_batched(engine, sources, steps=12)
     for source, (a, b) in enumerate(zip(alone, batched)):
         np.testing.assert_array_equal(a, b, err_msg=f"source {source}")
 
 
-@pytest.mark.parametrize("variant", [None, "int8+gqa", "fp32+gqa"])
+@pytest.mark.parametrize("variant", [None, "int8+gqa", "fp32+gqa", "int8rows", "int8rows+gqa"])
 @pytest.mark.parametrize("version", ["tiny-int8-mha-inplace", "release-served"])
 def test_a_rows_logits_are_bit_identical_alone_and_in_a_batch_that_others_join(variant_repository, version, variant):
     """As stored, and in the variants whose step attention is GroupQueryAttention over each row's own slots
@@ -193,7 +198,7 @@ def test_the_released_gpt_decodes_the_same_with_its_prefix_cache_on_and_off_hit_
             assert [miss, hit, *together] == [reference[mode]] * (2 + len(together)), mode
 
 
-@pytest.mark.parametrize("variant", [None, "fp32+gqa+kv8"])
+@pytest.mark.parametrize("variant", [None, "fp32+gqa+kv8", "int8rows+gqa+kv8"])
 def test_a_rows_logits_are_bit_identical_from_cached_prefixes_alone_and_in_a_batch_that_others_join(variant):
     """`_logits_alone_and_batched` on an engine with a prefix cache (the alone runs fill it, the batch's prefills
     hit it), against the same engine without one."""

@@ -77,7 +77,8 @@ def test_the_steps_compute_what_the_masked_kernel_computes(step_repository, weig
 
 
 def test_variant_names_and_graphs_without_step_attention(step_repository):
-    assert VARIANTS == ("fp32", "int8", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8")
+    assert VARIANTS == ("fp32", "int8", "int8rows", "fp32+gqa", "int8+gqa", "int8rows+gqa", "fp32+gqa+kv8",
+                        "int8+gqa+kv8", "int8rows+gqa+kv8")
     assert split_variant("int8+gqa") == ("int8", "gqa") and split_variant("fp32") == ("fp32", None)
     assert split_variant("int8+gqa+kv8") == ("int8", "gqa+kv8")
     with pytest.raises(ValueError, match="variant must be one of"):
@@ -92,11 +93,13 @@ def test_export_checks_the_gqa_variants_through_the_steps_only_where_there_is_a_
     from export.variants import candidate_variants, check_variants
 
     repository = ModelRepository(step_repository)
-    assert candidate_variants(repository.get("gpt", 1)) == ["int8"]  # no step graph: no attention to rewrite
+    # no step graph: no attention to rewrite
+    assert candidate_variants(repository.get("gpt", 1)) == ["int8", "int8rows"]
     version = repository.get("gpt", 2)
-    assert candidate_variants(version) == ["int8", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8"]
+    assert candidate_variants(version) == ["int8", "int8rows", "fp32+gqa", "int8+gqa", "int8rows+gqa",
+                                           "fp32+gqa+kv8", "int8+gqa+kv8", "int8rows+gqa+kv8"]
     results = check_variants(version, str(data_dir))
-    assert set(results) == {"int8", "fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8"}
+    assert set(results) == set(candidate_variants(version))
     card = json.loads((version.path / "metrics.json").read_text())
     for variant in ("fp32+gqa", "int8+gqa", "fp32+gqa+kv8", "int8+gqa+kv8"):
         result = results[variant]

@@ -77,9 +77,13 @@ def test_what_a_version_offers_is_a_function_of_its_config_and_the_provider(tmp_
 def test_what_is_not_offered_says_why(tmp_path):
     model = ModelVersion("m", 1, tmp_path, {"kind": "gpt", "weights": "int8", "variants": CHECKED})
     on_cpu, on_cuda = V.not_offered(model, CPU), V.not_offered(model, CUDA)
-    assert on_cpu == {"fp16": V.CPU_FLOAT16, "fp16+gqa": V.CPU_FLOAT16, "int8+gqa+kv8": V.NOT_CHECKED}
+    unchecked_rows = {v: V.NOT_CHECKED for v in ("int8rows", "int8rows+gqa", "int8rows+gqa+kv8")}
+    assert on_cpu == {"fp16": V.CPU_FLOAT16, "fp16+gqa": V.CPU_FLOAT16, "int8+gqa+kv8": V.NOT_CHECKED,
+                      **unchecked_rows}
     assert on_cuda == {"fp32+gqa": V.CUDA_FLOAT_GQA, "int8+gqa": V.CUDA_FLOAT_GQA, "fp32+gqa+kv8": V.CUDA_FLOAT_GQA,
-                       "int8+gqa+kv8": V.CUDA_FLOAT_GQA}  # the provider's reason comes first
+                       "int8+gqa+kv8": V.CUDA_FLOAT_GQA, "int8rows": V.CUDA_INTEGER_GEMM,
+                       "int8rows+gqa": V.CUDA_INTEGER_GEMM, "int8rows+gqa+kv8": V.CUDA_INTEGER_GEMM}
+    # the provider's reason comes first
     plain = ModelVersion("m", 1, tmp_path, {"kind": "translation", "weights": "fp32"})
     assert V.not_offered(plain, CUDA)["fp16+gqa"] == V.NO_STEP_REWRITE
     assert V.provider_limit("int8", CUDA) is None  # 8-bit MatMulNBits has CUDA kernels (ONNX Runtime >= 1.22)
