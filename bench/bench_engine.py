@@ -31,7 +31,9 @@ Systems (one function each, `run_<system>_<task>`):
   where they first diverge ("agreement ours vs llama.cpp"). After each GPT case, llama.cpp's own benchmark,
   `llama-batched-bench`, on the same file and batch (`repeats` runs, the median; not interleaved; random tokens,
   nothing sampled, no HTTP) is a row of its own: its tokens/s with the prompt pass, its S_TG, and
-  `ours/llama-batched-bench b<batch> = <x>`;
+  `ours/llama-batched-bench b<batch> = <x>`; llama.cpp-q8_0 the same server on the same weights written in
+  llama.cpp's int8 format, q8_0 (the matmul weights in blocks of 32 with a scale each; norms, biases and positions
+  f32), the peer of a shipped variant with int8 weights, printed as `shipped/llama.cpp-q8_0 b<batch> = <x>`;
 - ours: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the searches of
   `service.decoding`, on our own from-scratch models (`models.gpt.GPT`, `models.transformer`; same sizes,
   random weights) exported by `export.onnx_export`, float32;
@@ -49,8 +51,9 @@ Fairness rules:
   `intra_op_num_threads` (inter-op 1), and one spin policy: idle threads sleep instead of busy-waiting (torch:
   OMP_WAIT_POLICY=PASSIVE; ONNX Runtime: allow_spinning=0) unless --spin. See `Runtime`.
 - Each system is warmed up before timing; the timed repeats are interleaved round-robin across systems (so a
-  background load drifting over time hits them all alike) and the median is reported. Time includes the prompt
-  pass (prefill / encoder), not the model build or export. Tokens/s counts generated tokens only.
+  background load drifting over time hits them all alike) and the median is reported, each ratio with its spread
+  over the rounds (bench/spread.py: FLAGGED above 1.3x) and issue 56's goal where it has one. Time includes the
+  prompt pass (prefill / encoder), not the model build or export. Tokens/s counts generated tokens only.
 - Compare ratios from one run, never absolute numbers from different runs: this machine is shared.
 
 Scaling table (task `scaling`): our GPT engine at batch 1, 8, 16, 32, 64, 128 (--scaling-batches) on the release
@@ -77,10 +80,10 @@ Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
 Options: --device cpu|cuda (ours and shipped), --threads N, --spin, --single-thread-rows N, --repeats N, --warmup N,
 --sentences N, --gpt-batches 1,16,
 --translation-batches 1,16,32, --scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling,prefix, --systems
-transformers,optimum,genai,ctranslate2,llama.cpp,ours,shipped, --out PATH, --workdir PATH. A system whose package
-or build is missing (e.g. Optimum in the main venv, llama.cpp before `make llama-cpp`) or that does not apply to a
-task (genai: translation) is reported as skipped, with the reason. The CPU model and its ISA are printed first
-(bench/cpuinfo.py) and recorded in the report.
+transformers,optimum,genai,ctranslate2,ctranslate2-int8,llama.cpp,llama.cpp-q8_0,ours,shipped, --out PATH,
+--workdir PATH. A system whose package or build is missing (e.g. Optimum in the main venv, llama.cpp before
+`make llama-cpp`) or that does not apply to a task (genai: translation) is reported as skipped, with the reason.
+The CPU model and its ISA are printed first (bench/cpuinfo.py) and recorded in the report.
 
 Code: this file (options, the run); bench/enginebench/: workloads.py (sizes, inputs, thread settings), baselines.py
 (transformers, Optimum, GenAI), ct2.py (CTranslate2 on our weights), llama_cpp.py (llama.cpp on our GPT's weights),
@@ -194,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="scaling table batch sizes (default 1,8,16,32,64,128)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: gpt,translation,scaling,prefix")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated: transformers,optimum,genai,ctranslate2,llama.cpp,ours,shipped (the "
-                             "scaling task always runs ours and shipped)")
+                        help=f"comma-separated: {','.join(SYSTEMS)} (the scaling task always runs ours and "
+                             "shipped)")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_engine.json"), help="JSON results")
     parser.add_argument("--workdir", type=Path, default=Path(".cache/bench_engine"),
                         help="where exported models are kept between runs (default .cache/bench_engine)")

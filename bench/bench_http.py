@@ -20,8 +20,10 @@ What it measures (closed loop: N client tasks, each sends its next request when 
   gpt case's screened prompts as the service's token ids on its OpenAI `/v1/completions`, streamed, greedy, exactly
   as many tokens, by the same client at the same concurrencies; and CTranslate2 offline (no HTTP), float32, batches
   of 16 of the translation case's sentences (the service's token ids), the same beams and pinned tokens, through
-  bench/enginebench/ct2.py's converter and worker (bench/httpbench/llama_server.py, ct2_offline.py). Printed as
-  `service/llama-server 1 streams = <ratio>`, `service/llama-server 32 streams = <ratio>` (tokens/s) and
+  bench/enginebench/ct2.py's converter and worker (bench/httpbench/llama_server.py, ct2_offline.py); and
+  `llama-server-q8_0`, the same on the GGUF's q8_0 (llama.cpp's int8 format, the peer of the service's int8 variants,
+  issue 56). Printed as `service/llama-server 1 streams = <ratio>`, `service/llama-server 32 streams = <ratio>`,
+  `service/llama-server-q8_0 1 streams = <ratio>` (tokens/s) and
   `service-http 16 clients/ctranslate2 offline b16 = <ratio>` (sentences/s); a peer that cannot run (llama.cpp
   not built: run `make llama-cpp`; ctranslate2 missing; --repository, whose weights the peers cannot rebuild)
   gives `= n/a (<why>)`, never a failed run;
@@ -80,7 +82,11 @@ Fairness:
 - The peers keep their own thread behaviour, as in bench-engine: llama.cpp's threads spin at ggml's barriers and
   CTranslate2's OpenMP threads spin a while after their work, so on cores that other jobs keep busy their
   figures collapse (ours sleep): measure the peers' rows on an otherwise idle machine.
-- The machine is shared: compare ratios from one run, not absolute numbers across runs. Run it niced.
+- The machine is shared: compare ratios from one run, not absolute numbers across runs. Run it niced. Every
+  printed ratio has its spread under it (`<ratio>: rounds min-max, median m of n`: round r's figure of one case
+  over round r's of the other, FLAGGED where they disagree by more than 1.3x, bench/spread.py), and every round's
+  line the machine's 1-minute load before / after it; the JSON report keeps both (`spread`, `rounds`,
+  `load_before_after`).
 
 Run (main venv), e.g. as `make bench-http`:
     nice -n 10 .venv/bin/python bench/bench_http.py --quick      # smoke run, ~1-2 minutes once models are built
@@ -91,7 +97,8 @@ Run (main venv), e.g. as `make bench-http`:
                                                                  # issue 55's cases alone, smoke run (~1-2 minutes)
 Options: --duration S | --requests N (per case, over all rounds; CTranslate2's: batches), --rounds N, --warmup N,
 --device cpu|cuda, --threads N, --spin, --repository DIR, --data-dir DIR, --max-new-tokens N,
---cases gpt,translation,vit,baseline,grpc,llama-server,ctranslate2,constrained,prefix,lm-eval,speculation,
+--cases gpt,translation,vit,baseline,grpc,llama-server,llama-server-q8_0,ctranslate2,constrained,prefix,lm-eval,
+speculation,
 --gpt-concurrency 1,32,
 --baseline-concurrency 1,32, --translation-concurrency 16, --vit-concurrency 64, --num-beams N,
 --translation-tokens N, --server-env KEY=VALUE, --speculation-variant VARIANT, --out PATH, --workdir PATH.
@@ -140,7 +147,8 @@ from httpbench.cases import (
 from httpbench import ab, lmeval, prefix, speculation
 from httpbench.constrained import constrained_cases, constrained_ratios, evaluate_constrained, print_constrained
 from httpbench.ct2_offline import ctranslate2_case, ctranslate2_worker
-from httpbench.llama_server import case_name as llama_server_case, llama_server, llama_server_workload
+from httpbench.llama_server import SERVERS as LLAMA_SERVERS, case_name as llama_server_case, llama_server, \
+    llama_server_workload
 from httpbench.report import (
     describe_round,
     environment,
@@ -168,26 +176,29 @@ from service.client.launcher import ServiceProcess
 from shipped import served_variants
 
 
-CASES = ("gpt", "translation", "vit", "baseline", "grpc", "llama-server", "ctranslate2", "constrained", "prefix",
+CASES = ("gpt", "translation", "vit", "baseline", "grpc", *LLAMA_SERVERS, "ctranslate2", "constrained", "prefix",
          "lm-eval", "speculation")
-PEERS = ("llama-server", "ctranslate2")  # the C++ peers' cases: on the random-weight models only
+PEERS = (*LLAMA_SERVERS, "ctranslate2")  # the C++ peers' cases: on the random-weight models only
 # the cases that need the service: the peers' too (their prompts are screened on it, their inputs tokenized by it)
-SERVICE_CASES = ("gpt", "translation", "vit", "grpc", "llama-server", "ctranslate2", "constrained")
+SERVICE_CASES = ("gpt", "translation", "vit", "grpc", *LLAMA_SERVERS, "ctranslate2", "constrained")
 TRANSLATION_SENTENCES = 1014  # Multi30k's validation split, all of it
 RELEASE_REPOSITORY = PROJECT_ROOT / "model_repository"  # the speculation case's trained GPT (unless --repository)
+# the interleaved rounds every case runs (--rounds), each ratio's spread taken over them: issue 56 asks for >= 3; a
+# smoke run's 2 still shows a spread
+ROUNDS, QUICK_ROUNDS = 3, 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 4 s per case in 1 round, small warm-ups")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 s per case in 2 rounds, small warm-ups")
     parser.add_argument("--duration", type=float, default=None,
                         help="seconds of load per case, over all rounds (default 24; quick 4)")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per case, over all rounds, instead of --duration")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="the cases run round-robin this many times, each for duration/rounds "
-                             "(default 3; quick 1)")
+                        help="the cases run round-robin this many times, each for duration/rounds; every ratio's "
+                             "spread is over these rounds (default 3; quick 2)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed requests per case (default: one per client; quick: at most 4)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -221,7 +232,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="built models and server logs (default .cache/bench_http)")
     args = parser.parse_args(argv)
     args.duration = args.duration if args.duration is not None else (4.0 if args.quick else 24.0)
-    args.rounds = max(1, args.rounds or (1 if args.quick else 3))
+    args.rounds = max(1, args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS))
     args.cases = [c for c in args.cases.split(",") if c]
     for case in args.cases:
         if case not in CASES:
@@ -271,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     skipped: dict[str, str] = {}
     for case, kind in (("gpt", "gpt"), ("translation", "translation"), ("vit", "vit"), ("baseline", "gpt"),
-                       ("grpc", "gpt"), ("llama-server", "gpt"), ("ctranslate2", "translation"),
+                       ("grpc", "gpt"), *((option, "gpt") for option in LLAMA_SERVERS), ("ctranslate2", "translation"),
                        ("constrained", "gpt"), ("prefix", "gpt"), ("lm-eval", "gpt")):
         if case in args.cases and kind not in kinds:
             skipped[case] = f"no {kind} model in {repository}"
@@ -358,16 +369,16 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"server '{name}' ({', '.join(f'{k}={v}' for k, v in env.items())}, gpt only) ready in "
                           f"{servers[name].ready_seconds:.1f} s", flush=True)
 
-            if any(c in wanted for c in ("gpt", "grpc", "llama-server", "constrained")):
+            if any(c in wanted for c in ("gpt", "grpc", *LLAMA_SERVERS, "constrained")):
                 prompts, screening = screen_prompts(servers["service"], prompts, max_new_tokens, args)
-            if "llama-server" in wanted:
+            for option in (o for o in LLAMA_SERVERS if o in wanted):  # f32, q8_0
                 slots = max(args.gpt_concurrency, default=1)
                 try:
-                    keep("llama-server", llama_server(args, repository, gpt_config["context_length"], slots))
-                    print(f"server 'llama-server' ({slots} slots) ready in "
-                          f"{servers['llama-server'].ready_seconds:.1f} s", flush=True)
+                    keep(option, llama_server(args, repository, gpt_config["context_length"], slots, option))
+                    print(f"server '{option}' ({LLAMA_SERVERS[option].file_type}, {slots} slots) ready in "
+                          f"{servers[option].ready_seconds:.1f} s", flush=True)
                 except (NotImplementedError, RuntimeError) as error:  # not built: `make llama-cpp`; did not start
-                    skip("llama-server", str(error))
+                    skip(option, str(error))
             if "gpt" in wanted:
                 for c in args.gpt_concurrency:
                     cases.append(Case(f"gpt c={c}", "POST /v1/generate (stream, greedy)", servers["service"],
@@ -411,12 +422,13 @@ def main(argv: list[str] | None = None) -> int:
                                               "servers": {name: servers[name].environment.get("TSERVE_VARIANT")
                                                           for name in speculation.SERVERS}}
                     cases += speculation.speculation_cases(servers, spec_gpt.name, copy, candidates)
-            if "llama-server" in wanted:
+            if any(o in wanted for o in LLAMA_SERVERS):
                 workload = llama_server_workload(tokenize(servers["service"], kinds["gpt"].name, prompts),
                                                  max_new_tokens)
-                for c in args.gpt_concurrency:
-                    cases.append(Case(llama_server_case(c), "llama-server POST /v1/completions (stream, greedy)",
-                                      servers["llama-server"], workload, c))
+                for option in (o for o in LLAMA_SERVERS if o in wanted):
+                    for c in args.gpt_concurrency:
+                        cases.append(Case(llama_server_case(c, option), f"{option} POST /v1/completions (stream, "
+                                          "greedy)", servers[option], workload, c))
             if "grpc" in wanted:
                 workload = gpt_grpc_workload(kinds["gpt"].name, prompts, max_new_tokens)
                 for c in args.gpt_concurrency:
@@ -470,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                     requests = None if args.requests is None else max(1, args.requests // args.rounds)
                     run_alone(case.server, servers.values())
                     results = case.run_round(args.duration / args.rounds, requests, args.timeout)
-                    print(f"  {case.name:<18} c={case.concurrency:<3} {describe_round(case.workload.unit, results)}",
+                    print(f"  {case.name:<18} c={case.concurrency:<3} "
+                          f"{describe_round(case.workload.unit, results, case.loads[-1] if case.loads else None)}",
                           flush=True)
         except KeyboardInterrupt:
             interrupted = True

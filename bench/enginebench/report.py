@@ -9,9 +9,9 @@ import statistics
 import sys
 
 from cpuinfo import cpu
+from spread import load_text, spread_text
 
 from .llama_cpp import version as llama_cpp_version
-from .measure import SPREAD_FLAG
 from .systems import SYSTEMS
 from .workloads import Runtime
 
@@ -34,20 +34,19 @@ def print_result(result: dict) -> None:
     print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items() if value is not None))
     for key, spread in result.get("ratio_spread", {}).items():  # each round's ratio: how far one run can be off
         if spread is not None:
-            print(f"    {key}: rounds {spread['min']:.2f}-{spread['max']:.2f}, median {spread['median']:.2f} of "
-                  f"{spread['rounds']}" + (f"   FLAGGED: rounds disagree by more than {SPREAD_FLAG:.1f}x"
-                                           if spread["flagged"] else ""))
+            print(f"    {key}: {spread_text(spread)}")
     if "load_before_after" in result:
-        before, after = result["load_before_after"]
-        print(f"    machine load (1-minute average) before / after the timed rounds: {before:.2f} / {after:.2f}")
-    for mine in ("ours", "shipped"):  # the C++ peer's line, as the issue of record asks: `ours/<peer> <case> = x`
-        for peer in ("ctranslate2", "ctranslate2-int8"):
-            if ratios.get(f"{mine}/{peer}") is not None:
-                print(f"    {mine}/{peer} {result['case']} = {ratios[f'{mine}/{peer}']:.2f}")
+        print(f"    {load_text(*result['load_before_after'])}")
     batch = result.get("batch", "?")
-    for mine in ("ours", "shipped"):  # the GPT's C++ peer, the same way: `ours/llama.cpp b<batch> = x`
-        if ratios.get(f"{mine}/llama.cpp") is not None:
-            print(f"    {mine}/llama.cpp b{batch} = {ratios[f'{mine}/llama.cpp']:.2f}")
+    # the C++ peers' lines, as the issues of record ask: `ours/<peer> <case> = x`, `ours/<llama.cpp> b<batch> = x`
+    for peer, where in (("ctranslate2", result["case"]), ("ctranslate2-int8", result["case"]),
+                        ("llama.cpp", f"b{batch}"), ("llama.cpp-q8_0", f"b{batch}")):
+        for mine in ("ours", "shipped"):
+            key = f"{mine}/{peer}"
+            if ratios.get(key) is not None:
+                goal = result.get("goals", {}).get(key)
+                print(f"    {key} {where} = {ratios[key]:.2f}"
+                      + (f"   (issue 56 goal {goal['goal']}: {goal['status']})" if goal else ""))
     if "runs" in result.get("llama_cpp_batched_bench", {}):  # (a failed row says why where it failed)
         row = result["llama_cpp_batched_bench"]
         print(f"    llama-batched-bench b{batch} (llama.cpp's own timer on the same GGUF, median of {len(row['runs'])} "
@@ -81,9 +80,10 @@ def print_result(result: dict) -> None:
 
 def print_table(results: list[dict]) -> None:
     header = f"{'case':<30} {'unit':<12} {'transformers':>12} {'optimum':>10} {'genai':>10} {'ctranslate2':>11} " \
-             f"{'ct2 int8':>9} {'llama.cpp':>10} {'ours':>10} {'shipped':>10} {'ours/transf.':>12} " \
-             f"{'ours/optimum':>12} {'ours/genai':>10} {'ours/ct2':>9} {'ours/llama':>10} {'shipped/optimum':>15} " \
-             f"{'shipped/genai':>13} {'shipped/ct2':>11} {'shipped/ct2 int8':>16}"
+             f"{'ct2 int8':>9} {'llama.cpp':>10} {'llama q8_0':>10} {'ours':>10} {'shipped':>10} " \
+             f"{'ours/transf.':>12} {'ours/optimum':>12} {'ours/genai':>10} {'ours/ct2':>9} {'ours/llama':>10} " \
+             f"{'shipped/optimum':>15} {'shipped/genai':>13} {'shipped/ct2':>11} {'shipped/ct2 int8':>16} " \
+             f"{'shipped/llama':>13} {'shipped/llama q8_0':>18}"
     print("=" * len(header))
     print(header)
     print("-" * len(header))
@@ -91,14 +91,15 @@ def print_table(results: list[dict]) -> None:
         tp = {name: _fmt(r["systems"].get(name, {}).get("throughput"), ".1f") for name in SYSTEMS}
         ratios = r["ratios"]
         print(f"{r['case']:<30} {r['unit']:<12} {tp['transformers']:>12} {tp['optimum']:>10} {tp['genai']:>10} "
-              f"{tp['ctranslate2']:>11} {tp['ctranslate2-int8']:>9} {tp['llama.cpp']:>10} {tp['ours']:>10} "
-              f"{tp['shipped']:>10} "
+              f"{tp['ctranslate2']:>11} {tp['ctranslate2-int8']:>9} {tp['llama.cpp']:>10} {tp['llama.cpp-q8_0']:>10} "
+              f"{tp['ours']:>10} {tp['shipped']:>10} "
               f"{_fmt(ratios['ours/transformers'], '.2f'):>12} {_fmt(ratios['ours/optimum'], '.2f'):>12} "
               f"{_fmt(ratios['ours/genai'], '.2f'):>10} {_fmt(ratios['ours/ctranslate2'], '.2f'):>9} "
               f"{_fmt(ratios['ours/llama.cpp'], '.2f'):>10} "
               f"{_fmt(ratios['shipped/optimum'], '.2f'):>15} {_fmt(ratios['shipped/genai'], '.2f'):>13} "
               f"{_fmt(ratios['shipped/ctranslate2'], '.2f'):>11} "
-              f"{_fmt(ratios['shipped/ctranslate2-int8'], '.2f'):>16}")
+              f"{_fmt(ratios['shipped/ctranslate2-int8'], '.2f'):>16} {_fmt(ratios['shipped/llama.cpp'], '.2f'):>13} "
+              f"{_fmt(ratios['shipped/llama.cpp-q8_0'], '.2f'):>18}")
     print("=" * len(header))
 
 

@@ -21,11 +21,14 @@ from .ours import run_ours_gpt, run_ours_translation, run_shipped_gpt, run_shipp
 from .workloads import GenerateFn, Runtime
 
 # ctranslate2-int8: CTranslate2's int8 (int8 weights and GEMMs, its `compute_type="int8"`), the peer of a shipped
-# variant with int8 weights (MatMulNBits with int8 compute), where the float32 ctranslate2 is the peer of equal outputs
-SYSTEMS = ("transformers", "optimum", "genai", "ctranslate2", "ctranslate2-int8", "llama.cpp", "ours", "shipped")
+# variant with int8 weights (MatMulNBits with int8 compute), where the float32 ctranslate2 is the peer of equal outputs;
+# llama.cpp-q8_0 likewise: llama.cpp on the same GGUF with its matmul weights in its int8 format, q8_0 (issue 56)
+SYSTEMS = ("transformers", "optimum", "genai", "ctranslate2", "ctranslate2-int8", "llama.cpp", "llama.cpp-q8_0",
+           "ours", "shipped")
 BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
     "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "genai": run_genai_gpt,
-            "llama.cpp": run_llama_cpp_gpt, "ours": run_ours_gpt, "shipped": run_shipped_gpt},
+            "llama.cpp": run_llama_cpp_gpt, "llama.cpp-q8_0": partial(run_llama_cpp_gpt, file_type="q8_0"),
+            "ours": run_ours_gpt, "shipped": run_shipped_gpt},
     "translation": {"transformers": run_transformers_translation, "optimum": run_optimum_translation,
                     "ctranslate2": run_ctranslate2_translation,
                     "ctranslate2-int8": partial(run_ctranslate2_translation, compute_type="int8"),

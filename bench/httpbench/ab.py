@@ -14,10 +14,12 @@ import json
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from spread import judge
+
 from service.client.launcher import ServiceProcess
 
 from .cases import Case
-from .report import NOT_MEASURED, case_metric, peer_line
+from .report import NOT_MEASURED, case_metric, case_spread, peer_line, print_spread
 from .servers import metric_totals, service_server
 
 # the service's counters a case reads before and after each round (`CountingCase`), without `_total`
@@ -83,15 +85,6 @@ class ABRatio(NamedTuple):
 UNITS = {"ttft_p50": "ms", "time_per_request": "ms"}
 
 
-def judge(value: float | None, goal: tuple[str, float] | None, errors: int) -> str | None:
-    """PASS or MISS against the goal (any error in the cases voids a PASS); None without a goal or a value."""
-    if goal is None or value is None:
-        return None
-    op, threshold = goal
-    met = value <= threshold if op == "<=" else value >= threshold
-    return "PASS" if met and not errors else "MISS"
-
-
 def evaluate(cases: list[dict], ratios: list[ABRatio], skipped: dict[str, str]) -> list[dict]:
     """Each ratio's row, shaped like the peers' (`report.evaluate_peers`) and the constrained case's: the value (None,
     with the `reason`, when a case did not run), both figures, the goal and its status, the errors in the cases."""
@@ -114,7 +107,7 @@ def evaluate(cases: list[dict], ratios: list[ABRatio], skipped: dict[str, str]) 
                      "numerator_value": x, "denominator_value": y,
                      "goal": None if ratio.goal is None else f"{ratio.goal[0]} {ratio.goal[1]:g}",
                      "status": judge(value, ratio.goal, errors), "errors_in_cases": errors,
-                     "notes": []})
+                     "notes": [], "spread": case_spread(a, b, ratio.metric)})
     return rows
 
 
@@ -138,6 +131,7 @@ def print_ratios(title: str, cpu_line: str, rows: list[dict]) -> None:
     print(f"\n{title}, measured in this run on {cpu_line}:")
     for row in rows:
         print(ratio_line(row))
+        print_spread(row["ratio"], row["spread"])
 
 
 # --- the text prompts are cut from ------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -14,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from spread import sampled_load
 
 from service.client.launcher import ServiceProcess
 
-from .load import Result, Workload, percentiles, run_async, run_load
+from .load import Result, Workload, percentiles, round_figures, run_async, run_load
 from .servers import batch_stats, grpc_target, process_cpu_seconds
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -165,7 +165,8 @@ class Case:
     batch_count: float = 0.0
     sent: int = 0  # requests sent so far (warm-up included): the next body to send
     warmup: int = 0
-    load_averages: list = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)  # each round's figures (`load.round_figures`), in order
+    loads: list[tuple[float, float]] = field(default_factory=list)  # the 1-minute load before / after each round
 
     @property
     def target(self) -> str:
@@ -185,16 +186,16 @@ class Case:
             self.sent += requests
 
     def run_round(self, duration: float, requests: int | None, timeout: float) -> list[Result]:
-        self.load_averages.append(os.getloadavg())
         batches = batch_stats(self.server.url) if self.model else {}
         cpu_before = process_cpu_seconds(self.server.pid)
-        results, client_cpu = self.load(duration, requests, timeout)
+        with sampled_load(self.loads):
+            results, client_cpu = self.load(duration, requests, timeout)
         cpu_after = process_cpu_seconds(self.server.pid)
         self.sent += len(results)
         self.results += results
         self.client_cpu += client_cpu
-        if results:
-            self.wall += max(r.end for r in results) - min(r.start for r in results)
+        self.rounds.append(round_figures(results, self.workload.stream))
+        self.wall += self.rounds[-1]["wall_s"]
         if cpu_before is None or cpu_after is None or self.server_cpu is None:
             self.server_cpu = self.loop_cpu = None
         else:
@@ -226,7 +227,7 @@ class Case:
             "client_cpu_s": self.client_cpu,
             "work_per_server_cpu_s": work / self.server_cpu if self.server_cpu else None,
             "mean_batch": self.batch_sum / self.batch_count if self.batch_count else None,
-            "warmup_requests": self.warmup, "load_averages": self.load_averages,
+            "warmup_requests": self.warmup, "rounds": self.rounds, "load_before_after": self.loads,
         }
 
 

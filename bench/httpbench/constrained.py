@@ -29,7 +29,7 @@ from service.client.launcher import ServiceProcess
 
 from .cases import JSON_HEADERS, Case
 from .load import Workload
-from .report import NOT_MEASURED, case_metric, peer_line
+from .report import NOT_MEASURED, case_metric, case_spread, peer_line, print_spread
 
 CACHED_NAME = "jul"  # the enum value of the cached schema; a new schema's is 3 capitals (`fresh_name`)
 FRESH_SCHEMAS = 26**3  # distinct new schemas (AAA..ZZZ): more requests than a run sends at 1 stream
@@ -201,7 +201,8 @@ def evaluate_constrained(cases: list[dict], ratios: list[ConstrainedRatio], skip
                      "numerator": ratio.numerator, "denominator": ratio.denominator,
                      "numerator_value": x, "denominator_value": y,
                      "tokens_per_request": [s and s["work_per_request"] for s in (a, b)],
-                     "errors_in_cases": (a["errors"] if a else 0) + (b["errors"] if b else 0)})
+                     "errors_in_cases": (a["errors"] if a else 0) + (b["errors"] if b else 0),
+                     "spread": case_spread(a, b, ratio.metric)})
     return rows
 
 
@@ -218,3 +219,4 @@ def print_constrained(rows: list[dict]) -> None:
                 figures += "; tokens per request {:.1f} vs {:.1f}".format(*row["tokens_per_request"])
             figures += ")"
         print(peer_line(row) + figures)
+        print_spread(row["ratio"], row["spread"])

@@ -251,6 +251,18 @@ def run_async(coroutine, uvloop_allowed: bool = True):
         return asyncio.run(coroutine)
 
 
+def round_figures(results: list[Result], stream: bool) -> dict:
+    """The figures of one case's round that its ratios are taken of, per round (`report.case_metric` reads them as
+    it reads a case's summary): wall time (first start to last end), successes, errors, work, throughput (work/s),
+    latency and, for a stream, time to first token (ms)."""
+    ok = [r for r in results if r.error is None]
+    wall = (max(r.end for r in results) - min(r.start for r in results)) if results else 0.0
+    work = sum(r.work for r in ok)
+    return {"wall_s": wall, "ok": len(ok), "errors": len(results) - len(ok), "work": work,
+            "throughput": work / wall if wall > 0 else 0.0, "latency_ms": percentiles([r.latency for r in ok]),
+            "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]) if stream else None}
+
+
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "p99": None, "mean": None}

@@ -1,6 +1,7 @@
 """What the benchmark prints and records: a line per case and round, the tables, the goals (ratios of throughputs
 measured in the same run), the ratios to the C++ peers (`service/llama-server 1 streams = 0.84`) and the
-environment."""
+environment. Every ratio comes with its spread over the interleaved rounds (`case_spread`: round r's figure of one
+case over round r's of the other, bench/spread.py's min-max, median and flag)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from collections import Counter
 from typing import NamedTuple
 
 from cpuinfo import cpu
+from spread import ratio_spread, spread_text
 
 from . import ct2_offline, llama_server
-from .load import Result, percentiles
+from .load import Result, round_figures
 
 GOALS = (  # (key, description, numerator case, denominator case, threshold)
     ("vit_batching", "ViT images/s, dynamic batching on / off", "vit batching=on", "vit batching=off", 3.0),
@@ -25,6 +27,7 @@ GOALS = (  # (key, description, numerator case, denominator case, threshold)
 )
 # gRPC against REST, the same work on the same server: (case over gRPC, its REST case); no goal, the figures
 COMPARISONS = (("gpt grpc c=1", "gpt c=1"), ("gpt grpc c=32", "gpt c=32"), ("vit grpc", "vit batching=on"))
+COMPARED = ("throughput", "latency_p50", "ttft_p50")  # the figures of each pair compared (`case_metric`)
 NOT_MEASURED = "not measured in this run: --cases without {option}, or interrupted"
 
 
@@ -69,32 +72,48 @@ def gpt_roofline(architecture: dict, batch: int, threads: int) -> dict:
 
 
 def case_metric(summary: dict | None, name: str) -> float | None:
-    """A case summary's figure that ratios are taken of: "throughput" (work/s; None for a case that did no work),
-    "ttft_p50" (ms), "time_per_request" (ms of wall time per successful request); None for a case that did not
-    run."""
+    """A case summary's figure that ratios are taken of, or one round's (`load.round_figures`): "throughput"
+    (work/s; None for a case that did no work), "ttft_p50" and "latency_p50" (ms), "time_per_request" (ms of wall
+    time per successful request); None for a case that did not run."""
     if summary is None:
         return None
     if name == "throughput":
         return summary["throughput"] or None
     if name == "ttft_p50":
         return (summary["ttft_ms"] or {}).get("p50")
+    if name == "latency_p50":
+        return summary["latency_ms"]["p50"]
     if name == "time_per_request":
         return summary["wall_s"] / summary["ok"] * 1000.0 if summary["ok"] else None
     raise ValueError(f"unknown metric {name!r}")
+
+
+def case_spread(numerator: dict | None, denominator: dict | None, metric: str) -> dict | None:
+    """The spread of the ratio of two cases' `metric` over the rounds both ran (round r's figure of one over round
+    r's of the other: `spread.ratio_spread`); None when either did not run or no round has both figures."""
+    if not numerator or not denominator:
+        return None
+    return ratio_spread([case_metric(r, metric) for r in numerator.get("rounds", [])],
+                        [case_metric(r, metric) for r in denominator.get("rounds", [])])
+
+
+def print_spread(label: str, spread: dict | None, indent: str = "  ") -> None:
+    """`<label>: rounds min-max, median m of n` (FLAGGED where the rounds disagree), under its ratio's line."""
+    if spread is not None:
+        print(f"{indent}{label}: {spread_text(spread)}")
 
 
 def _fmt(value, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
 
 
-def describe_round(unit: str, results: list[Result]) -> str:
-    """One case's round: throughput, successes, p50 latency, errors."""
-    ok = [r for r in results if r.error is None]
-    wall = (max(r.end for r in results) - min(r.start for r in results)) if results else 0.0
+def describe_round(unit: str, results: list[Result], load: tuple[float, float] | None = None) -> str:
+    """One case's round: throughput, successes, p50 latency, the machine's load before / after it, errors."""
+    figures = round_figures(results, stream=False)
     errors = Counter(r.error for r in results if r.error)
-    latency = percentiles([r.latency for r in ok])
-    return (f"{sum(r.work for r in ok) / wall if wall else 0.0:8.1f} {unit:<12} "
-            f"{len(ok):>5}/{len(results):<5} ok  p50 {_fmt(latency['p50'], '.0f')} ms"
+    return (f"{figures['throughput']:8.1f} {unit:<12} {figures['ok']:>5}/{len(results):<5} ok  "
+            f"p50 {_fmt(figures['latency_ms']['p50'], '.0f')} ms"
+            + (f"  load {load[0]:.2f}/{load[1]:.2f}" if load else "")
             + (f"  errors {dict(errors)}" if errors else ""))
 
 
@@ -141,7 +160,7 @@ def evaluate_goals(cases: list[dict]) -> list[dict]:
                    if a and b and a["work_per_server_cpu_s"] and b["work_per_server_cpu_s"] else None)
         goals.append({"goal": key, "description": text, "ratio": ratio, "threshold": threshold, "status": status,
                       "numerator": num, "denominator": den, "errors_in_cases": errors,
-                      "ratio_per_server_cpu_s": per_cpu})
+                      "ratio_per_server_cpu_s": per_cpu, "spread": case_spread(a, b, "throughput")})
     return goals
 
 
@@ -151,6 +170,7 @@ def print_goals(goals: list[dict]) -> None:
         print(f"  {g['status']:<7} {g['description']}: {_fmt(g['ratio'], '.2f')}x (goal >= {g['threshold']:g}x)"
               f"   [per server CPU-second: {_fmt(g['ratio_per_server_cpu_s'], '.2f')}x]"
               + (f"  [errors in these cases: {g['errors_in_cases']}]" if g["errors_in_cases"] else ""))
+        print_spread(g["description"], g["spread"], indent="          ")
 
 
 def evaluate_comparisons(cases: list[dict]) -> list[dict]:
@@ -161,15 +181,12 @@ def evaluate_comparisons(cases: list[dict]) -> list[dict]:
         a, b = by_case.get(grpc_case), by_case.get(rest_case)
         if not a or not b:
             continue
-
-        def ratio(x, y):
-            return x / y if x is not None and y else None
-
-        out.append({"grpc": grpc_case, "rest": rest_case,
-                    "throughput": ratio(a["throughput"], b["throughput"]),
-                    "latency_p50": ratio(a["latency_ms"]["p50"], b["latency_ms"]["p50"]),
-                    "ttft_p50": ratio((a["ttft_ms"] or {}).get("p50"), (b["ttft_ms"] or {}).get("p50")),
-                    "errors_in_cases": a["errors"] + b["errors"]})
+        row = {"grpc": grpc_case, "rest": rest_case}
+        for metric in COMPARED:
+            x, y = case_metric(a, metric), case_metric(b, metric)
+            row[metric] = x / y if x is not None and y else None
+        out.append({**row, "errors_in_cases": a["errors"] + b["errors"],
+                    "spread": {metric: case_spread(a, b, metric) for metric in COMPARED}})
     return out
 
 
@@ -181,13 +198,15 @@ def print_comparisons(comparisons: list[dict]) -> None:
         print(f"  grpc/rest {c['rest']} throughput = {_fmt(c['throughput'], '.2f')}   p50 latency = "
               f"{_fmt(c['latency_p50'], '.2f')}   p50 TTFT = {_fmt(c['ttft_p50'], '.2f')}"
               + (f"  [errors in these cases: {c['errors_in_cases']}]" if c["errors_in_cases"] else ""))
+        for metric, spread in c["spread"].items():
+            print_spread(f"grpc/rest {c['rest']} {metric}", spread, indent="    ")
 
 
 def peer_ratios(gpt_concurrency: list[int], translation_concurrency: list[int]) -> list[PeerRatio]:
     """The service's throughput over the peers', per concurrency: the GPT's streams against llama-server's at as
-    many streams, translation's clients against CTranslate2 offline at its batch."""
-    ratios = [PeerRatio(f"service/llama-server {c} streams", f"gpt c={c}", "gpt", llama_server.case_name(c),
-                        "llama-server") for c in gpt_concurrency]
+    many streams (its f32 weights, then its q8_0), translation's clients against CTranslate2 offline at its batch."""
+    ratios = [PeerRatio(f"service/{option} {c} streams", f"gpt c={c}", "gpt", llama_server.case_name(c, option),
+                        option) for option in llama_server.SERVERS for c in gpt_concurrency]
     ratios += [PeerRatio(f"service-http {c} clients/ctranslate2 offline b{ct2_offline.BATCH}", f"translation c={c}",
                          "translation", ct2_offline.CASE_NAME, "ctranslate2") for c in translation_concurrency]
     return ratios
@@ -211,7 +230,8 @@ def evaluate_peers(cases: list[dict], ratios: list[PeerRatio], skipped: dict[str
                      "numerator": ratio.service_case, "denominator": ratio.peer_case,
                      "service_throughput": service["throughput"] if service else None,
                      "peer_throughput": peer["throughput"] if peer else None,
-                     "errors_in_cases": (service["errors"] if service else 0) + (peer["errors"] if peer else 0)})
+                     "errors_in_cases": (service["errors"] if service else 0) + (peer["errors"] if peer else 0),
+                     "spread": case_spread(service, peer, "throughput")})
     return rows
 
 
@@ -228,6 +248,7 @@ def print_peers(rows: list[dict]) -> None:
     print("\nThe C++ peers (service throughput / the peer's, measured in this run; > 1: the service faster):")
     for row in rows:
         print(peer_line(row))
+        print_spread(row["ratio"], row["spread"])
 
 
 def environment(args) -> dict:

@@ -15,8 +15,9 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import bench_engine  # noqa: E402 - after the sys.path set-up, as the script's own
-from enginebench.measure import measure, ratio_spread, summarise  # noqa: E402
+from enginebench.measure import measure, summarise  # noqa: E402
 from enginebench.report import print_result, print_table  # noqa: E402
+from spread import ratio_spread  # noqa: E402
 from enginebench.systems import BUILDERS, SYSTEMS  # noqa: E402
 from enginebench.workloads import GptSpec, make_prompts  # noqa: E402
 
@@ -66,11 +67,31 @@ def test_every_ratio_comes_with_its_rounds_spread_and_a_flag_when_they_disagree(
     assert spread["ours/genai"]["flagged"] is False and spread["ours/genai"]["max"] == pytest.approx(1.2)
     assert set(spread) == {key for key, value in result["ratios"].items() if value is not None}
     assert ratio_spread([1.0], []) is None
-    assert ratio_spread([1.0, 1.0], [1.3, 1.0])["flagged"] is False  # 1.3x apart: the margin itself is not flagged
+    assert ratio_spread([1.3, 1.0], [1.0, 1.0])["flagged"] is False  # 1.3x apart: the margin itself is not flagged
     print_result(result)
     out = capsys.readouterr().out
     assert "ours/ctranslate2: rounds 1.00-2.00, median 2.00 of 3   FLAGGED: rounds disagree by more than 1.3x" in out
     assert "ours/genai: rounds 1.10-1.20, median 1.10 of 3\n" in out
+
+
+def test_llama_cpp_q8_0_is_a_peer_of_shipped_with_the_issues_goals(capsys):
+    """shipped against llama.cpp in its f32 (goal >= 1.3) and in its int8 q8_0 (goal >= 1.0), each with its spread,
+    on the case's line and in the table."""
+    times = {"shipped": [1.0, 1.0, 1.0], "llama.cpp": [1.4, 1.2, 1.4], "llama.cpp-q8_0": [0.9, 0.95, 0.9]}
+    result = summarise("gpt greedy batch 16", "tokens/s", 16 * 4, times, {}, {})
+    result["batch"] = 16
+    assert result["ratios"]["shipped/llama.cpp-q8_0"] == pytest.approx(0.9)
+    assert result["ratio_spread"]["shipped/llama.cpp-q8_0"] == pytest.approx(
+        {"median": 0.9, "min": 0.9, "max": 0.95, "rounds": 3, "flagged": False})
+    assert result["goals"] == {"shipped/llama.cpp": {"goal": ">= 1.3", "status": "PASS"},
+                               "shipped/llama.cpp-q8_0": {"goal": ">= 1", "status": "MISS"}}
+    print_result(result)
+    print_table([result])
+    out = capsys.readouterr().out
+    assert "    shipped/llama.cpp b16 = 1.40   (issue 56 goal >= 1.3: PASS)\n" in out
+    assert "    shipped/llama.cpp-q8_0 b16 = 0.90   (issue 56 goal >= 1: MISS)\n" in out
+    assert "shipped/llama.cpp-q8_0: rounds 0.90-0.95, median 0.90 of 3\n" in out
+    assert "shipped/llama q8_0" in out and "llama.cpp-q8_0" in SYSTEMS and "llama.cpp-q8_0" in BUILDERS["gpt"]
 
 
 def test_measure_samples_the_machine_load_before_and_after_its_rounds():

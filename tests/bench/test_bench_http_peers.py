@@ -41,18 +41,22 @@ def summary(case: str, throughput: float, errors: int = 0, unit: str = "tokens/s
 def test_the_ratio_lines_are_exactly_the_issues():
     labels = [r.label for r in peer_ratios([1, 32], [16])]
     assert labels == ["service/llama-server 1 streams", "service/llama-server 32 streams",
+                      "service/llama-server-q8_0 1 streams", "service/llama-server-q8_0 32 streams",
                       "service-http 16 clients/ctranslate2 offline b16"]
     cases = [summary("gpt c=1", 840.0), summary("llama-server c=1", 1000.0), summary("gpt c=32", 1290.0),
-             summary("llama-server c=32", 1000.0), summary("translation c=16", 35.5, unit="sentences/s"),
+             summary("llama-server c=32", 1000.0), summary("llama-q8_0 c=1", 700.0),
+             summary("llama-q8_0 c=32", 1500.0), summary("translation c=16", 35.5, unit="sentences/s"),
              summary(ct2_offline.CASE_NAME, 50.0, unit="sentences/s")]
     rows = evaluate_peers(cases, peer_ratios([1, 32], [16]), {})
     assert [peer_line(row) for row in rows] == ["service/llama-server 1 streams = 0.84",
                                                 "service/llama-server 32 streams = 1.29",
+                                                "service/llama-server-q8_0 1 streams = 1.20",
+                                                "service/llama-server-q8_0 32 streams = 0.86",
                                                 "service-http 16 clients/ctranslate2 offline b16 = 0.71"]
     assert rows[0] | {"value": None} == {
         "ratio": "service/llama-server 1 streams", "value": None, "reason": None, "unit": "tokens/s",
         "numerator": "gpt c=1", "denominator": "llama-server c=1", "service_throughput": 840.0,
-        "peer_throughput": 1000.0, "errors_in_cases": 0}
+        "peer_throughput": 1000.0, "errors_in_cases": 0, "spread": None}  # without rounds (test_bench_spread.py)
     assert json.loads(json.dumps(rows)) == rows  # as the JSON report holds them
 
 
@@ -76,8 +80,12 @@ def test_a_row_names_the_missing_case_and_the_errors():
 
 def test_the_peers_are_cases_of_the_command_line():
     args = bench_http.parse_args(["--quick"])
-    assert {"llama-server", "ctranslate2"} <= set(args.cases) and set(bench_http.PEERS) <= set(bench_http.CASES)
+    assert {"llama-server", "llama-server-q8_0", "ctranslate2"} <= set(args.cases)
+    assert set(bench_http.PEERS) <= set(bench_http.CASES) and set(llama_server.SERVERS) <= set(bench_http.PEERS)
+    assert set(llama_server.SERVERS) <= set(bench_http.SERVICE_CASES)  # their prompts are screened on the service
     assert bench_http.parse_args(["--cases", "gpt,llama-server"]).cases == ["gpt", "llama-server"]
+    assert args.rounds == bench_http.QUICK_ROUNDS >= 2 and bench_http.parse_args([]).rounds == bench_http.ROUNDS >= 3
+    assert bench_http.parse_args(["--rounds", "5"]).rounds == 5
     with pytest.raises(SystemExit):
         bench_http.parse_args(["--cases", "llama.cpp"])
 
@@ -88,6 +96,23 @@ def test_without_a_build_llama_server_is_not_started_and_nothing_is_converted(mo
     with pytest.raises(NotImplementedError, match=r"run `make llama-cpp`"):
         llama_server.llama_server(args, tmp_path / "repository-x", 256, 32)
     assert not (tmp_path / "work").exists()
+
+
+def test_the_q8_0_peer_serves_the_gpt_with_its_matmul_weights_in_q8_0(tmp_path):
+    """`llama-server-q8_0` converts the served GPT's weights to a GGUF whose matmul weights are q8_0 (the rest f32),
+    beside the f32 peer's file; its cases' names fit the tables' case column."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    peer = llama_server.SERVERS["llama-server-q8_0"]
+    assert peer.file_type == "q8_0" and llama_server.SERVERS[llama_server.F32].file_type == "f32"
+    assert llama_server.case_name(32, "llama-server-q8_0") == "llama-q8_0 c=32"
+    assert all(len(llama_server.case_name(256, option)) <= 18 for option in llama_server.SERVERS)
+    path = llama_server.gguf_file(tmp_path / "repository-x", tmp_path / "work", peer.file_type)
+    assert path.parent.name == "llama-cpp-gpt-q8_0"
+    types = {t.name: t.tensor_type for t in GGUFReader(str(path)).tensors}
+    quantized = {name for name in types if name.endswith(llama_cpp.QUANTIZED)}
+    assert quantized and {types[name] for name in quantized} == {GGMLQuantizationType.Q8_0}
+    assert {types[name] for name in set(types) - quantized} == {GGMLQuantizationType.F32}
 
 
 def test_llama_server_is_sent_the_prompt_ids_greedy_for_exactly_the_tokens():

@@ -215,6 +215,26 @@ def test_agreement_counts_identical_sequences_and_tokens_and_where_each_first_di
                                                  "tokens": 12, "first_divergence": [4, 2, 0]}
 
 
+def test_the_q8_0_system_runs_llama_cpp_on_a_q8_0_file_beside_the_f32_ones(monkeypatch, tmp_path):
+    """bench-engine's `llama.cpp-q8_0` converts our GPT to a GGUF whose matmul weights are q8_0 (the f32 system's:
+    all f32), each into its own folder; built, not started (a server starts at the first pass): a stand-in binary."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / llama_cpp.SERVER).write_text("#!/bin/sh\nexit 1\n")
+    (fake / llama_cpp.SERVER).chmod(0o755)
+    monkeypatch.setattr(llama_cpp, "BUILD_BIN", fake)
+    built, skipped = build_systems("gpt", SPEC, ["llama.cpp", "llama.cpp-q8_0"], Runtime(), tmp_path / "work")
+    assert set(built) == {"llama.cpp", "llama.cpp-q8_0"} and skipped == {}
+    for file_type in ("f32", "q8_0"):
+        (path,) = (tmp_path / "work").glob(f"llama-cpp-gpt-{file_type}*/{llama_cpp.GGUF_FILE}")
+        reader = GGUFReader(str(path))
+        assert field(reader, "general.file_type") == llama_cpp.file_types()[file_type][0]
+        types = {t.name: t.tensor_type for t in reader.tensors}
+        expected = GGMLQuantizationType.Q8_0 if file_type == "q8_0" else GGMLQuantizationType.F32
+        assert {types[name] for name in types if name.endswith(llama_cpp.QUANTIZED)} == {expected}, file_type
+        assert {types[name] for name in types if not name.endswith(llama_cpp.QUANTIZED)} == {GGMLQuantizationType.F32}
+
+
 def test_without_a_build_the_bench_skips_llama_cpp_with_the_make_target(monkeypatch, tmp_path):
     monkeypatch.setattr(llama_cpp, "BUILD_BIN", tmp_path / "absent")
     with pytest.raises(NotImplementedError, match=r"run `make llama-cpp`"):
