@@ -98,6 +98,21 @@ serve: repository
 repository: venv
 	$(BIN)/python -m export.bootstrap --repository $(REPOSITORY)
 
+# An offline batch job on the model repository, through the service's app in-process (service/batch, docs/batch.md):
+# IN, a requests file (OpenAI Batch JSONL), or with BATCH_ARGS=--text German sentences, one a line; OUT, the results
+# (a file there already is resumed). - for standard input or output.
+#   make batch-job IN=requests.jsonl OUT=results.jsonl
+#   make batch-job IN=test.de OUT=test.en BATCH_ARGS="--text -O num_beams=4"
+BATCH_ARGS ?=
+ifneq ($(filter batch-job,$(MAKECMDGOALS)),)
+ifeq ($(and $(IN),$(OUT)),)
+$(error batch-job needs IN=FILE and OUT=FILE (- for standard input or output))
+endif
+endif
+.PHONY: batch-job
+batch-job: repository
+	TSERVE_REPOSITORY=$(REPOSITORY) $(BIN)/python -m service.batch -i $(IN) -o $(OUT) $(BATCH_ARGS)
+
 test: venv kserve-venv
 	$(BIN)/python -m pytest -q
 

@@ -41,7 +41,7 @@ def _progress_bar(total: int | None, initial: int, label: str, enabled: bool):
     if enabled:
         try:
             from tqdm import tqdm
-        except ImportError:  # the core (serving) install has no tqdm: no bar
+        except ImportError:  # an install without tqdm (a core requirement since service.batch): no bar
             enabled = False
         else:
             return tqdm(total=total, initial=initial, desc=label, unit="B", unit_scale=True, unit_divisor=1024,
