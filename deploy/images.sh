@@ -9,9 +9,10 @@
 #      tserve.base-recipe) or with REFRESH_BASE=1 (security updates).
 #   2. on it, with `docker build --network host` (pip and apt reach the network as the host does; pip installs the
 #      locked versions of requirements/serving.txt and requirements/locust.txt, with their hashes):
-#      tserve:cpu (deploy/Dockerfile), tserve:locust (deploy/Dockerfile.locust), and the two images only the
-#      compose test uses instead of the official ones, from Debian's packages: tserve-nginx:test and
-#      tserve-prometheus:test (deploy/compose-test/). Grafana has no Debian package: the test runs without it.
+#      tserve:cpu (deploy/Dockerfile), tserve:locust (deploy/Dockerfile.locust), and the three images only the
+#      compose test uses instead of the official ones, from Debian's packages: tserve-nginx:test,
+#      tserve-prometheus:test and tserve-redis:test (deploy/compose-test/). Grafana has no Debian package: the test
+#      runs without it.
 #
 # BASE_ONLY=1 makes the base alone (`make image-gpu` builds tserve:gpu on it: deploy/Makefile.fragment).
 # Needs: root (or sudo), mmdebstrap and a running Docker daemon (Debian: apt-get install docker.io mmdebstrap).
@@ -28,6 +29,7 @@ TSERVE_IMAGE=${TSERVE_IMAGE:-tserve:cpu}
 TSERVE_LOCUST_IMAGE=${TSERVE_LOCUST_IMAGE:-tserve:locust}
 NGINX_TEST_IMAGE=${NGINX_TEST_IMAGE:-tserve-nginx:test}
 PROMETHEUS_TEST_IMAGE=${PROMETHEUS_TEST_IMAGE:-tserve-prometheus:test}
+REDIS_TEST_IMAGE=${REDIS_TEST_IMAGE:-tserve-redis:test}
 export DOCKER_BUILDKIT=0   # the classic builder: BuildKit would fetch its dockerfile frontend from a registry
 
 SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
@@ -77,8 +79,10 @@ build "$TSERVE_IMAGE" deploy/Dockerfile .
 build "$TSERVE_LOCUST_IMAGE" deploy/Dockerfile.locust .
 build "$NGINX_TEST_IMAGE" deploy/compose-test/Dockerfile.nginx
 build "$PROMETHEUS_TEST_IMAGE" deploy/compose-test/Dockerfile.prometheus
+build "$REDIS_TEST_IMAGE" deploy/compose-test/Dockerfile.redis
 
 step "done"
-for image in "$BASE_IMAGE" "$TSERVE_IMAGE" "$TSERVE_LOCUST_IMAGE" "$NGINX_TEST_IMAGE" "$PROMETHEUS_TEST_IMAGE"; do
+for image in "$BASE_IMAGE" "$TSERVE_IMAGE" "$TSERVE_LOCUST_IMAGE" "$NGINX_TEST_IMAGE" "$PROMETHEUS_TEST_IMAGE" \
+             "$REDIS_TEST_IMAGE"; do
   docker image inspect --format "{{.Size}} $image" "$image" | awk '{printf "%-28s %6.0f MB\n", $2, $1 / 1e6}'
 done

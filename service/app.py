@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if app.state.grpc is not None:
             await app.state.grpc.stop(settings.drain_timeout_s)
         registry.stop(settings.drain_timeout_s)
+        await registry.response_cache.close()  # its Redis connections, on the loop that opened them
         tracing.flush()  # the spans still buffered
         app.state.image_decoder.close()
 

@@ -156,14 +156,23 @@ class Image(BaseModel):
         return channels
 
 
+class ResponseCacheConfig(BaseModel):
+    """Triton's `response_cache { enable: true }`: the response cache on for this version (`service.response_cache`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    enable: bool
+
+
 class VersionConfig(BaseModel):
-    """What every kind's config may say: how its graphs compute, and the variants checked at export."""
+    """What every kind's config may say: how its graphs compute, the variants checked at export, and whether the
+    response cache is on for it."""
 
     model_config = OPEN
     weights: str = None
     attention: str = None
     kv_cache: str = None
     variants: dict[str, dict[str, Any]] | None = None  # variant -> its quality check (`service.models.variants`)
+    response_cache: ResponseCacheConfig = None
 
     @field_validator(*VARIANT_VALUES)
     @classmethod

@@ -11,11 +11,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from service.models.variants import parse_pins
+from service.per_model import parse_per_model
+from service.response_cache.cache import NONE
 
 
 ENV_PREFIX = "TSERVE_"
@@ -38,6 +40,7 @@ def env_list(value: object) -> object:
 
 # a list field read from one environment variable as `env_list` parses it
 EnvList = Annotated[list[str], NoDecode]
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what the redis client's from_url reads
 
 
 class SettingsInvalid(ValueError):
@@ -75,6 +78,9 @@ class Settings(BaseSettings):
     # int8, fp32+gqa or int8+gqa (the step graph's attention as GroupQueryAttention) for every model; or per model:
     # gpt=int8+gqa,translation=stored (the others: auto)
     variant: str = "auto"
+    # the batch sizes `auto` times the variants at: one row and the largest batch (latency and throughput, a server's
+    # mix), or the largest batch only (throughput: what an offline batch job keeps full, `python -m service.batch`)
+    calibrate_for: Literal["latency-and-throughput", "throughput"] = "latency-and-throughput"
     # the calibration timings, kept between starts ("" = none kept: every start measures)
     calibration_cache: str = str(Path("~/.cache/tserve/calibration.json"))
 
@@ -91,6 +97,16 @@ class Settings(BaseSettings):
     # the tokens it saves: measured in docs/speculation.md)
     speculation_max_rows: int = Field(1, ge=1)
 
+    # the response cache (service.response_cache, docs/response_cache.md): a repeated request answered from a cache of
+    # whole answers, keyed by a hash of everything that decides the answer. Off by default, as Triton's: the models it
+    # is on for (names, comma-separated or a JSON list; `all`; `none`: off for every model, even one whose config.json
+    # turns it on), bounded in bytes in this process (least recently used evicted) or shared by every replica in
+    # Redis (redis://host:6379/0; "" = local), each Redis command bounded by the timeout (then served uncached)
+    response_cache: EnvList = Field(default_factory=list)
+    response_cache_mb: int = Field(128, ge=1)
+    response_cache_redis_url: str = ""
+    response_cache_redis_timeout_ms: float = Field(50.0, gt=0)
+
     # iteration-level batching for the text models: rows (beams count as rows) decoded together per step
     translation_max_batch_rows: int = Field(64, ge=1)
     gpt_max_batch_rows: int = Field(64, ge=1)
@@ -104,6 +120,15 @@ class Settings(BaseSettings):
     vit_batching: bool = True
     # bounded queues: requests waiting for admission, per model (beyond this: 429 with Retry-After)
     max_queue_size: int = Field(256, ge=1)
+    # request priority (service.scheduling.priority): levels 0 (most urgent) to priority_levels - 1, served lowest
+    # first; the level of a request that gives none, for every model or per model ("1", "1,vit=0"); after
+    # priority_max_wait_s in a queue any request is served first (no level starves)
+    priority_levels: int = Field(3, ge=1, le=1000)
+    default_priority: str = "1"
+    priority_max_wait_s: float = Field(10.0, gt=0)
+    # rows beyond *_max_batch_rows that only requests more urgent than their model's default may take, so that they
+    # join a full batch at its next step (running requests are never preempted)
+    priority_headroom_rows: int = Field(8, ge=0)
     # forced decoding (`POST /v1/translate/score`) runs beside the schedulers: at most this many requests per model
     # version at once (beyond this: 429 with Retry-After)
     max_scoring_requests: int = Field(4, ge=1)
@@ -159,16 +184,45 @@ class Settings(BaseSettings):
     api_keys: EnvList = Field(default_factory=list)
     api_keys_file: Path | None = None
 
-    @field_validator("models", "api_keys", mode="before")
+    @field_validator("models", "api_keys", "response_cache", mode="before")
     @classmethod
     def _env_list(cls, value: object) -> object:
         return env_list(value)
+
+    @field_validator("response_cache")
+    @classmethod
+    def _cached_models(cls, models: list[str]) -> list[str]:
+        if NONE in models and len(models) > 1:
+            raise ValueError(f"`{NONE}` stands alone: it turns the cache off for every model")
+        return models
+
+    @field_validator("response_cache_redis_url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        if url and not url.startswith(REDIS_SCHEMES):
+            raise ValueError(f"a Redis URL starts with {', '.join(REDIS_SCHEMES)}")
+        return url
 
     @field_validator("variant")
     @classmethod
     def _variant_pins(cls, value: str) -> str:
         parse_pins(value)  # a ValueError names the bad entry
         return value
+
+    @model_validator(mode="after")
+    def _priority_defaults(self) -> Settings:
+        self.default_priorities  # a ValueError names the bad entry
+        return self
+
+    @property
+    def default_priorities(self) -> dict[str, int]:
+        """TSERVE_DEFAULT_PRIORITY -> model (or `service.per_model.ALL_MODELS`) -> level."""
+        def level(text: str) -> int:
+            if not text.isdigit() or int(text) >= self.priority_levels:
+                raise ValueError(f"a level from 0 to {self.priority_levels - 1} (TSERVE_PRIORITY_LEVELS)")
+            return int(text)
+
+        return parse_per_model(self.default_priority, "TSERVE_DEFAULT_PRIORITY", level)
 
     @property
     def variant_pins(self) -> dict[str, str]:
@@ -179,11 +233,11 @@ class Settings(BaseSettings):
         return Path(self.calibration_cache).expanduser() if self.calibration_cache else None
 
 
-def load_settings() -> Settings:
-    """The settings from the environment; `SettingsInvalid` naming every bad variable (and what is wrong with it)
-    instead of pydantic's traceback."""
+def load_settings(overrides: dict[str, object] | None = None) -> Settings:
+    """The settings from the environment, `overrides` (setting -> value: the command line's) over it;
+    `SettingsInvalid` naming every bad variable (and what is wrong with it) instead of pydantic's traceback."""
     try:
-        return Settings()
+        return Settings(**(overrides or {}))
     except ValidationError as error:
         lines = []
         for problem in error.errors():

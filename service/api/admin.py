@@ -21,10 +21,13 @@ async def live() -> dict:
 @router.get("/health/ready", summary="Readiness: every configured model is loaded and the server is not draining",
             response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready, with reasons"}})
 async def ready(request: Request) -> JSONResponse:
-    is_ready, reasons = request.app.state.registry.readiness()
+    registry = request.app.state.registry
+    is_ready, reasons = registry.readiness()
+    await registry.response_cache.check()  # a Redis marked down is probed again (at most once a second)
+    degraded = registry.response_cache.problems()  # served without: ready all the same, and said so
     if is_ready:
-        return JSONResponse({"status": "ready"})
-    return JSONResponse({"status": "not ready", "reasons": reasons}, status_code=503)
+        return JSONResponse({"status": "ready", **({"reasons": degraded} if degraded else {})})
+    return JSONResponse({"status": "not ready", "reasons": reasons + degraded}, status_code=503)
 
 
 @router.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse,

@@ -5,8 +5,10 @@ lifespan (models, schedulers), and each line is one request through it. So every
 answers for the same request, by construction: the same validation, routes, serving calls, schedulers and engines.
 
 Settings are the server's (TSERVE_*), less what a local job does not use: no gRPC port, no API keys (nothing comes
-from outside), and each request's deadline, unless it sets `timeout_ms`, the longest allowed (TSERVE_MAX_TIMEOUT_MS):
-a batch has no client waiting. A rerun with the same output file appends what is missing; Ctrl-C leaves complete
+from outside), each request's deadline, unless it sets `timeout_ms`, the longest allowed (TSERVE_MAX_TIMEOUT_MS):
+a batch has no client waiting, and the variants timed at the largest batch only (TSERVE_CALIBRATE_FOR=throughput:
+a job keeps its batches full), so `auto` may choose another variant than a server's on the same host; pin
+TSERVE_VARIANT to the server's choice for byte-identical answers. A rerun with the same output file appends what is missing; Ctrl-C leaves complete
 lines. Exit status: 0 done, 1 lines left untranslated (--text), 2 bad usage or settings, 3 no model loaded, 130
 interrupted. docs/batch.md.
 """
@@ -80,7 +82,8 @@ def _option(text: str) -> tuple[str, object]:
 
 def job_settings(settings: Settings, args: argparse.Namespace) -> Settings:
     """The server's settings as a local job runs them (the module docstring says why each)."""
-    update = {"grpc_port": 0, "api_keys": [], "api_keys_file": None, "default_timeout_ms": settings.max_timeout_ms}
+    update = {"grpc_port": 0, "api_keys": [], "api_keys_file": None, "default_timeout_ms": settings.max_timeout_ms,
+              "calibrate_for": "throughput"}
     if args.text and not settings.models:  # the translator alone: no time spent loading the others
         model, version = args.options.get("model") or TRANSLATION, args.options.get("version")
         update["models"] = [f"{model}:{version}" if version else str(model)]

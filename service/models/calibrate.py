@@ -15,7 +15,7 @@ import sys
 
 from service.models.calibration import CalibrationCache
 from service.models.kinds import KIND_TABLE
-from service.models.registry import parse_model_spec, runtime_options
+from service.models.registry import calibration_rows, parse_model_spec, runtime_options
 from service.repository import ModelRepository, RepositoryError
 from service.models.variants import load_engine, pin_for
 from service.settings import SettingsInvalid, load_settings
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             model = repository.get(name, version)
             kind = KIND_TABLE[model.kind]
             _, choice = load_engine(model, kind, runtime_options(settings, kind), pin_for(settings.variant_pins, name),
-                                    sorted({1, kind.max_rows(settings)}), cache)
+                                    calibration_rows(settings, kind), cache)
             pins.append(f"{model.name}={choice.weights}")
             if not args.pins:
                 print(f"{model.name}:{model.version} runs {choice.weights} ({choice.chosen_by}): {choice.reason}")

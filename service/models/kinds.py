@@ -32,7 +32,9 @@ from service.models.warmup import check_length_penalty, grey_images, warm_up_ima
 from service.observability.metrics import BEAM, GREEDY, SAMPLE, Metrics
 from service.scheduling.continuous import ContinuousBatcher
 from service.scheduling.dynamic import DynamicBatcher
+from service.scheduling.priority import DEFAULT_PRIORITY, PriorityPolicy
 from service.scheduling.speculation import SpeculationConfig
+from service.per_model import value_for
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ def continuous_batcher(max_rows: Callable[[Settings], int], speculates: bool = F
             speculation = None
         return ContinuousBatcher(engine, model.name, model.version, metrics, max_rows=max_rows(s),
                                  max_prefill=s.max_prefill_requests, max_queue=s.max_queue_size,
-                                 workers=s.decoding_workers, speculation=speculation)
+                                 workers=s.decoding_workers, speculation=speculation,
+                                 priority=priority_policy(model, s))
 
     return build
 
@@ -98,11 +101,19 @@ def _vit_images(s: Settings) -> int:
     return s.vit_max_batch_size
 
 
+def priority_policy(model: ModelVersion, s: Settings) -> PriorityPolicy:
+    """The version's priority levels, its default level (TSERVE_DEFAULT_PRIORITY, per model) and the wait after which
+    any request is served first."""
+    default = value_for(s.default_priorities, model.name, min(DEFAULT_PRIORITY, s.priority_levels - 1))
+    return PriorityPolicy(levels=s.priority_levels, default=default, max_wait_s=s.priority_max_wait_s,
+                          headroom_rows=s.priority_headroom_rows)
+
+
 def dynamic_batcher(engine, model: ModelVersion, metrics: Metrics, s: Settings) -> DynamicBatcher:
     """The image kind's scheduler: the dynamic batcher (Triton's), with the ViT's batch size and queue delay."""
     return DynamicBatcher(engine, model.name, model.version, metrics, max_batch_size=s.vit_max_batch_size,
                           max_queue_delay_ms=s.vit_max_queue_delay_ms, max_queue=s.max_queue_size,
-                          batching=s.vit_batching)
+                          batching=s.vit_batching, priority=priority_policy(model, s))
 
 
 def _warm_up_translation(engine: TranslationEngine) -> None:

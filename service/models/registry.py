@@ -31,6 +31,7 @@ from service.models.kinds import KIND_TABLE
 from service.repository import ModelRepository, RepositoryError, parse_version
 from service.models.variants import Choice, load_engine, pin_for
 from service.observability.metrics import Metrics
+from service.response_cache.cache import ResponseCache
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class LoadedModel:
     variant: dict[str, Any] = field(default_factory=dict)  # how its graphs compute (`ModelVersion.variant`, the
     # weights as chosen) and how the weights were chosen (`Choice.report`, `reason`, `not_offered`: variant -> why)
     leases: int = 0  # requests that resolved this version and have not ended
+    # the response cache as this version sees it (`service.response_cache.cache.VersionCache`); None: off
+    response_cache: Any = None
     _released: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def acquire(self) -> None:
@@ -87,6 +90,13 @@ def runtime_options(s: Settings, kind) -> RuntimeOptions:
                           prefix_cache_bytes=s.prefix_cache_mb * MIB if s.prefix_cache else 0)
 
 
+def calibration_rows(s: Settings, kind) -> list[int]:
+    """The batch sizes `auto` times a version's variants at (TSERVE_CALIBRATE_FOR): one row and the largest batch its
+    scheduler runs, or the largest only."""
+    largest = kind.max_rows(s)
+    return [largest] if s.calibrate_for == "throughput" else sorted({1, largest})
+
+
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
     """'gpt' -> ('gpt', None); 'gpt:3' -> ('gpt', 3)."""
     name, colon, version = spec.partition(":")
@@ -107,6 +117,7 @@ class ModelRegistry:
         self.errors: dict[str, str] = {}
         self.expected: list[str] = []  # the models configured at start: readiness needs a loaded version of each
         self.calibration = CalibrationCache(settings.calibration_cache_path)
+        self.response_cache = ResponseCache(settings, metrics)
         self.draining = False
         self._loader: threading.Thread | None = None
 
@@ -152,7 +163,7 @@ class ModelRegistry:
         options = runtime_options(s, kind)
         started = time.perf_counter()
         engine, choice = load_engine(model, kind, options, pin_for(s.variant_pins, model.name),
-                                     sorted({1, kind.max_rows(s)}), self.calibration)
+                                     calibration_rows(s, kind), self.calibration)
         scheduler = kind.scheduler(engine, model, self.metrics, s)
         kind.warm_up(engine)
         scheduler.start()
@@ -170,6 +181,8 @@ class ModelRegistry:
                                          for key, value in engine.prefix_caching.items()}
         loaded = LoadedModel(model.name, model.version, model.kind, engine, scheduler, engine.provider, seconds,
                              {**variant, **details})
+        loaded.response_cache = self.response_cache.for_version(model.name, model.version, model.kind,
+                                                                engine.provider, variant, model.config)
         previous = self.loaded.get((model.name, model.version))
         self.loaded[(model.name, model.version)] = loaded
         self.active[model.name] = model.version
@@ -258,14 +271,16 @@ class ModelRegistry:
                 except RepositoryError:  # changed since it was listed: the next listing shows what is there
                     continue
                 kind, shown = model.kind, model.version
+            folder = self.repository.folder(name)
             try:
-                created = int((self.repository.root / name / str(shown)).stat().st_mtime)
+                created = int((folder / str(shown)).stat().st_mtime) if folder else 0
             except OSError:
                 created = 0
             out.append({"name": name, "kind": kind, "versions": versions, "created": created,
                         "active_version": active.version if active else None, "loaded_versions": loaded,
                         "provider": active.provider if active else None,
-                        "variant": active.variant if active else None, "ready": bool(loaded)})
+                        "variant": active.variant if active else None, "ready": bool(loaded),
+                        "response_cache": active.response_cache.report() if active else None})
         return out
 
     def unload(self, name: str, version: int) -> LoadedModel:

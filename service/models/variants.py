@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from service.per_model import parse_per_model, value_for
 from service.engines.runtime import CPU, CUDA, RuntimeOptions, preferred_providers
 from service.engines.weights import (ALL_VARIANTS, FLOAT16_VARIANTS, FP16, INT8_ROWS, VARIANTS, changes_step_attention,
                                      compute_weights, split_variant)
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 
 AUTO, STORED = "auto", "stored"
 PIN_VALUES = (AUTO, STORED, *ALL_VARIANTS)
-ALL_MODELS = "*"  # the pin of a value without a model name
 MARGIN = 0.05  # a derived variant must be this much faster than the stored one to replace it
 # how the variant was chosen (the `chosen_by` of /v1/models and the model info metric)
 PINNED, ONLY, MEASURED, CACHED = "pinned", "only variant", "measured", "cached measurement"
@@ -58,19 +58,17 @@ class Choice:
 
 
 def parse_pins(spec: str) -> dict[str, str]:
-    """TSERVE_VARIANT -> model name (or `ALL_MODELS`) -> pinned value; raises ValueError naming what is wrong."""
-    pins: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, equals, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (ALL_MODELS, "", part)
-        if value not in PIN_VALUES or (equals and not name) or name in pins:
-            raise ValueError(f"bad TSERVE_VARIANT entry {part!r}: expected VALUE or MODEL=VALUE, each model once, "
-                             f"VALUE one of {', '.join(PIN_VALUES)}")
-        pins[name] = value
-    return pins
+    """TSERVE_VARIANT -> model name (or `service.per_model.ALL_MODELS`) -> pinned value; raises ValueError naming what is wrong."""
+    def pin(value: str) -> str:
+        if value not in PIN_VALUES:
+            raise ValueError(f"one of {', '.join(PIN_VALUES)}")
+        return value
+
+    return parse_per_model(spec, "TSERVE_VARIANT", pin)
 
 
 def pin_for(pins: Mapping[str, str], name: str) -> str:
-    return pins.get(name, pins.get(ALL_MODELS, AUTO))
+    return value_for(pins, name, AUTO)
 
 
 # Why a provider does not offer a variant (measured with ONNX Runtime 1.32 on CPU; its CUDA kernels' types from its

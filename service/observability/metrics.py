@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+# a response cache lookup: a local hit is tens of microseconds, a Redis one a network round trip (bounded at 50 ms)
+CACHE_LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 BATCH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # The `mode` label's values: how a text request decodes (what each kind offers: `service.models.kinds`), `score`
@@ -40,6 +42,13 @@ class Metrics:
         self.queue_wait = Histogram(
             "tserve_queue_wait_seconds", "Time a request waited before its first batch (prefill or image batch).",
             ["model", "version", "mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.priority_queue_wait = Histogram(
+            "tserve_priority_queue_wait_seconds", "Time a request waited before its first batch, by its priority "
+            "level (0 the most urgent).", ["model", "version", "priority"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_refusals = Counter(
+            "tserve_queue_refusals", "Requests a full queue refused (429), by priority level and how: full (the "
+            "newcomer) or displaced (a waiting one, for a more urgent newcomer).",
+            ["model", "version", "priority", "how"], registry=r)
         self.time_to_first_token = Histogram(
             "tserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
             ["model", "version", "mode"], buckets=LATENCY_BUCKETS, registry=r)
@@ -74,6 +83,30 @@ class Metrics:
         self.prefix_cache_bytes = Gauge(
             "tserve_prefix_cache_bytes", "Bytes the prefix cache holds (K/V and logits of its blocks).",
             ["model", "version"], registry=r)
+        # the response cache (service.response_cache): whole answers of repeated requests (Triton's cache_hit /
+        # cache_miss statistics are read from the lookups)
+        self.response_cache_lookup_seconds = Histogram(
+            "tserve_response_cache_lookup_seconds", "Response cache lookups by result (hit | miss): the time to find "
+            "the entry and rebuild the answer, or to find none.", ["model", "version", "result"],
+            buckets=CACHE_LOOKUP_BUCKETS, registry=r)
+        self.response_cache_uncacheable = Counter(
+            "tserve_response_cache_uncacheable", "Requests to a model with the response cache on whose answer is not a "
+            "function of the request (sampling without a seed): never looked up nor stored.", ["model", "version"],
+            registry=r)
+        self.response_cache_bytes = Gauge(
+            "tserve_response_cache_bytes", "Bytes the local response cache holds (keys, answers and their overhead).",
+            registry=r)
+        self.response_cache_entries = Gauge(
+            "tserve_response_cache_entries", "Answers the local response cache holds.", registry=r)
+        self.response_cache_evictions = Counter(
+            "tserve_response_cache_evictions", "Answers evicted from the local response cache (least recently used, "
+            "over TSERVE_RESPONSE_CACHE_MB).", registry=r)
+        self.response_cache_redis_errors = Counter(
+            "tserve_response_cache_redis_errors", "Redis commands of the response cache that failed or timed out, by "
+            "operation (get | set | ping); each request concerned was served uncached.", ["operation"], registry=r)
+        self.response_cache_redis_up = Gauge(
+            "tserve_response_cache_redis_up", "1 while the response cache's Redis server answers, 0 while it does not "
+            "(requests are served uncached); no series without a Redis server.", ["server"], registry=r)
         self.constrained_requests = Counter(
             "tserve_constrained_requests", "Requests whose output is constrained, by kind (json_schema, json_object, "
             "regex, choice, grammar).", ["model", "version", "kind"], registry=r)

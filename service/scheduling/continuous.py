@@ -26,6 +26,7 @@ from service.errors import ServiceError
 from service.observability.metrics import Metrics
 from service.scheduling.jobs import Generation, TextJob
 from service.scheduling.prefix_metrics import PrefixCacheMetrics
+from service.scheduling.priority import PriorityPolicy
 from service.scheduling.queueing import IDLE_WAIT_S, QueuedScheduler, fail, settle
 from service.scheduling.speculation import SpeculationConfig
 from service.scheduling.text_batch import DecodingBackend, TextBatch
@@ -70,14 +71,16 @@ class ContinuousBatcher(QueuedScheduler):
     `decoding_workers`)."""
 
     def __init__(self, backend: DecodingBackend, model: str, version: int, metrics: Metrics, *, max_rows: int,
-                 max_prefill: int, max_queue: int, workers: int = 1, speculation: SpeculationConfig | None = None):
+                 max_prefill: int, max_queue: int, workers: int = 1, speculation: SpeculationConfig | None = None,
+                 priority: PriorityPolicy = PriorityPolicy()):
         self.backend = backend
         self.max_rows = max_rows
         self.max_prefill = max_prefill
         self.speculation = speculation  # n-gram speculation for the batches' greedy rows (None: off)
         self._lanes = [_Lane() for _ in range(workers)]
         self._rows = 0  # the live rows of every lane's batch, published with `_active`
-        super().__init__(model, version, metrics, max_queue, rows=lambda: self._rows, workers=workers)
+        super().__init__(model, version, metrics, max_queue, rows=lambda: self._rows, workers=workers,
+                         priority=priority)
         # the children observed every iteration, and per mode (`_of_mode`), looked up once
         self._batch_size = metrics.batch_size.labels(**self.labels)
         self._batch_seconds = metrics.batch_seconds.labels(**self.labels)
@@ -140,16 +143,19 @@ class ContinuousBatcher(QueuedScheduler):
         return any(not other.active and not other.admitting for other in self._lanes[:index])
 
     def _admit(self, lane: _Lane) -> list[TextJob]:
-        """Take waiting requests, oldest first, while the lane's batch stays within `max_rows` at every request's
-        widest (its beam width) and, with several lanes, while it stays within its share of all the rows (held,
+        """Take waiting requests in their order (`service.scheduling.priority`: level, then arrival) while the
+        lane's batch stays within `max_rows` at every request's widest (its beam width; an urgent request may use the
+        policy's headroom above it) and, with several lanes, while it stays within its share of all the rows (held,
         being admitted and waiting) or holds no more than any other lane."""
         rows = lane.held()
         admitted: list[TextJob] = []
         with self._changed:
+            self._reorder()
             others, share = self._balance(lane) if self._waiting else (math.inf, math.inf)
             while self._waiting and len(admitted) < self.max_prefill:
                 widest = self._waiting[0].rows
-                if rows + widest > self.max_rows and (lane.active or admitted):
+                if rows + widest > self.priority.row_limit(self._waiting[0], self.max_rows) and \
+                        (lane.active or admitted):
                     break
                 if rows + widest > share and rows > others:  # the emptier lanes take it
                     break
@@ -194,6 +200,7 @@ class ContinuousBatcher(QueuedScheduler):
             return
         for job in admitted:
             self._of_mode(job.mode).queue_wait.observe(started - job.arrived)
+            self._queue_waited(job, started)
             self._prompt_tokens.inc(len(job.input_ids))
         if self._prefix_cache is not None:
             self._prefix_cache.observe(admitted)

@@ -24,6 +24,7 @@ import numpy as np
 from service.errors import ServiceError
 from service.observability.metrics import Metrics
 from service.scheduling.jobs import ImageJob
+from service.scheduling.priority import PriorityPolicy
 from service.scheduling.queueing import IDLE_WAIT_S, MS_PER_S, QueuedScheduler, fail, settle
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,15 @@ class DynamicBatcher(QueuedScheduler):
     `vit_batching`)."""
 
     def __init__(self, engine: ImageBackend, model: str, version: int, metrics: Metrics, *, max_batch_size: int,
-                 max_queue_delay_ms: float, max_queue: int, batching: bool):
+                 max_queue_delay_ms: float, max_queue: int, batching: bool,
+                 priority: PriorityPolicy = PriorityPolicy()):
         if max_batch_size < 1 or max_queue_delay_ms < 0:
             raise ValueError("max_batch_size must be >= 1 and max_queue_delay_ms >= 0")
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.max_queue_delay = max_queue_delay_ms / MS_PER_S  # the clock counts seconds
         self.batching = batching
-        super().__init__(model, version, metrics, max_queue)
+        super().__init__(model, version, metrics, max_queue, priority=priority)
 
     def cancel(self, job: ImageJob) -> None:
         """Drop a job that nobody waits for any more: out of the queue at once if it has not run."""
@@ -105,7 +107,8 @@ class DynamicBatcher(QueuedScheduler):
             return batch
 
     def _pop_live(self, fits: int | None = None) -> ImageJob | None:
-        """The oldest waiting job that can still run (holding at most `fits` images), failing dead ones on the way."""
+        """The first waiting job in order (`service.scheduling.priority`: level, then arrival) that can still run (holding at most `fits` images), failing dead ones on the way."""
+        self._reorder()
         while self._waiting:
             job = self._waiting[0]
             if self._dead(job):
@@ -160,6 +163,7 @@ class DynamicBatcher(QueuedScheduler):
         for job in jobs:
             job.phases.started_at, job.phases.batch_size = started, images
             self.metrics.queue_wait.labels(**self.labels, mode=job.mode).observe(started - job.arrived)
+            self._queue_waited(job, started)
 
     def _complete(self, job: ImageJob, logits: np.ndarray) -> None:
         self.metrics.images.labels(**self.labels).inc(job.size)

@@ -26,6 +26,7 @@ from typing import ClassVar
 import numpy as np
 
 from service.decoding import Hypothesis, Search, TokenLogprob
+from service.scheduling.priority import DEFAULT_PRIORITY
 
 __all__ = ["Generation", "ImageJob", "ImagePhases", "PromptLogprobs", "TextJob", "TextPhases"]
 
@@ -71,6 +72,7 @@ class TextJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     phases: TextPhases = field(default_factory=TextPhases)
     prompt_logprobs: int | None = None
+    priority: int = DEFAULT_PRIORITY  # its level in the queue, lower first (`service.scheduling.priority`)
     prompt_scores: PromptLogprobs | None = field(default=None, init=False)
     cached_tokens: int = field(default=0, init=False)  # prompt tokens its prompt pass found in a prefix cache
     rows: int = field(init=False)
@@ -124,6 +126,7 @@ class ImageJob:
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
     phases: ImagePhases = field(default_factory=ImagePhases)
+    priority: int = DEFAULT_PRIORITY  # its level in the queue, lower first (`service.scheduling.priority`)
     mode: ClassVar[str] = "classify"  # the label of its metrics and spans, where a text job has its decoding mode
 
     @property

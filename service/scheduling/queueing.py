@@ -34,6 +34,7 @@ from service.errors import (
     VersionUnloaded,
 )
 from service.observability.metrics import Metrics
+from service.scheduling.priority import PriorityPolicy
 
 IDLE_WAIT_S = 0.1  # an idle worker wakes at least this often (a submit wakes it at once)
 DRAIN_POLL_S = 0.01  # how often stop() checks whether the accepted requests have finished
@@ -195,7 +196,7 @@ class QueuedScheduler:
     """
 
     def __init__(self, model: str, version: int, metrics: Metrics, max_queue: int,
-                 rows: Callable[[], int] | None = None, workers: int = 1):
+                 rows: Callable[[], int] | None = None, workers: int = 1, priority: PriorityPolicy = PriorityPolicy()):
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         if workers < 1:
@@ -203,6 +204,7 @@ class QueuedScheduler:
         self.labels = {"model": model, "version": str(version)}
         self.metrics = metrics
         self.max_queue = max_queue
+        self.priority = priority  # the order of `_waiting` and who a full queue refuses
         self._changed = threading.Condition()
         self._waiting: deque = deque()
         self._active: list = []
@@ -227,16 +229,42 @@ class QueuedScheduler:
         return any(thread.is_alive() for thread in self._threads)
 
     def submit(self, job):
-        """Queue a request; raises QueueFull (429, Retry-After) when the queue is full, Unavailable when stopping."""
+        """Queue a request in its place (`service.scheduling.priority`); raises QueueFull (429, Retry-After) when the
+        queue is full of requests at least as urgent, else refuses the least urgent waiting one in its favour;
+        Unavailable when stopping."""
         with self._changed:
             if not self._accepting:
                 raise self._closing.error(self._closing.refused)
+            now = time.monotonic()
             if len(self._waiting) >= self.max_queue:
                 message = f"{self.labels['model']} queue is full ({self.max_queue} waiting requests)"
-                raise self._retry.refusal(message, len(self._waiting), self.max_queue, job.deadline - time.monotonic())
+                displaced = self.priority.displaced(self._waiting, job, now)
+                if displaced is None:
+                    self._count_refusal(job, "full")
+                    raise self._retry.refusal(message, len(self._waiting), self.max_queue, job.deadline - now)
+                self._waiting.remove(displaced)
+                self._count_refusal(displaced, "displaced")
+                fail(displaced.future, self._retry.refusal(
+                    f"{message}: this request (priority {displaced.priority}) gave its place to a more urgent one "
+                    f"(priority {job.priority})", len(self._waiting), self.max_queue, displaced.deadline - now))
             self._waiting.append(job)
+            self._waiting = deque(self.priority.ordered(self._waiting, now))
             self._changed.notify_all()
         return job
+
+    def _count_refusal(self, job, how: str) -> None:
+        self.metrics.queue_refusals.labels(**self.labels, priority=str(job.priority), how=how).inc()
+
+    def _reorder(self) -> None:
+        """With `_changed` held: the waiting requests in the order they are served now (levels, then arrival; those
+        that have waited `max_wait_s` first)."""
+        if len(self._waiting) > 1:
+            self._waiting = deque(self.priority.ordered(self._waiting, time.monotonic()))
+
+    def _queue_waited(self, job, started: float) -> None:
+        """Record how long `job` waited for its first batch, by its priority level."""
+        self.metrics.priority_queue_wait.labels(**self.labels, priority=str(job.priority)).observe(
+            started - job.arrived)
 
     def retry_after(self, may_wait_s: float = float("inf")) -> int:
         """Seconds until the queue has room for one more request (see `RetryAfter`)."""

@@ -9,5 +9,5 @@ only map their protocol's request to a serving call and its result back.
 - classify.py: the ViT (image decoding in `service.engines.imaging`)
 - streaming.py: token streams, incremental detokenisation; outputs.py: `Completion`
 - awaiting.py: waiting under the deadline while watching the client, and `run_text_jobs` (submit, await, trace);
-  context.py: deadline and metric labels
+  context.py: deadline and metric labels; cached.py: the response cache (a hit answered before any submit)
 """

@@ -39,6 +39,12 @@ def deadline_of(request: Caller, timeout_ms: int | None) -> float:
     return time.monotonic() + (timeout_ms or request.app.state.settings.default_timeout_ms) / 1000.0
 
 
+def priority_level(loaded: LoadedModel, priority: int | None) -> int:
+    """The queue level of a request to `loaded` (`service.scheduling.priority`): its own, else the model's default;
+    400 naming `priority` outside the levels."""
+    return loaded.scheduler.priority.level(priority)
+
+
 def label(request: Caller, loaded: LoadedModel, mode: str) -> None:
     """The model, version and decoding mode this request's metrics and log line are labelled with."""
     request.state.model, request.state.version, request.state.mode = loaded.name, loaded.version, mode

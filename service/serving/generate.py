@@ -31,8 +31,9 @@ from service.errors import BadInput
 from service.models.registry import LoadedModel
 from service.scheduling.jobs import TextJob
 from service.serving.awaiting import run_text_jobs
+from service.serving.cached import COMPLETION_TYPES, GENERATE, answer, answer_stream
 from service.serving.constrain import compile_constraint, row_constraint
-from service.serving.context import Caller, check_new_tokens
+from service.serving.context import Caller, check_new_tokens, priority_level
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
     Finished,
@@ -60,11 +61,18 @@ class GenerationParams:
     prompt_logprobs: int | None = None  # the prompt's too, top-N per token (None: not computed)
     constraint: Constraint | None = None  # what the output must match (`service.decoding.constraints`)
     compiled: Compiled | None = field(default=None, compare=False)  # the constraint compiled (`compile_constraint`)
+    priority: int | None = None  # its queue level (`service.scheduling.priority`); None: the model's default
 
     @property
     def mode(self) -> str:
         """The metrics' decoding mode."""
         return "beam" if self.num_beams > 1 else "greedy" if self.temperature == 0 else "sample"
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the output is a function of the request (what the response cache needs): beams, greedy, a seed,
+        or nothing generated; sampling without a seed is not."""
+        return self.num_beams > 1 or self.temperature == 0 or self.seed is not None or self.max_new_tokens == 0
 
 
 async def encode_prompts(loaded: LoadedModel, prompts: Sequence[str | Sequence[int]],
@@ -147,7 +155,8 @@ def _sampling_search(loaded: LoadedModel, prompt: list[int], params: GenerationP
 def _jobs(loaded: LoadedModel, prompt: list[int], params: GenerationParams, samples: int, n: int,
           deadline: float) -> list[TextJob]:
     """The prompt's jobs; the first scores the prompt when its log-probabilities are asked for."""
-    scored = {"prompt_logprobs": params.prompt_logprobs}
+    queued = {"priority": priority_level(loaded, params.priority)}
+    scored = {**queued, "prompt_logprobs": params.prompt_logprobs}
     if params.max_new_tokens == 0:
         return [TextJob(prompt, ScoreOnly(params.logprobs), params.mode, deadline, **scored)]
     if params.num_beams > 1:
@@ -156,7 +165,7 @@ def _jobs(loaded: LoadedModel, prompt: list[int], params: GenerationParams, samp
                             no_repeat_ngram_size=params.no_repeat_ngram_size)
         return [TextJob(prompt, search, params.mode, deadline, **scored)]
     return [TextJob(prompt, _sampling_search(loaded, prompt, params, i), params.mode, deadline,
-                    **(scored if i == 0 else {})) for i in range(samples)]
+                    **(scored if i == 0 else queued)) for i in range(samples)]
 
 
 def check_prompt_scoring(loaded: LoadedModel, params: GenerationParams) -> None:
@@ -169,7 +178,19 @@ def check_prompt_scoring(loaded: LoadedModel, params: GenerationParams) -> None:
 
 async def generate(request: Caller, loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams,
                    deadline: float, n: int = 1, best_of: int | None = None) -> list[list[Completion]]:
-    """`n` completions per prompt (best first when ranked: beams, or `best_of` samples)."""
+    """`n` completions per prompt (best first when ranked: beams, or `best_of` samples); a repeat of a deterministic
+    request from the response cache where it is on (`service.serving.cached`)."""
+    priority_level(loaded, params.priority)  # a level out of range is a 400, cached answer or not
+    fields = {"prompts": prompts, "params": params, "n": n, "samples": max(n, best_of or n)}
+
+    async def compute() -> list[list[Completion]]:
+        return await _generate(request, loaded, prompts, params, deadline, n, best_of)
+
+    return await answer(loaded, GENERATE, fields, compute, COMPLETION_TYPES, cacheable=params.deterministic)
+
+
+async def _generate(request: Caller, loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams,
+                    deadline: float, n: int, best_of: int | None) -> list[list[Completion]]:
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     check_prompt_scoring(loaded, params)
     params = await compile_constraint(loaded, params)
@@ -194,16 +215,28 @@ async def generate(request: Caller, loaded: LoadedModel, prompts: Sequence[list[
     return out
 
 
-def stream(loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams, deadline: float,
-           n: int = 1) -> AsyncIterator[list[Piece | Finished]]:
-    """Stream `n` sampled (or greedy) choices per prompt; choice `p * n + i` is prompt p's i-th. Submitted now: a
-    constraint must be compiled already (`compile_constraint`)."""
+async def stream(loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams, deadline: float,
+                 n: int = 1) -> AsyncIterator[list[Piece | Finished]]:
+    """Stream `n` sampled (or greedy) choices per prompt; choice `p * n + i` is prompt p's i-th. Submitted now (or
+    replayed from the response cache: `service.serving.cached`): a constraint must be compiled already
+    (`compile_constraint`)."""
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     if params.num_beams > 1:
         raise BadInput("stream needs num_beams=1")
     if params.prompt_logprobs is not None:
         raise BadInput("a stream does not carry the prompt's log-probabilities", param="stream")
-    jobs = [TextJob(prompt, _search(loaded, prompt, params, i), params.mode, deadline)
+    priority = priority_level(loaded, params.priority)
+    fields = {"prompts": prompts, "params": params, "n": n, "samples": n}  # the key of the same request unstreamed
+
+    async def start() -> AsyncIterator[list[Piece | Finished]]:
+        return _stream(loaded, prompts, params, deadline, n, priority)
+
+    return await answer_stream(loaded, GENERATE, fields, start, len(prompts), n, cacheable=params.deterministic)
+
+
+def _stream(loaded: LoadedModel, prompts: Sequence[list[int]], params: GenerationParams, deadline: float, n: int,
+            priority: int) -> AsyncIterator[list[Piece | Finished]]:
+    jobs = [TextJob(prompt, _search(loaded, prompt, params, i), params.mode, deadline, priority=priority)
             for prompt in prompts for i in range(n)]
     tokenizer = loaded.engine.tokenizer
     texts = [IncrementalText(tokenizer, params.stop) for _ in jobs]

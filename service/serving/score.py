@@ -30,6 +30,7 @@ from service.errors import BadInput, Cancelled, DeadlineExceeded, ModelOutputErr
 from service.models.registry import LoadedModel
 from service.scheduling.queueing import RetryAfter
 from service.serving.awaiting import watched
+from service.serving.cached import SCORE, answer
 from service.serving.context import Caller
 from service.serving.translate import source_ids
 
@@ -157,7 +158,13 @@ def _scores(loaded: LoadedModel, pairs: ScorePairs, abandoned: threading.Event, 
 
 
 async def score(request: Caller, loaded: LoadedModel, pairs: ScorePairs, deadline: float) -> Scored:
-    """Each target's forced decoding given its source, in order (see the module docstring)."""
+    """Each target's forced decoding given its source, in order (see the module docstring); a repeat from the
+    response cache where it is on (`service.serving.cached`), taking no slot."""
+    return await answer(loaded, SCORE, {"pairs": pairs}, lambda: _score(request, loaded, pairs, deadline),
+                        (Scored, TargetScore))
+
+
+async def _score(request: Caller, loaded: LoadedModel, pairs: ScorePairs, deadline: float) -> Scored:
     slots = slots_of(request, loaded)
     slots.take(loaded, deadline)
     abandoned = threading.Event()

@@ -20,7 +20,8 @@ from service.errors import BadInput
 from service.models.registry import LoadedModel
 from service.scheduling.jobs import TextJob
 from service.serving.awaiting import run_text_jobs
-from service.serving.context import Caller, check_new_tokens
+from service.serving.cached import COMPLETION_TYPES, TRANSLATE, answer, answer_stream
+from service.serving.context import Caller, check_new_tokens, priority_level
 from service.serving.outputs import Completion, completion_from
 from service.serving.streaming import (
     Finished,
@@ -40,6 +41,7 @@ class TranslationParams:
     min_new_tokens: int = 0
     no_repeat_ngram_size: int = 0
     target_prefix: str | None = None  # the text every translation starts with (`prefix_ids`); None or "": none
+    priority: int | None = None  # its queue level (`service.scheduling.priority`); None: the model's default
 
     @property
     def mode(self) -> str:
@@ -100,6 +102,7 @@ def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, 
     check_new_tokens(params.min_new_tokens, params.max_new_tokens)
     engine = loaded.engine
     forced = prefix_ids(loaded, params.target_prefix)
+    priority = priority_level(loaded, params.priority)
     jobs = []
     for source in source_ids(loaded, texts, "text"):
         # max_new_tokens counts the tokens after the prefix (transformers' decoder_input_ids); all in the table
@@ -118,13 +121,21 @@ def _jobs(loaded: LoadedModel, texts: Sequence[str], params: TranslationParams, 
                                 no_repeat_ngram_size=params.no_repeat_ngram_size,
                                 min_new_tokens=params.min_new_tokens, prefix=[engine.bos_id],
                                 forced_prefix=forced)
-        jobs.append(TextJob(source, search, params.mode, deadline))
+        jobs.append(TextJob(source, search, params.mode, deadline, priority=priority))
     return jobs, forced
 
 
 async def translate(request: Caller, loaded: LoadedModel, texts: Sequence[str], params: TranslationParams,
                     deadline: float) -> list[list[Completion]]:
-    """An n-best list (`num_return_sequences` long, best first) per text."""
+    """An n-best list (`num_return_sequences` long, best first) per text; a repeat from the response cache where it
+    is on (`service.serving.cached`)."""
+    priority_level(loaded, params.priority)  # a level out of range is a 400, cached answer or not
+    return await answer(loaded, TRANSLATE, {"texts": texts, "params": params},
+                        lambda: _translate(request, loaded, texts, params, deadline), COMPLETION_TYPES)
+
+
+async def _translate(request: Caller, loaded: LoadedModel, texts: Sequence[str], params: TranslationParams,
+                     deadline: float) -> list[list[Completion]]:
     jobs, forced = await run_in_threadpool(_jobs, loaded, texts, params, deadline)
     results = await run_text_jobs(request, loaded, jobs, deadline)
     decode = _with_prefix(loaded, forced)
@@ -135,9 +146,16 @@ async def translate(request: Caller, loaded: LoadedModel, texts: Sequence[str], 
 async def stream(loaded: LoadedModel, text: str, params: TranslationParams,
                  deadline: float) -> AsyncIterator[list[Piece | Finished]]:
     """Stream the greedy translation of one text (choice 0), its target prefix first (one piece, before the first
-    step). Submitted now."""
+    step). Submitted now, or replayed from the response cache (`service.serving.cached`)."""
     if params.num_beams != 1:
         raise BadInput("stream=true needs num_beams=1 and a single text")
+    priority_level(loaded, params.priority)
+    return await answer_stream(loaded, TRANSLATE, {"texts": [text], "params": params},
+                               lambda: _stream(loaded, text, params, deadline), 1, 1)
+
+
+async def _stream(loaded: LoadedModel, text: str, params: TranslationParams,
+                  deadline: float) -> AsyncIterator[list[Piece | Finished]]:
     jobs, forced = await run_in_threadpool(_jobs, loaded, [text], params, deadline)
     decode, pieces = _with_prefix(loaded, forced), IncrementalText(loaded.engine.tokenizer)
 

@@ -10,8 +10,6 @@ tests/api/kserve_sdk_client.py) for all three models, with the body fields it se
 from __future__ import annotations
 
 import base64
-import json
-import subprocess
 
 import httpx
 import numpy as np
@@ -19,16 +17,11 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.support import ROOT
 from tests.support.images import png_bytes
+from tests.support.kserve_sdk import kserve_infer
 from tests.support.triton_inputs import text_input
 
 pytestmark = pytest.mark.slow
-
-# The KServe SDK's venv (`make kserve-venv`; `make test` builds it) and the client script it runs
-KSERVE_PYTHON = ROOT / ".venv-kserve" / "bin" / "python"
-KSERVE_CLIENT = ROOT / "tests" / "api" / "kserve_sdk_client.py"
-KSERVE_TIMEOUT_S = 300  # the SDK's import and a dozen inferences on a busy 2-core machine
 
 GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 
@@ -166,7 +159,7 @@ def test_the_body_may_name_its_model_and_id_and_the_response_echoes_the_id(clien
         assert refused.status_code == 400 and named in refused.json()["error"], (field, refused.text)
 
 
-@pytest.mark.parametrize(("arguments", "named"), [({"sequence_id": 5}, "sequence_id"), ({"priority": 2}, "priority"),
+@pytest.mark.parametrize(("arguments", "named"), [({"sequence_id": 5}, "sequence_id"),
                                                   ({"sequence_id": 5, "sequence_start": True}, "sequence_start"),
                                                   ({"sequence_id": 5, "sequence_end": True}, "sequence_end")])
 def test_protocol_parameters_the_server_does_not_implement_are_refused(client, arguments, named):
@@ -260,19 +253,6 @@ def test_statistics_count_failures_and_list_every_version(client, server):
 # --- the KServe SDK -------------------------------------------------------------------------------------------------
 
 
-def kserve_infer(server, cases: list[dict], tmp_path) -> list[dict]:
-    """Each case through the real KServe SDK's `InferenceRESTClient.infer` (tests/api/kserve_sdk_client.py, run by
-    the SDK's own venv): its response or its error."""
-    if not KSERVE_PYTHON.exists():
-        pytest.skip(f"the KServe SDK's venv {KSERVE_PYTHON.parent.parent} is missing: run `make kserve-venv`")
-    cases_file = tmp_path / "cases.json"
-    cases_file.write_text(json.dumps(cases))
-    done = subprocess.run([str(KSERVE_PYTHON), str(KSERVE_CLIENT), server.url, str(cases_file)], capture_output=True,
-                          text=True, timeout=KSERVE_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 def test_the_kserve_sdk_infers_with_every_model(server, images, tmp_path):
     prompts, greedy = ["ROMEO:\n", "KING:\n"], {"max_new_tokens": 12, "temperature": 0}
     pixels = (images[:2].astype(np.float32) / 255.0)
@@ -295,7 +275,7 @@ def test_the_kserve_sdk_infers_with_every_model(server, images, tmp_path):
          "inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": ["x"]}]},
     ]
     text_json, text_binary, translated, from_pixels, from_files, wrong_model, sequence = \
-        kserve_infer(server, cases, tmp_path)
+        kserve_infer(server.url, cases, tmp_path)  # the SDK's InferenceRESTClient
     native = [httpx.post(f"{server.url}/v1/generate", json={"prompt": p, **greedy}).json()["text"] for p in prompts]
     assert text_json["id"] == "kserve-1" and text_json["model_name"] == "gpt"
     assert text_json["outputs"]["TEXT"]["data"] == native and text_binary["outputs"]["TEXT"]["data"] == native

@@ -29,7 +29,6 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from urllib.parse import quote
 
 import httpx
 import pytest
@@ -38,15 +37,17 @@ from models.data import load_fashion_mnist
 from service.client.processes import free_port
 from service.client.sse import parse_sse
 from tests.support.deploy import require_tool, wait_for
+from tests.support.docker import API_IMAGE, docker_api, image
+from tests.support.docker import docker_problem as images_problem
 from tests.support.images import png_bytes
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
 
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.test.yml")
-# the names deploy/images.sh gives them (TSERVE_IMAGE also names the api image there and in docker-compose.yml)
-API_IMAGE = os.environ.get("TSERVE_IMAGE", "tserve:cpu")
-TEST_IMAGES = {"TSERVE_TEST_NGINX_IMAGE": "tserve-nginx:test", "TSERVE_TEST_PROMETHEUS_IMAGE": "tserve-prometheus:test"}
+# the names deploy/images.sh gives them (API_IMAGE: tests/support/docker.py)
+TEST_IMAGES = {"TSERVE_TEST_NGINX_IMAGE": "tserve-nginx:test", "TSERVE_TEST_PROMETHEUS_IMAGE": "tserve-prometheus:test",
+               "TSERVE_TEST_REDIS_IMAGE": "tserve-redis:test"}
 REPLICAS = 2
 HEALTHY_TIMEOUT_S = 180  # start_period 60 s, interval 10 s: healthy 10-20 s after start on 2 CPU cores
 
@@ -56,38 +57,9 @@ def required() -> bool:
     return os.environ.get("TSERVE_REQUIRE_TOOLS", "") not in ("", "0")
 
 
-def docker_api() -> tuple[httpx.Client | None, str]:
-    """A client of the Docker Engine API (DOCKER_HOST, else /var/run/docker.sock; None for another kind of
-    DOCKER_HOST), and where it points."""
-    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    if host.startswith("unix://"):
-        transport = httpx.HTTPTransport(uds=host.removeprefix("unix://"))
-        return httpx.Client(transport=transport, base_url="http://docker", timeout=30), host
-    if host.startswith("tcp://"):
-        return httpx.Client(base_url=f"http://{host.removeprefix('tcp://')}", timeout=30, trust_env=False), host
-    return None, host
-
-
-def image(docker: httpx.Client, name: str) -> dict | None:
-    response = docker.get(f"/images/{quote(name, safe='')}/json")
-    return response.json() if response.status_code == 200 else None
-
-
 def docker_problem() -> str | None:
     """Why the stack cannot run here (no Docker daemon, or the images not built), in one line; None if it can."""
-    docker, host = docker_api()
-    if docker is None:
-        return f"DOCKER_HOST={host}: this test speaks to unix:// or plain tcp:// daemons only"
-    with docker:
-        try:
-            docker.get("/_ping", timeout=5).raise_for_status()
-        except httpx.HTTPError as error:
-            return (f"no Docker daemon answers at {host} ({type(error).__name__}): start one (`sudo dockerd &`; "
-                    f"install: `sudo apt-get install docker.io mmdebstrap`), then `make images`")
-        missing = [name for name in (API_IMAGE, *TEST_IMAGES.values()) if image(docker, name) is None]
-    if missing:
-        return f"image(s) {', '.join(missing)} not found: build them with `make images`"
-    return None
+    return images_problem((API_IMAGE, *TEST_IMAGES.values()))
 
 
 # Without Docker, the whole module is skipped with one line (a developer's machine), as require_tool skips a test

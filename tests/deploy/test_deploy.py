@@ -274,6 +274,12 @@ def test_compose_config():
         service = services.get(name) or gpu
         for key in service["environment"]:
             assert key.startswith("TSERVE_") and key[7:].lower() in fields, f"{name}: {key} is not a setting"
+    # the response cache: off unless TSERVE_RESPONSE_CACHE says, every replica on the stack's one Redis, bounded
+    assert not tserve["environment"]["TSERVE_RESPONSE_CACHE"] and "ports" not in services["redis"]
+    assert tserve["environment"]["TSERVE_RESPONSE_CACHE_REDIS_URL"] == "redis://redis:6379/0" == \
+        gpu["environment"]["TSERVE_RESPONSE_CACHE_REDIS_URL"]
+    redis = " ".join(services["redis"]["command"])
+    assert "--maxmemory 128mb --maxmemory-policy allkeys-lru" in redis and "--save " in redis
     grace = float(str(tserve["stop_grace_period"]).rstrip("s"))
     env = tserve["environment"]
     assert grace > float(env["TSERVE_DRAIN_DELAY_S"]) + float(env["TSERVE_DRAIN_TIMEOUT_S"])

@@ -17,11 +17,12 @@ from tests.support import ROOT
 
 DEPLOY = ROOT / "deploy"
 # the Debian package that provides each tool (deploy/ci-packages.txt lists them for .ci/run)
-TOOLS = {"promtool": "prometheus", "prometheus": "prometheus", "nginx": "nginx", "docker-compose": "docker-compose"}
+TOOLS = {"promtool": "prometheus", "prometheus": "prometheus", "nginx": "nginx", "docker-compose": "docker-compose",
+         "redis-server": "redis-server"}
 
 
 def require_tool(name: str) -> str:
-    """The path of a system tool a deployment test runs for real (nginx, prometheus, promtool, docker-compose).
+    """The path of a system tool a test runs for real (nginx, prometheus, promtool, docker-compose, redis-server).
 
     Absent from PATH, the test is skipped with one line naming the tool and the command that installs it (a
     developer's machine); with TSERVE_REQUIRE_TOOLS=1 in the environment (.ci/run sets it) it fails instead,

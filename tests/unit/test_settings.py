@@ -27,6 +27,12 @@ def test_models_from_a_list_or_comma_separated_names(monkeypatch, value, expecte
     assert load_settings().models == expected
 
 
+def test_the_response_cache_is_off_unless_models_are_named(monkeypatch):
+    assert load_settings().response_cache == []
+    monkeypatch.setenv("TSERVE_RESPONSE_CACHE", "translation,vit")
+    assert load_settings().response_cache == ["translation", "vit"]
+
+
 def test_api_keys_comma_separated(monkeypatch):
     monkeypatch.setenv("TSERVE_API_KEYS", "key-aaaaaaaaaaaaaaaa,key-bbbbbbbbbbbbbbbb")
     assert load_settings().api_keys == ["key-aaaaaaaaaaaaaaaa", "key-bbbbbbbbbbbbbbbb"]
@@ -37,6 +43,9 @@ def test_api_keys_comma_separated(monkeypatch):
     ("TSERVE_PORT", "eighty", "valid integer"),
     ("TSERVE_GPT_MAX_BATCH_ROWS", "0", "greater than or equal to 1"),
     ("TSERVE_VARIANT", "fastest", "bad TSERVE_VARIANT entry"),
+    ("TSERVE_RESPONSE_CACHE", "none,gpt", "`none` stands alone"),
+    ("TSERVE_RESPONSE_CACHE_REDIS_TIMEOUT_MS", "0", "greater than 0"),
+    ("TSERVE_RESPONSE_CACHE_REDIS_URL", "http://cache:6379", "a Redis URL starts with redis://"),
     ("TSERVE_LOG_FORMAT", "xml", "'json' or 'text'"),
 ])
 def test_a_bad_value_names_its_variable(monkeypatch, variable, value, says):

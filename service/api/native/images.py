@@ -4,7 +4,7 @@ model's `DynamicBatcher` -> await the logits within the deadline -> top-k softma
 
 Two request shapes are accepted (like Triton's and TorchServe's HTTP frontends):
 - `multipart/form-data`: one or more `files` parts (any image Pillow reads, any size or mode) and optional
-  `top_k`, `model`, `version`, `timeout_ms` fields;
+  `top_k`, `model`, `version`, `timeout_ms`, `priority` fields;
 - `application/json`: the `ClassifyJSONRequest` model, images as base64 strings (a `data:image/...;base64,` prefix
   is fine).
 
@@ -43,7 +43,7 @@ from service.serving.context import label, resolve
 from service.settings import Settings
 
 ACCEPTED_TYPES = ("multipart/form-data", "application/json")
-FORM_FIELDS = ("top_k", "model", "version", "timeout_ms")
+FORM_FIELDS = ("top_k", "model", "version", "timeout_ms", "priority")
 MAX_FORM_FIELDS = 32  # plain fields a multipart body may hold (Starlette's parser stops beyond)
 MS_PER_SECOND = 1000  # `timeout_ms` is in milliseconds; the deadline, from the body's arrival, in seconds
 
@@ -109,7 +109,7 @@ _DESCRIPTION = """Classify one or more images; returns the `top_k` most likely l
 with softmax probabilities.
 
 Send either **multipart/form-data** (one `files` part per image, plus optional `top_k`, `model`, `version`,
-`timeout_ms` fields), e.g. `curl -F files=@shoe.png -F files=@shirt.jpg -F top_k=3 .../v1/classify`, or
+`timeout_ms`, `priority` fields), e.g. `curl -F files=@shoe.png -F files=@shirt.jpg -F top_k=3 .../v1/classify`, or
 **application/json** with base64-encoded image files: `{"images": ["iVBORw0...", ...], "top_k": 3}`.
 
 Any image Pillow reads is accepted, in any size or mode: it is converted to the model's mode (transparent pixels
@@ -144,7 +144,8 @@ async def classify(request: Request) -> ClassifyResponse:
     deadline = received + (options.timeout_ms or settings.default_timeout_ms) / MS_PER_SECOND
     loaded = resolve(request, VIT, options.model, options.version)
     label(request, loaded, "classify")
-    probabilities = await classification.classify(request, loaded, encoded, deadline)  # (n, classes)
+    probabilities = await classification.classify(request, loaded, encoded, deadline,
+                                                  options.priority)  # (n, classes)
     return ClassifyResponse(model=loaded.name, version=loaded.version,
                             predictions=_top_k(probabilities, loaded.engine.labels, options.top_k))
 

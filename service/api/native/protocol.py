@@ -94,9 +94,12 @@ def request_models(settings: Settings) -> RequestModels:
     NewTokens, Beams = integer(ge=1, le=s.max_new_tokens), integer(ge=1, le=s.max_num_beams)
     MinNewTokens, NGramSize = integer(ge=0, le=s.max_new_tokens), integer(ge=0, le=MAX_NGRAM_SIZE)
     Version, Timeout = integer(ge=1), integer(ge=1, le=s.max_timeout_ms)
+    QueueLevel = integer(ge=0, le=s.priority_levels - 1)
     timeout_doc = (f"Deadline for queueing + decoding, in milliseconds; default {s.default_timeout_ms} "
                    f"(TSERVE_DEFAULT_TIMEOUT_MS), at most {s.max_timeout_ms} (TSERVE_MAX_TIMEOUT_MS). Past it: 504.")
     version_doc = "Model version; default: the highest loaded version."
+    priority_doc = (f"Queue level, lower served first: 0 (most urgent) to {s.priority_levels - 1} "
+                    "(TSERVE_PRIORITY_LEVELS); default: the model's (TSERVE_DEFAULT_PRIORITY). docs/priority.md.")
     some_new_tokens = min(EXAMPLE_NEW_TOKENS, s.max_new_tokens)
     default_beams = min(DEFAULT_NUM_BEAMS, s.max_num_beams)
     text_timeout = min(EXAMPLE_TEXT_TIMEOUT_MS, s.max_timeout_ms)
@@ -141,6 +144,7 @@ def request_models(settings: Settings) -> RequestModels:
         model: Name | None = _model_field("translation")
         version: Version | None = Field(None, description=version_doc, examples=[1])
         timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[text_timeout])
+        priority: QueueLevel | None = Field(None, description=priority_doc, examples=[1])
 
         def to_params(self) -> TranslationParams:
             """The serving parameters of this request (the Open Inference Protocol's translation options too)."""
@@ -148,7 +152,7 @@ def request_models(settings: Settings) -> RequestModels:
                 num_beams=self.num_beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
                 num_return_sequences=self.num_return_sequences, max_new_tokens=self.max_new_tokens,
                 min_new_tokens=self.min_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size,
-                target_prefix=self.target_prefix or None)
+                target_prefix=self.target_prefix or None, priority=self.priority)
 
     class GenerateRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={
@@ -198,6 +202,7 @@ def request_models(settings: Settings) -> RequestModels:
         model: Name | None = _model_field("gpt")
         version: Version | None = Field(None, description=version_doc, examples=[1])
         timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[text_timeout])
+        priority: QueueLevel | None = Field(None, description=priority_doc, examples=[1])
 
         def to_params(self, fields: str = "") -> GenerationParams:
             """The serving parameters of this request (the Open Inference Protocol's gpt options too: `fields`
@@ -208,7 +213,8 @@ def request_models(settings: Settings) -> RequestModels:
                 max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                 repetition_penalty=self.repetition_penalty, no_repeat_ngram_size=self.no_repeat_ngram_size,
-                seed=self.seed, stop=tuple(self.stop), num_beams=self.num_beams, constraint=constraint)
+                seed=self.seed, stop=tuple(self.stop), num_beams=self.num_beams, constraint=constraint,
+                priority=self.priority)
 
     class ClassifyJSONRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={"examples": [{"images": [EXAMPLE_PNG_BASE64], "top_k": 3}]})
@@ -223,6 +229,7 @@ def request_models(settings: Settings) -> RequestModels:
         model: Name | None = _model_field("vit")
         version: Version | None = Field(None, description=version_doc, examples=[1])
         timeout_ms: Timeout | None = Field(None, description=timeout_doc, examples=[image_timeout])
+        priority: QueueLevel | None = Field(None, description=priority_doc, examples=[1])
 
     class ScoreRequest(_Strict):
         model_config = ConfigDict(json_schema_extra={"examples": [
@@ -306,7 +313,8 @@ class Liveness(BaseModel):
 
 class Readiness(BaseModel):
     status: Literal["ready", "not ready"]
-    reasons: list[str] = Field([], description="Why the server is not ready (models loading or failed, draining).")
+    reasons: list[str] = Field([], description="Why the server is not ready (models loading or failed, draining), "
+                               "and what a ready server serves without (the response cache's Redis down).")
 
 
 class ErrorDetail(BaseModel):

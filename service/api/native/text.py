@@ -141,6 +141,6 @@ async def generate(body, request: Request):
 
     if body.stream:  # a constraint compiled first: one that does not compile is a 400, not an error event
         params = await compile_constraint(loaded, params)
-        return _native_stream(request, generation.stream(loaded, [prompt], params, deadline), final)
+        return _native_stream(request, await generation.stream(loaded, [prompt], params, deadline), final)
     completion = (await generation.generate(request, loaded, [prompt], params, deadline))[0][0]
     return GenerateResponse(model=loaded.name, version=loaded.version, text=completion.text, **final(completion))

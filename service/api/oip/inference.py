@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from service.api.constraint_fields import json_text
-from service.api.oip.protocol import RESERVED_PARAMETERS, InferenceRequest, classification, validated_options
+from service.api.oip.protocol import (PRIORITY, RESERVED_PARAMETERS, InferenceRequest, classification,
+                                      triton_priority, validated_options)
 from service.api.oip.signatures import signature
 from service.engines.imaging import EncodedImage
 from service.errors import BadInput
@@ -50,11 +51,13 @@ Tensors = dict[str, np.ndarray]
 
 
 def options_of(inference: InferenceRequest) -> dict:
-    """The request's model options: its parameters less the protocol's own; 400 for one given otherwise."""
+    """The request's model options: its parameters less the protocol's own, and the queue level its Triton
+    `priority` asks for as the native option `priority`; 400 for one given otherwise."""
     options = {k: v for k, v in inference.parameters.items() if k not in RESERVED_PARAMETERS}
     if given := sorted(set(options) & set(GIVEN_OTHERWISE)):
         raise BadInput("; ".join(f"parameter {key!r} is not an option here: {GIVEN_OTHERWISE[key]}" for key in given))
-    return options
+    level = triton_priority(inference)
+    return options if level is None else {**options, PRIORITY: level}
 
 
 def deadline(request: Caller, inference: InferenceRequest, transport_ms: int | None = None) -> float:
@@ -132,6 +135,8 @@ def _texts(name: str, array: np.ndarray) -> list[str]:
 
 async def _vit(request: Caller, loaded: LoadedModel, tensors, in_json: set[str], options: dict,
                deadline: float) -> list[Tensor]:
+    options = dict(options)
+    priority = options.pop(PRIORITY, None)
     if options:
         raise BadInput(f"unknown parameter(s) {sorted(options)} for an image model")
     engine, settings = loaded.engine, request.app.state.settings
@@ -145,7 +150,7 @@ async def _vit(request: Caller, loaded: LoadedModel, tensors, in_json: set[str],
             raise BadInput(f"input 'IMAGE' has shape {list(array.shape)}; expected [N]")
         images = [EncodedImage(f"IMAGE[{i}]", x.decode("ascii", "replace") if name in in_json else x)
                   for i, x in enumerate(array)]
-        probabilities = await classification_service.classify(request, loaded, images, deadline)
+        probabilities = await classification_service.classify(request, loaded, images, deadline, priority)
     else:
         size, channels = engine.size, engine.channels
         shapes = [(count, channels, size, size)] + ([(count, size, size)] if channels == 1 else [])
@@ -156,7 +161,7 @@ async def _vit(request: Caller, loaded: LoadedModel, tensors, in_json: set[str],
             raise BadInput(f"input 'PIXELS' holds a value outside [{low:g}, {high:g}] (or a NaN): pixels must be "
                            "scaled to [0, 1]")
         pixels = engine.normalize(array.reshape(count, channels, size, size))
-        probabilities = await classification_service.classify_pixels(request, loaded, pixels, deadline)
+        probabilities = await classification_service.classify_pixels(request, loaded, pixels, deadline, priority)
     labels = np.array([engine.labels[i].encode() for i in probabilities.argmax(axis=1)], dtype=object)
     return [("PROBABILITIES", "FP32", probabilities), ("LABEL", "BYTES", labels)]
 
@@ -242,7 +247,7 @@ async def stream(request: Caller, loaded: LoadedModel, inference: InferenceReque
         label(request, loaded, params.mode)
         (ids,) = await generation.encode_prompts(loaded, [text], params.max_new_tokens, "parameters.max_new_tokens")
         params = await compile_constraint(loaded, params)  # before the stream: a bad constraint is a 400
-        events = generation.stream(loaded, [ids], params, until)
+        events = await generation.stream(loaded, [ids], params, until)
 
         def final(completion) -> Tensor:
             return final_output, "BYTES", np.array([completion.finish_reason.encode()], dtype=object)

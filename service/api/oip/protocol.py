@@ -6,7 +6,8 @@ Triton's classification extension (`parameters.classification: k`: the top k per
 Invariant: everything a request says is checked before any work, 400 naming what is wrong (valid Unicode, the
 header length, shapes against the data actually sent, the protocol's parameters of their types). Body fields
 other than the KServe v2 REST schema's and the KServe SDK's (`model_name`, `model_version`) are refused, as are the
-parameters this server does not implement (priority, sequences, shared memory) unless they carry their default.
+parameters this server does not implement (sequences, shared memory) unless they carry their default. `priority`
+is Triton's: 0 the model's default level, 1 the most urgent (`triton_priority`).
 A response never holds a NaN or an infinity (`ModelOutputError` instead).
 
 Design notes (the wire format and every check): docs/architecture.md, service/api/oip/protocol.py.
@@ -37,7 +38,6 @@ Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16
 # Request parameters the protocol defines that this server does not implement -> the values that ask for nothing
 # (accepted, and then nothing is to be done), and why any other value is refused.
 UNSUPPORTED_PARAMETERS = {
-    "priority": ((0,), "request priorities are not supported: the queues are first come, first served"),
     "sequence_id": ((0, ""), "sequences are not supported: no sequence batcher keeps state between requests"),
     "sequence_start": ((False,), "sequences are not supported: no sequence batcher keeps state between requests"),
     "sequence_end": ((False,), "sequences are not supported: no sequence batcher keeps state between requests"),
@@ -45,7 +45,9 @@ UNSUPPORTED_PARAMETERS = {
 # Triton's decoupled-response switch (gRPC's ModelStreamInfer: an empty last response; nothing to do elsewhere)
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 # request parameters that belong to the protocol, not to the model
-RESERVED_PARAMETERS = ("timeout", "binary_data_output", EMPTY_FINAL_RESPONSE, *UNSUPPORTED_PARAMETERS)
+# Triton's request priority: 0 = the model's default level, k >= 1 = level k - 1 (1 the most urgent)
+PRIORITY = "priority"
+RESERVED_PARAMETERS = ("timeout", "binary_data_output", EMPTY_FINAL_RESPONSE, PRIORITY, *UNSUPPORTED_PARAMETERS)
 # Triton's shared-memory extension, as input or output parameters: not implemented (tensors travel in the body).
 SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 MAX_DIMENSIONS = 8  # dimensions an input shape may have: room above the most any model here takes (4)
@@ -173,6 +175,16 @@ def boolean_parameter(value, name: str) -> bool:
     return value
 
 
+def triton_priority(request: InferenceRequest) -> int | None:
+    """The queue level (`service.scheduling.priority`, 0 the most urgent) that Triton's `priority` parameter asks
+    for: None for 0 or none (the model's default), k - 1 for k >= 1; 400 for anything but a non-negative integer."""
+    value = request.parameters.get(PRIORITY, 0)
+    if type(value) is not int or value < 0:
+        raise BadInput(f"parameters.{PRIORITY} must be a non-negative integer (Triton's: 0 = the model's default "
+                       f"level, 1 = the most urgent), got {repr(value)[:40]}", param=f"parameters.{PRIORITY}")
+    return value - 1 if value else None
+
+
 def check_parameters(request: InferenceRequest) -> None:
     """The protocol's own parameters, of their types, before any work is done for the request."""
     refused = []
@@ -183,6 +195,7 @@ def check_parameters(request: InferenceRequest) -> None:
             refused.append(f"parameters.{key} {repr(value)[:40]}: {why} (only {accepted} is accepted)")
     if refused:
         raise BadInput("; ".join(refused))
+    triton_priority(request)
     tensors = [("input", t) for t in request.inputs] + [("output", t) for t in request.outputs or []]
     for what, tensor in tensors:
         if shared := sorted(set(tensor.parameters) & set(SHARED_MEMORY_PARAMETERS)):

@@ -94,4 +94,6 @@ def model_config(loaded: LoadedModel, versions: list[int]) -> dict:
         "instance_group": [{"name": f"{loaded.name}_0", "count": 1,
                             "kind": KIND_GPU if loaded.provider == GPU_PROVIDER else KIND_CPU}],
         "parameters": {"kind": {"string_value": loaded.kind}},
+        # Triton's `response_cache { enable: true }` (service.response_cache)
+        "response_cache": {"enable": bool(loaded.response_cache and loaded.response_cache.enabled)},
     }

@@ -6,8 +6,9 @@ Triton's JSON, read from the samples of the Prometheus metrics the service keeps
 Every API's requests count: `success` / `fail` from `tserve_request_duration_seconds`, `queue` from
 `tserve_queue_wait_seconds`, `execution_count` and `batch_stats` from `tserve_batch_size`, `inference_count` from
 `tserve_images` (text: the queue's count), `compute_infer` from `tserve_batch_seconds`, `last_inference` from
-`tserve_last_batch_timestamp_seconds`. Reported as 0: `compute_input` / `compute_output` and every `ns` of
-`batch_stats` (not measured apart), `cache_hit` / `cache_miss` (there is no response cache).
+`tserve_last_batch_timestamp_seconds`, `cache_hit` / `cache_miss` from `tserve_response_cache_lookup_seconds` (the
+lookup and, on a hit, rebuilding the answer; a miss's insertion is not in it). Reported as 0: `compute_input` /
+`compute_output` and every `ns` of `batch_stats` (not measured apart).
 
 Design notes (where each figure comes from): docs/architecture.md, service/api/oip/statistics.py.
 """
@@ -20,12 +21,12 @@ from collections import defaultdict
 from service.models.registry import LoadedModel
 from service.repository import VIT
 from service.observability.metrics import Metrics
+from service.response_cache.cache import HIT, MISS
 
 NS_PER_S = 1_000_000_000
 SUCCESS = range(200, 300)  # the statuses of a request that succeeded
 UNMEASURED = ("compute_input", "compute_output")  # inside compute_infer
 MS_PER_S = 1000
-NO_CACHE = ("cache_hit", "cache_miss")
 
 
 def _duration(count: float = 0, seconds: float = 0.0) -> dict:
@@ -50,13 +51,15 @@ class _Totals:
         self.compute = [0.0, 0.0]  # batches timed, seconds
         self.last_batch = 0.0  # unix seconds
         self.buckets: dict[float, float] = defaultdict(float)  # upper bound -> cumulative count
+        self.cache = {HIT: [0.0, 0.0], MISS: [0.0, 0.0]}  # response cache lookups by result: count, seconds
 
 
 def _collect(metrics: Metrics) -> dict[tuple[str, str], _Totals]:
     """(model, version) -> its totals, in one pass over the registry's samples."""
     names = {_family(metrics.request_duration): "request", _family(metrics.queue_wait): "queue",
              _family(metrics.images): "images", _family(metrics.batch_size): "batch",
-             _family(metrics.batch_seconds): "compute", _family(metrics.last_batch): "last"}
+             _family(metrics.batch_seconds): "compute", _family(metrics.last_batch): "last",
+             _family(metrics.response_cache_lookup_seconds): "cache"}
     totals: dict[tuple[str, str], _Totals] = defaultdict(_Totals)
     for family in metrics.registry.collect():
         what = names.get(family.name)
@@ -81,6 +84,8 @@ def _collect(metrics: Metrics) -> dict[tuple[str, str], _Totals]:
                 entry.compute[suffix == "_sum"] += value
             elif what == "last":
                 entry.last_batch = max(entry.last_batch, value)
+            elif what == "cache" and suffix in ("_count", "_sum") and labels["result"] in entry.cache:
+                entry.cache[labels["result"]][suffix == "_sum"] += value
     return totals
 
 
@@ -109,7 +114,8 @@ def model_statistics(metrics: Metrics, versions: list[LoadedModel]) -> dict:
             "inference_stats": {"success": _duration(*entry.success), "fail": _duration(*entry.fail),
                                 "queue": _duration(*entry.queue), "compute_infer": _duration(*entry.compute),
                                 **{k: _duration() for k in UNMEASURED},
-                                **{k: _duration() for k in NO_CACHE}},
+                                "cache_hit": _duration(*entry.cache[HIT]),
+                                "cache_miss": _duration(*entry.cache[MISS])},
             "batch_stats": _batch_stats(entry.buckets),
             "memory_usage": [],
         })

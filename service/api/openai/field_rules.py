@@ -126,6 +126,8 @@ EXTENSIONS = {
                            "(the end of text blocked for all `max_tokens` tokens, as `min_tokens`)."),
     "repetition_penalty": honoured("vLLM's (and transformers'): > 1 discourages tokens already present, prompt "
                                    "included (the native `repetition_penalty`)."),
+    "priority": honoured("vLLM's: the request's queue level, lower served first (0 to TSERVE_PRIORITY_LEVELS - 1; "
+                         "default: the model's, TSERVE_DEFAULT_PRIORITY); docs/priority.md."),
     **STRUCTURED,
 }
 COMPLETION_EXTENSIONS = {

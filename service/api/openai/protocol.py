@@ -123,6 +123,9 @@ def openai_request_models(settings: Settings) -> OpenAIRequestModels:
         ignore_eos: StrictBool | None = Field(None, description="vLLM's: the end of text does not stop a choice.")
         repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = Field(
             None, description="vLLM's: > 1 discourages tokens already present (prompt included).")
+        priority: integer(ge=0, le=MAX_JSON_INTEGER) | None = Field(
+            None, description=f"vLLM's: the queue level, lower served first (0 to {s.priority_levels - 1}); "
+            "default: the model's.")
 
         RULES: ClassVar[dict[str, field_rules.FieldRule]]  # each field's rule (the endpoint's table)
 
@@ -282,4 +285,5 @@ def _generation_params(body, max_tokens: int, stop: list[str], logprobs: int | N
         top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
         repetition_penalty=NO_REPETITION_PENALTY if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-        seed=body.seed, stop=tuple(stop), num_beams=num_beams, logprobs=logprobs, constraint=body.constraint())
+        seed=body.seed, stop=tuple(stop), num_beams=num_beams, logprobs=logprobs, constraint=body.constraint(),
+        priority=body.priority)

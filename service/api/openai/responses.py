@@ -91,6 +91,12 @@ class ChatCompletionResponse(BaseModel):
     usage: CompletionUsage
 
 
+class ResponseCacheState(BaseModel):
+    enabled: bool = Field(..., description="Whether repeated requests to this version are answered from the cache.")
+    enabled_by: str | None = Field(..., description="What turned it on: TSERVE_RESPONSE_CACHE or config.json.")
+    store: Literal["local", "redis"] = Field(..., description="Where answers are kept: this process, or Redis.")
+
+
 class OpenAIModel(BaseModel):
     """OpenAI's model object, with this service's details as extra keys."""
 
@@ -114,6 +120,9 @@ class OpenAIModel(BaseModel):
         "`budget_bytes`, and `reason` when off), and `speculation` (off, ngram: where its steps speculate); null "
         "when no version is loaded.")
     ready: bool
+    response_cache: ResponseCacheState | None = Field(
+        None, description="The response cache as the active version sees it (docs/response_cache.md); null when "
+        "no version is loaded.")
 
 
 class ModelList(BaseModel):

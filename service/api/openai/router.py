@@ -132,8 +132,8 @@ async def completions(body, request: Request):
         if best_of is not None and best_of != n:
             raise BadInput("stream is not supported with best_of > n", param="stream")
         params = await compile_constraint(loaded, params)  # before the stream: a bad constraint is a 400
-        return _naming_ignored(request, ignored, render.stream(request, generation.stream(loaded, ids, params,
-                                                                                         deadline, n=n)))
+        events = await generation.stream(loaded, ids, params, deadline, n=n)
+        return _naming_ignored(request, ignored, render.stream(request, events))
     results = await generation.generate(request, loaded, ids, params, deadline, n=n,
                                         best_of=None if body.beam_search else best_of)
     return _naming_ignored(request, ignored, render.response(results))
@@ -161,7 +161,7 @@ async def chat_completions(body, request: Request):
                         logprobs=bool(body.logprobs))
     if body.stream:
         params = await compile_constraint(loaded, params)  # before the stream: a bad constraint is a 400
-        return _naming_ignored(request, ignored, render.stream(request, generation.stream(loaded, [ids], params,
-                                                                                         deadline, n=n)))
+        events = await generation.stream(loaded, [ids], params, deadline, n=n)
+        return _naming_ignored(request, ignored, render.stream(request, events))
     results = await generation.generate(request, loaded, [ids], params, deadline, n=n)
     return _naming_ignored(request, ignored, render.response(results[0]))

@@ -93,7 +93,7 @@ def test_a_nan_in_fp32_contents_is_carried_not_refused_here():
     (request(("X", "NOPE", [1], None), raw=[b"\0"]), r"datatype"),
     (request(("X", "FP32", [1], [1.0]), timeout=True), r"^parameters\.timeout \(microseconds\) must be an integer"),
     (request(("X", "FP32", [1], [1.0]), timeout=0), r"^parameters\.timeout \(microseconds\) must be an integer >= 1"),
-    (request(("X", "FP32", [1], [1.0]), priority=3), r"^parameters\.priority 3: request priorities are not"),
+    (request(("X", "FP32", [1], [1.0]), priority=True), r"^parameters\.priority must be a non-negative integer"),
     (request(("X", "FP32", [1], [1.0]), triton_enable_empty_final_response=1),
      r"^parameters\.triton_enable_empty_final_response must be true or false, got 1$"),
 ])

@@ -49,12 +49,20 @@ def test_unimplemented_parameters_at_their_default_ask_for_nothing(defaults):
 
 
 @pytest.mark.parametrize(("parameters", "named"), [
-    ({"priority": 1}, "priority"), ({"priority": False}, "priority"), ({"sequence_id": 7}, "sequence_id"),
+    ({"priority": -1}, "priority"), ({"priority": False}, "priority"), ({"priority": "1"}, "priority"),
+    ({"sequence_id": 7}, "sequence_id"),
     ({"sequence_id": "s"}, "sequence_id"), ({"sequence_start": True}, "sequence_start"),
     ({"sequence_start": 0}, "sequence_start"), ({"sequence_end": True}, "sequence_end")])
 def test_unimplemented_parameters_are_refused_by_name(parameters, named):
     with pytest.raises(BadInput, match=named):
         parse(parameters=parameters)
+
+
+@pytest.mark.parametrize(("priority", "level"), [(0, None), (1, 0), (3, 2), (7, 6)])
+def test_tritons_priority_is_a_queue_level_1_the_most_urgent_0_the_default(priority, level):
+    from service.api.oip.protocol import triton_priority
+
+    assert triton_priority(parse(parameters={"priority": priority})) == level
 
 
 def test_every_refused_parameter_is_named_at_once():

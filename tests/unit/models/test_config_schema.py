@@ -123,6 +123,10 @@ BROKEN = {
     "mean infinite": ("vit", _set("image.mean", math.inf), "image.mean: Input should be a finite number"),
     "4 channels": ("vit", _set("image.channels", 4), "image.channels: must be 1 (greyscale) or 3 (RGB)"),
     "size 0": ("vit", _set("image.size", 0), "image.size: Input should be greater than 0"),
+    "response cache enable a string": ("gpt", _set("response_cache", {"enable": "true"}),
+                                       "response_cache.enable: Input should be a valid boolean"),
+    "response cache misspelt": ("vit", _set("response_cache", {"enabled": True}), "response_cache.enable: Field "
+                                "required"),
     **{f"model file {name[:20]!r}": ("vit", _set("files.model", name), "files.model: must be a plain file name in the "
                                 "version folder") for name in ESCAPES},
 }
@@ -142,6 +146,7 @@ VALID = {
     "an integer length penalty": ("translation", _set("generation.length_penalty", 1)),
     "RGB images": ("vit", _set("image.channels", 3)),
     "an integer std": ("vit", _set("image.std", 1)),
+    "the response cache on (Triton's response_cache.enable)": ("translation", _set("response_cache", {"enable": True})),
 }
 
 
