@@ -1,4 +1,5 @@
-"""`python -m service`: serve the model repository with uvicorn, configured from the environment (TSERVE_*).
+"""`python -m service`: serve the model repository with uvicorn, configured from the environment (TSERVE_*) and
+KServe's model server arguments (`--model_name`, `--model_dir`: `command_line`), which take precedence.
 
 A start that cannot serve ends before any model loads or any thread starts, with one line saying why and an exit
 status of its own: invalid settings, .env or API key file (`EXIT_BAD_CONFIGURATION`, on stderr); a port it cannot
@@ -10,6 +11,7 @@ The HTTP socket is bound and listening here, then handed to uvicorn; the gRPC po
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import socket
@@ -22,7 +24,7 @@ from service.app import create_app
 from service.http.auth import ApiKeyConfigError
 from service.http.limits import REJECT_REASONS, limited_http_protocol
 from service.observability.logs import configure_logging
-from service.settings import Settings, SettingsInvalid, get_settings
+from service.settings import Settings, SettingsInvalid, load_settings
 
 log = logging.getLogger("service")
 
@@ -61,6 +63,19 @@ def listen(settings: Settings) -> socket.socket:
     return http
 
 
+def command_line(argv: list[str]) -> dict[str, str]:
+    """The settings the command line gives, as KServe's runtimes pass them (`--model_name={{.Name}}
+    --model_dir=/mnt/models`: deploy/kserve/servingruntime.yaml); the environment gives the rest."""
+    parser = argparse.ArgumentParser(prog="python -m service", description="Serve the model repository; every other "
+                                     "setting is an environment variable TSERVE_* (docs/configuration.md).")
+    parser.add_argument("--model_dir", metavar="DIR", help="TSERVE_REPOSITORY: with --model_name one model's folder "
+                        "(DIR/<version>/config.json), else a model repository (DIR/<name>/<version>/)")
+    parser.add_argument("--model_name", metavar="NAME", help="TSERVE_MODEL_NAME: serve the model in DIR as NAME")
+    args = parser.parse_args(argv)  # a bad argument: usage on stderr, exit status 2 (EXIT_BAD_CONFIGURATION)
+    return {setting: value for setting, value in (("repository", args.model_dir), ("model_name", args.model_name))
+            if value is not None}
+
+
 def bad_configuration(error: Exception) -> None:
     """Exit with the settings' problems (one line per bad variable or file), no traceback."""
     sys.stderr.write(f"tserve: invalid configuration:\n{error}\n")
@@ -69,7 +84,7 @@ def bad_configuration(error: Exception) -> None:
 
 def main() -> None:
     try:
-        settings = get_settings()
+        settings = load_settings(command_line(sys.argv[1:]))
     except SettingsInvalid as error:
         bad_configuration(error)
     configure_logging(settings.log_level, settings.log_format)

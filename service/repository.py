@@ -7,7 +7,8 @@ into it while the server runs), so what is in it is never trusted: a model folde
 `latest`), or a version whose `config.json` is missing, half-written, of an unknown kind or not what its kind's
 schema says (`service.config_schema`: the field named) is skipped, logged once and reported by `problems()` (the
 repository index shows it as UNAVAILABLE with the reason), never an error for the listing. Hidden folders (the
-exporter's staging copies) are ignored. Nothing here imports torch.
+exporter's staging copies) are ignored. Nothing here imports torch. Given a model name, the root is instead one
+model's folder (`ROOT/<version>/`, as KServe's storage initializer fills /mnt/models), served under that name.
 """
 
 from __future__ import annotations
@@ -103,9 +104,23 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 class ModelRepository:
-    def __init__(self, root: str | Path):
+    """root: a repository (`root/<name>/<version>/`); with `model_name` (`TSERVE_MODEL_NAME`), one model's folder
+    (`root/<version>/`) holding the only model there is, served under that name."""
+
+    def __init__(self, root: str | Path, model_name: str = ""):
         self.root = Path(root)
+        self.model_name = model_name
         self._reported: set[Problem] = set()  # problems already logged: the repository is read on every listing
+
+    def folder(self, name: str) -> Path | None:
+        """Where a model's version folders are; None for a name that cannot be a model here."""
+        if self.model_name:
+            return self.root if name == self.model_name else None
+        return self.root / name if MODEL_NAME_PATTERN.fullmatch(name) else None
+
+    def _model_folders(self) -> list[str]:
+        """The names of the models the repository may hold, valid or not."""
+        return [self.model_name] if self.model_name else [p.name for p in self._folders(self.root)]
 
     def _folders(self, path: Path) -> list[Path]:
         try:
@@ -122,13 +137,12 @@ class ModelRepository:
     def _scan(self, name: str) -> tuple[dict[int, dict[str, Any]], list[Problem]]:
         """The valid versions of a model (version -> config) and the version folders that are not valid."""
         configs, problems = {}, []
-        if not MODEL_NAME_PATTERN.fullmatch(name):
+        if (folder := self.folder(name)) is None:
             return configs, problems
-        for path in self._folders(self.root / name):
+        for path in self._folders(folder):
             version = parse_version(path.name)
             if version is None:
-                problems.append(self._report(Problem(name, path.name, "not a version: a version folder is named "
-                                                                      "by a positive integer without leading zeros")))
+                problems.append(self._report(Problem(name, path.name, self._not_a_version(path))))
                 continue
             try:
                 configs[version] = read_config(path)
@@ -136,9 +150,16 @@ class ModelRepository:
                 problems.append(self._report(Problem(name, path.name, str(error))))
         return configs, problems
 
+    def _not_a_version(self, path: Path) -> str:
+        reason = "not a version: a version folder is named by a positive integer without leading zeros"
+        if self.model_name and any(parse_version(p.name) for p in self._folders(path)):
+            reason += (f" (with a model name, {self.root} is one model's folder, <version>/{CONFIG_FILE}; this "
+                       f"folder holds versions itself: point TSERVE_REPOSITORY or the storageUri at it)")
+        return reason
+
     def model_names(self) -> list[str]:
-        return sorted(p.name for p in self._folders(self.root)
-                      if MODEL_NAME_PATTERN.fullmatch(p.name) and self._scan(p.name)[0])
+        return sorted(name for name in self._model_folders()
+                      if MODEL_NAME_PATTERN.fullmatch(name) and self._scan(name)[0])
 
     def versions(self, name: str) -> list[int]:
         return sorted(self._scan(name)[0])
@@ -146,12 +167,12 @@ class ModelRepository:
     def problems(self) -> list[Problem]:
         """Every folder of the repository that is skipped, and why."""
         problems = []
-        for path in self._folders(self.root):
-            if not MODEL_NAME_PATTERN.fullmatch(path.name):
-                problems.append(self._report(Problem(path.name, "", "not a model name: letters, digits, '_', '.' "
-                                                                    "and '-', starting with a letter or digit")))
+        for name in self._model_folders():
+            if not MODEL_NAME_PATTERN.fullmatch(name):
+                problems.append(self._report(Problem(name, "", "not a model name: letters, digits, '_', '.' "
+                                                               "and '-', starting with a letter or digit")))
             else:
-                problems += self._scan(path.name)[1]
+                problems += self._scan(name)[1]
         return problems
 
     def get(self, name: str, version: int | None = None) -> ModelVersion:
@@ -170,9 +191,10 @@ class ModelRepository:
             version = max(configs)
         elif version not in configs:
             raise VersionNotFound(f"model {name!r} has no version {version} (versions: {sorted(configs)})")
-        return ModelVersion(name, version, self.root / name / str(version), configs[version])
+        return ModelVersion(name, version, self.folder(name) / str(version), configs[version])
 
     def next_version(self, name: str) -> int:
         """One above every version folder, valid or not (a broken version's number is not reused)."""
-        taken = [parse_version(p.name) for p in self._folders(self.root / name)]
+        folder = self.folder(name)
+        taken = [parse_version(p.name) for p in self._folders(folder)] if folder else []
         return max((v for v in taken if v is not None), default=0) + 1

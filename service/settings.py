@@ -17,6 +17,7 @@ from pydantic_settings.exceptions import SettingsError
 
 from service.models.variants import parse_pins
 from service.per_model import parse_per_model
+from service.repository import MODEL_NAME_PATTERN
 from service.response_cache.cache import NONE
 
 
@@ -54,6 +55,10 @@ class Settings(BaseSettings):
     # "name:version", comma-separated or a JSON list)
     repository: Path = Path("model_repository")
     models: EnvList = Field(default_factory=list)
+    # set: the repository is one model's folder (its version folders directly under it), served under this name, as
+    # KServe hands a model over (storageUri copied to /mnt/models, the InferenceService's name; deploy/kserve/);
+    # `python -m service --model_name NAME --model_dir DIR` sets it and the repository
+    model_name: str = Field("", pattern=f"^(?:{MODEL_NAME_PATTERN.pattern})?$")
     host: str = "127.0.0.1"
     port: int = 8000
     # the Open Inference Protocol over gRPC (service.api.oip.grpc), on the same host; 0 = off

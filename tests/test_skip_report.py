@@ -39,6 +39,7 @@ def test_expected_failure():
 @pytest.mark.parametrize(("reason", "accepted"), [
     ("needs the full data sets: no data folder at /x/data (default); get them with `make data`", True),
     ("needs a CUDA GPU: a session asked for CUDA runs on CPUExecutionProvider", True),  # tests/gpu; CI has no GPU
+    ("needs KServe's CRDs: /x/shared/kserve-crds is absent", True),  # tests/deploy/test_kserve.py; CI has no ../shared
     ("the GPU: needs a CUDA GPU: elsewhere in the reason", False),
     ("got empty parameter set for (model)", False),  # a parametrization empty on every machine
     ("`nginx` not found on PATH: install it with `sudo apt-get install nginx` (deploy/ci-packages.txt)", False),

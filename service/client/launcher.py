@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -79,15 +79,17 @@ class ServiceProcess:
 
     name: shown in output() and errors. repository: TSERVE_REPOSITORY (resolved: the process runs elsewhere).
     workdir: its working directory (default: a temporary folder, removed at stop()). command: port -> argv, instead
-    of `python -m service`. env: more environment variables, over the defaults and knobs. log_path: output to this
-    file instead of reader threads. ready_timeout: default of start() and wait_ready(). die_with_parent: SIGTERM
-    the process when this one dies (preexec_fn: only for a client without threads, such as the benchmark).
+    of `python -m service`; args: `python -m service`'s arguments (`--model_name`, `--model_dir`). env: more
+    environment variables, over the defaults and knobs. log_path: output to this file instead of reader threads.
+    ready_timeout: default of start() and wait_ready(). die_with_parent: SIGTERM the process when this one dies
+    (preexec_fn: only for a client without threads, such as the benchmark).
     **knobs: settings, as TSERVE_<NAME>=str(value)."""
 
     def __init__(self, name: str = "service", repository: str | os.PathLike | None = None,
                  workdir: str | os.PathLike | None = None, *, command: Callable[[int], list[str]] | None = None,
-                 env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 ready_timeout: float = READY_TIMEOUT_S, die_with_parent: bool = False, **knobs):
+                 args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 log_path: str | os.PathLike | None = None, ready_timeout: float = READY_TIMEOUT_S,
+                 die_with_parent: bool = False, **knobs):
         self.name = name
         self.repository = None if repository is None else Path(repository).resolve()
         self.workdir = None if workdir is None else Path(workdir)
@@ -95,6 +97,7 @@ class ServiceProcess:
         self.log_path = None if log_path is None else Path(log_path)
         self.ready_timeout = ready_timeout
         self._command, self._env, self._die_with_parent = command, dict(env or {}), die_with_parent
+        self._args = list(args)
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self.proc: subprocess.Popen | None = None
@@ -123,7 +126,7 @@ class ServiceProcess:
         if self.workdir is None and self._tmpdir is None:
             self._tmpdir = Path(tempfile.mkdtemp(prefix="tserve-service-"))
         self.environment = env = self._environment()
-        self.command = self._command(self.port) if self._command else [sys.executable, "-m", "service"]
+        self.command = self._command(self.port) if self._command else [sys.executable, "-m", "service", *self._args]
         options = {"cwd": self.workdir or self._tmpdir, "env": env, "stdin": subprocess.DEVNULL,
                    "start_new_session": True, "preexec_fn": die_with_parent if self._die_with_parent else None}
         if self.log_path is not None:

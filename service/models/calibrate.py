@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsInvalid as error:
         print(f"error: invalid configuration:\n{error}", file=sys.stderr)
         return 2
-    repository = ModelRepository(settings.repository)
+    repository = ModelRepository(settings.repository, settings.model_name)
     path = settings.calibration_cache_path
     cache = _Uncached(path) if args.again else CalibrationCache(path)
     pins = []

@@ -110,7 +110,7 @@ class ModelRegistry:
     def __init__(self, settings: Settings, metrics: Metrics):
         self.settings = settings
         self.metrics = metrics
-        self.repository = ModelRepository(settings.repository)
+        self.repository = ModelRepository(settings.repository, settings.model_name)
         self.loaded: dict[tuple[str, int], LoadedModel] = {}
         self.active: dict[str, int] = {}  # model name -> the version requests that name none get
         self.pending: list[str] = []

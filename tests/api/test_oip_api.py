@@ -18,7 +18,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.support.images import png_bytes
-from tests.support.kserve_sdk import kserve_infer
+from tests.support.kserve import kserve_infer
 from tests.support.triton_inputs import text_input
 
 pytestmark = pytest.mark.slow

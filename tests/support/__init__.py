@@ -11,6 +11,7 @@
 - `fake_decoding`: a numpy decoding backend for the scheduler and batch tests; `batchers`: the continuous batcher
   on it (limits, a text job, a request held at a step);
 - `deploy`: the deployment tests' tools (nginx, prometheus, docker-compose) and config rendering;
+- `docker`: the Docker Engine API for the tests that run the built images, and why they cannot run here;
 - `skips`: the end-of-session list of skipped tests and, under CI, the allowlist a skip must be on.
 
 Paths are found from these files (`ROOT`, the repository root), never from the caller, so a test module may live

@@ -1,6 +1,7 @@
 """Start-up (`service.__main__`, the app's lifespan): a port the service cannot listen on, an unreadable .env or API
 key file end the start before anything runs, with one line naming what is wrong (the whole start of a real process
-with a port in use: tests/api/test_server_process.py)."""
+with a port in use: tests/api/test_server_process.py); KServe's arguments (`--model_name`, `--model_dir`) take
+precedence over the environment (served: tests/api/test_kserve_model_dir.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.__main__ import CannotListen, listen
+from service.__main__ import CannotListen, command_line, listen
 from service.app import create_app
 from service.client.processes import LOOPBACK, free_port
 from service.settings import Settings, SettingsInvalid, load_settings
@@ -86,3 +87,32 @@ def test_an_unreadable_api_key_file_is_a_bad_configuration_without_a_traceback(t
     assert "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1] == (f"TSERVE_API_KEYS_FILE ({tmp_path / 'missing'}): cannot read the API "
                                             f"key file: No such file or directory")
+
+
+@pytest.mark.parametrize("argv, settings", [
+    ([], {}),
+    (["--model_name=translation", "--model_dir=/mnt/models"],
+     {"model_name": "translation", "repository": "/mnt/models"}),
+    (["--model_dir", "/srv/repository"], {"repository": "/srv/repository"}),
+], ids=["none", "kserve-runtime", "repository-only"])
+def test_the_command_line_gives_kserves_model_arguments(argv, settings):
+    assert command_line(argv) == settings
+
+
+def test_the_command_line_takes_precedence_over_the_environment(monkeypatch):
+    monkeypatch.setenv("TSERVE_REPOSITORY", "/from/the/environment")
+    monkeypatch.setenv("TSERVE_MODEL_NAME", "gpt")
+    loaded = load_settings(command_line(["--model_dir=/mnt/models", "--model_name=de-en"]))
+    assert (loaded.repository, loaded.model_name) == (Path("/mnt/models"), "de-en")
+    assert load_settings(command_line([])).model_name == "gpt"
+
+
+@pytest.mark.parametrize("argv", [["--model_name", "two words"], ["--model_name=a/b"], ["--port=1"]],
+                         ids=["not-a-model-name", "a-path", "unknown-argument"])
+def test_a_bad_argument_is_a_bad_configuration(argv):
+    with pytest.raises((SettingsInvalid, SystemExit)) as caught:
+        load_settings(command_line(argv))
+    if caught.type is SystemExit:
+        assert caught.value.code == 2  # argparse's usage error, as EXIT_BAD_CONFIGURATION
+    else:
+        assert str(caught.value).startswith("TSERVE_MODEL_NAME: ")
