@@ -16,6 +16,7 @@ Design notes: docs/architecture.md, service/models/calibration.py.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -113,6 +114,30 @@ def measure(engines: Mapping[str, Any], workload: Workload, rows: Sequence[int],
                 items = workload(engine, size)
                 samples[variant][size].append((time.perf_counter() - started) / max(items, 1))
     return {v: {size: statistics.median(s) for size, s in by_rows.items()} for v, by_rows in samples.items()}
+
+
+def measure_against(reference: str, engine: Any, candidates: Sequence[str], build: Callable[[str], Any | None],
+                    workload: Workload, rows: Sequence[int], rounds: int = ROUNDS) -> dict[str, dict[int, float]]:
+    """Seconds per item of `reference`'s `engine` and of each candidate variant, each candidate built (`build`:
+    None when it cannot build or run here: left out), timed in interleaved rounds beside the reference and dropped
+    before the next one is built. So at most two engines (their sessions, arenas and buffers) are held at once, where
+    timing every variant together held them all (the release GPT's nine variants: 3.8 GB resident, over a 2 GiB
+    container limit). The reference's time is the median of its times beside each candidate."""
+    timings: dict[str, dict[int, float]] = {}
+    beside: dict[int, list[float]] = {size: [] for size in rows}
+    for variant in candidates:
+        candidate = build(variant)
+        if candidate is None:
+            continue
+        pair = measure({reference: engine, variant: candidate}, workload, rows, rounds)
+        del candidate  # its sessions go before the next candidate's are made
+        gc.collect()
+        timings[variant] = pair[variant]
+        for size in rows:
+            beside[size].append(pair[reference][size])
+    if not timings:
+        return measure({reference: engine}, workload, rows, rounds)
+    return {reference: {size: statistics.median(times) for size, times in beside.items()}, **timings}
 
 
 def decode_workload(engine, prompt: Sequence[int], rows: int, steps: int = DECODE_STEPS) -> int:

@@ -26,7 +26,7 @@ from service.per_model import parse_per_model, value_for
 from service.engines.runtime import CPU, CUDA, RuntimeOptions, preferred_providers
 from service.engines.weights import (ALL_VARIANTS, FLOAT16_VARIANTS, FP16, INT8_ROWS, VARIANTS, changes_step_attention,
                                      compute_weights, split_variant)
-from service.models.calibration import CalibrationCache, calibration_key, measure
+from service.models.calibration import CalibrationCache, calibration_key, measure_against
 from service.repository import ModelVersion
 
 log = logging.getLogger(__name__)
@@ -167,15 +167,17 @@ def load_engine(model: ModelVersion, kind, options: RuntimeOptions, pin: str, ro
     if cached is not None:
         timings, chosen_by, when = cached.timings, CACHED, f"measured {cached.measured_at}, cached"
     else:
-        for weights in variants[1:]:
+        def build(weights: str):
             try:  # built and run once: a variant this provider cannot build or run is not a candidate
-                engines[weights] = kind.engine(model, replace(options, weights=weights))
-                kind.calibration(engines[weights], 1)
+                candidate = kind.engine(model, replace(options, weights=weights))
+                kind.calibration(candidate, 1)
+                return candidate
             except Exception as error:
-                engines.pop(weights, None)
                 log.warning("%s:%d: the %s variant does not run here (%s); not a candidate", model.name,
                             model.version, weights, error)
-        timings = measure(engines, kind.calibration, rows)
+                return None
+
+        timings = measure_against(stored, engines[stored], variants[1:], build, kind.calibration, rows)
         chosen_by, when = MEASURED, f"measured {cache.put(key, timings)}"
     weights = fastest(timings, stored)
     engine = engines.get(weights) or kind.engine(model, replace(options, weights=weights))
