@@ -65,6 +65,7 @@ lock:
 	$(UV_COMPILE) $(LOCK_CPU) requirements/locust.in -c requirements/dev.txt -o requirements/locust.txt
 	$(UV_COMPILE) $(LOCK_CPU) bench/requirements.txt -o requirements/bench.txt
 	$(MAKE) --no-print-directory kserve-lock
+	$(MAKE) --no-print-directory ray-lock
 	$(MAKE) --no-print-directory mutation-lock
 
 # Regenerate the gRPC stubs (service/api/oip/grpc/generated) from the vendored upstream protos with the locked
@@ -91,6 +92,23 @@ kserve-venv: $(KSERVE_VENV)/.installed
 kserve-lock:
 	$(UV_COMPILE) $(LOCK_CPU) requirements/kserve.in -o requirements/kserve.txt
 
+# Ray Serve's venv (requirements/ray.in says why it is its own): its lock (Ray and the serving set, at dev.txt's
+# versions) and the project, editable and --no-deps, no torch; deploy/ray/ runs in it, and
+# tests/deploy/test_ray_cluster.py starts its Ray cluster with this venv's python.
+RAY_VENV ?= .venv-ray
+$(RAY_VENV)/.installed: requirements/ray.txt pyproject.toml
+	$(PYTHON) -m venv --clear $(RAY_VENV)
+	$(call installer,$(RAY_VENV)) --no-deps --require-hashes -r requirements/ray.txt
+	$(call installer,$(RAY_VENV)) --no-deps -e .
+	$(RAY_VENV)/bin/python -m pip check
+	touch $@
+
+.PHONY: ray-venv ray-lock
+ray-venv: $(RAY_VENV)/.installed
+
+ray-lock:
+	$(UV_COMPILE) $(LOCK_CPU) pyproject.toml requirements/ray.in -c requirements/dev.txt -o requirements/ray.txt
+
 # Serve the model repository on http://$(HOST):$(PORT) (built from the tiny presets first if it is empty).
 serve: repository
 	TSERVE_REPOSITORY=$(REPOSITORY) TSERVE_HOST=$(HOST) TSERVE_PORT=$(PORT) $(BIN)/python -m service
@@ -113,7 +131,7 @@ endif
 batch-job: repository
 	TSERVE_REPOSITORY=$(REPOSITORY) $(BIN)/python -m service.batch -i $(IN) -o $(OUT) $(BATCH_ARGS)
 
-test: venv kserve-venv
+test: venv kserve-venv ray-venv
 	$(BIN)/python -m pytest -q
 
 test-fast: venv
@@ -131,7 +149,7 @@ train-tiny: venv
 	for task in translation gpt vit; do $(BIN)/python -m models.train $$task --preset tiny --out $(RUNS)/$$task-tiny || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(RUNS) .pytest_cache .venv-mutation .venv-kserve mutation/work
+	rm -rf $(VENV) $(RUNS) .pytest_cache .venv-mutation .venv-kserve .venv-ray mutation/work
 
 # Download the three datasets into $(TSERVE_DATA_DIR) and verify every file against models/data_checksums.py
 # (nothing to do when all are present and verified): from GitHub, or from the base URL in TSERVE_DATA_MIRROR.

@@ -65,6 +65,8 @@ def lock_inputs() -> dict[str, tuple[list[Requirement], set[str], set[str], dict
                       {"torch"}, CPU_TARGET),
         "kserve.txt": (requirement_lines(REQUIREMENTS / "kserve.in"), {"-r requirements/kserve.in"}, {"torch"},
                        CPU_TARGET),
+        "ray.txt": (core + requirement_lines(REQUIREMENTS / "ray.in"), {PROJECT, "-r requirements/ray.in"}, {"torch"},
+                    CPU_TARGET),
         "../mutation/requirements.txt": (requirement_lines(ROOT / "mutation" / "requirements.in"),
                                          {"-r mutation/requirements.in"}, {"torch"}, CPU_TARGET),
     }
@@ -112,7 +114,8 @@ def test_nothing_in_a_lock_is_stale_and_everything_is_hashed(lock):
                     f"{lock}: {name} is required by {via}, which is not locked: stale (run `make lock`)"
 
 
-@pytest.mark.parametrize("lock", ["serving.txt", "serving-gpu.txt", "locust.txt", "../mutation/requirements.txt"])
+@pytest.mark.parametrize("lock", ["serving.txt", "serving-gpu.txt", "locust.txt", "ray.txt",
+                                  "../mutation/requirements.txt"])
 def test_the_images_run_the_versions_of_the_dev_lock(lock):
     """What the tests ran on (.venv, dev.txt) is what the images serve with, and what the mutation venv (layered
     over .venv) runs: every package they share has one version."""
@@ -179,6 +182,18 @@ def test_make_kserve_venv_installs_the_kserve_lock_alone(tmp_path):
     assert len(installs) == 1 and "--no-deps" in installs[0].split(), installs
     assert "--require-hashes -r requirements/kserve.txt" in installs[0], installs
     assert any("-m pip check" in c for c in commands[commands.index(installs[0]):]), "no `pip check` after the install"
+
+
+def test_make_ray_venv_installs_the_ray_lock_and_the_project_without_torch(tmp_path):
+    """Ray Serve's venv (requirements/ray.in): its lock with its hashes (Ray and the serving set), then the project,
+    each --no-deps, no torch; `pip check` after."""
+    commands = _make_dry_run("ray-venv", f"RAY_VENV={tmp_path / 'ray'}")
+    installs = [c for c in commands if re.search(r"\bpip install\b", c)]
+    assert all("--no-deps" in c.split() for c in installs), installs
+    assert ["--require-hashes -r requirements/ray.txt" in c for c in installs] == [True, False], installs
+    assert installs[1].endswith("-e ."), installs
+    assert not any("torch" in c for c in installs), installs
+    assert any("-m pip check" in c for c in commands[commands.index(installs[-1]):]), "no `pip check` after the installs"
 
 
 def _run_instructions(dockerfile: str) -> list[str]:
