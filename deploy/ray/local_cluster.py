@@ -102,6 +102,9 @@ class Driver:
         from ray.cluster_utils import Cluster
 
         common = {"num_cpus": NODE_CPUS, "object_store_memory": OBJECT_STORE_BYTES}
+        # Ray writes the cluster's address to <temp root>/ray/ray_current_cluster whatever temp_dir says, and does
+        # not create that folder on a machine where Ray never ran (a fresh CI machine)
+        Path(tempfile.gettempdir(), "ray").mkdir(exist_ok=True)
         self.cluster = Cluster(initialize_head=True, head_node_args={
             **common, "temp_dir": temp_dir, "include_dashboard": False, "include_log_monitor": False,
             "no_monitor": True, "dashboard_port": 0})

@@ -39,6 +39,10 @@ from service.repository import ModelVersion
 log = logging.getLogger(__name__)
 
 ROUNDS = 3  # timed runs per variant and batch size, interleaved; the median is kept
+# rounds of a candidate beside the reference (`measure_against`): the reference's time is the median of all its pairs'
+# rounds, a candidate's of its own; 2, so that the GPT's eight candidates cost about what timing them all together
+# in 3 rounds did (32 workloads against 27), which a replica's start-up (and its health check) waits for
+ROUNDS_BESIDE = 2
 DECODE_STEPS = 16  # one-token steps after a text workload's prompt pass, unless its kind says otherwise
 CPUINFO = Path("/proc/cpuinfo")
 # The ISA flags that decide which kernels ONNX Runtime's MLAS runs (float: AVX2/FMA or AVX-512; int8: VNNI, AMX)
@@ -100,12 +104,13 @@ def key_hash(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:KEY_DIGITS]
 
 
-def measure(engines: Mapping[str, Any], workload: Workload, rows: Sequence[int],
-            rounds: int = ROUNDS) -> dict[str, dict[int, float]]:
-    """Seconds per item of `workload` for each variant's engine and each batch size: variant -> rows -> seconds."""
-    for engine in engines.values():
+def measure(engines: Mapping[str, Any], workload: Workload, rows: Sequence[int], rounds: int = ROUNDS,
+            cold: Sequence[str] | None = None) -> dict[str, dict[int, float]]:
+    """Seconds per item of `workload` for each variant's engine and each batch size: variant -> rows -> seconds,
+    after one untimed run of each `cold` engine at each size (default: all of them)."""
+    for variant in engines if cold is None else cold:
         for size in rows:
-            workload(engine, size)
+            workload(engines[variant], size)
     samples: dict[str, dict[int, list[float]]] = {v: {size: [] for size in rows} for v in engines}
     for _ in range(rounds):
         for variant, engine in engines.items():
@@ -117,7 +122,8 @@ def measure(engines: Mapping[str, Any], workload: Workload, rows: Sequence[int],
 
 
 def measure_against(reference: str, engine: Any, candidates: Sequence[str], build: Callable[[str], Any | None],
-                    workload: Workload, rows: Sequence[int], rounds: int = ROUNDS) -> dict[str, dict[int, float]]:
+                    workload: Workload, rows: Sequence[int], rounds: int = ROUNDS_BESIDE
+                    ) -> dict[str, dict[int, float]]:
     """Seconds per item of `reference`'s `engine` and of each candidate variant, each candidate built (`build`:
     None when it cannot build or run here: left out), timed in interleaved rounds beside the reference and dropped
     before the next one is built. So at most two engines (their sessions, arenas and buffers) are held at once, where
@@ -129,14 +135,15 @@ def measure_against(reference: str, engine: Any, candidates: Sequence[str], buil
         candidate = build(variant)
         if candidate is None:
             continue
-        pair = measure({reference: engine, variant: candidate}, workload, rows, rounds)
+        pair = measure({reference: engine, variant: candidate}, workload, rows, rounds,
+                       cold=[variant] if timings else None)  # the reference is warm after its first pair
         del candidate  # its sessions go before the next candidate's are made
         gc.collect()
         timings[variant] = pair[variant]
         for size in rows:
             beside[size].append(pair[reference][size])
     if not timings:
-        return measure({reference: engine}, workload, rows, rounds)
+        return measure({reference: engine}, workload, rows, ROUNDS)
     return {reference: {size: statistics.median(times) for size, times in beside.items()}, **timings}
 
 

@@ -44,7 +44,7 @@ def test_candidates_are_timed_beside_the_reference_one_at_a_time_and_the_referen
         assert sum(ref() is not None for ref in alive) <= 2, "a candidate outlived its pair"
         return Engine(name)
 
-    def fake_measure(engines, workload, rows, rounds):
+    def fake_measure(engines, workload, rows, rounds, cold=None):
         times = {"stored": beside[next(pairs)], "a": 5.0, "b": 7.0, "c": 4.0}
         return {name: {size: times[name] for size in rows} for name in engines}
 

@@ -17,7 +17,7 @@ from service.engines.gpt import GPTEngine
 from service.engines.runtime import CPU, CUDA, RuntimeOptions
 from service.engines.weights import ALL_VARIANTS
 from service.models import variants as V
-from service.models.calibration import CalibrationCache, calibration_key, cpu_identity
+from service.models.calibration import ROUNDS_BESIDE, CalibrationCache, calibration_key, cpu_identity
 from service.models.kinds import KIND_TABLE
 from service.repository import ModelVersion
 from service.settings import Settings
@@ -131,8 +131,10 @@ def test_auto_measures_every_offered_variant_chooses_caches_and_serves_the_choic
     assert set(choice.timings) == {"fp32", "int8"} and all(set(t) == set(ROWS) for t in choice.timings.values())
     assert all(s > 0 for t in choice.timings.values() for s in t.values())
     assert choice.weights == V.fastest(choice.timings, "fp32") and engine.options_weights == choice.weights
-    # one untimed and ROUNDS timed runs of each variant at each size (and the derived one's first run, at 1 row)
-    assert sorted(calls) == sorted([(w, r) for w in ("fp32", "int8") for r in ROWS] * 4 + [("int8", 1)])
+    # beside the stored one (`measure_against`): one untimed and ROUNDS_BESIDE timed runs of each at each size (and
+    # the derived one's first run, at 1 row)
+    runs = 1 + ROUNDS_BESIDE
+    assert sorted(calls) == sorted([(w, r) for w in ("fp32", "int8") for r in ROWS] * runs + [("int8", 1)])
     assert cpu_identity()["cpu"] in choice.reason and "measured" in choice.reason
     # the engine computes with the chosen weights: its logits are those of an engine built with them alone
     np.testing.assert_array_equal(_logits(engine),
