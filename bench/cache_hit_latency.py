@@ -22,10 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpuinfo import describe  # noqa: E402
+from bench.histograms import bucket_quantile, histogram_buckets, sample_quantile  # noqa: E402
 from service.client.launcher import ServiceProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LOOKUP = "tserve_response_cache_lookup_seconds_bucket"
+LOOKUP = "tserve_response_cache_lookup_seconds"
 REQUESTS = {
     "translation": ("/v1/translate", {"text": "Ein Mann fährt mit dem Fahrrad durch die Stadt.", "num_beams": 4}),
     "gpt": ("/v1/generate", {"prompt": "ROMEO:\n", "max_new_tokens": 64, "temperature": 0}),
@@ -46,30 +47,6 @@ def post(port: int, path: str, body: dict) -> float:
     return elapsed
 
 
-def lookup_buckets(port: int) -> list[tuple[float, float]]:
-    """The hits' lookup-time histogram, summed over the models: [(bucket bound, cumulative count)]."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/metrics")
-    text = connection.getresponse().read().decode()
-    connection.close()
-    buckets: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith(LOOKUP) and 'result="hit"' in line:
-            bound = float(line.split('le="')[1].split('"')[0])
-            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
-    return sorted(buckets.items())
-
-
-def bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float:
-    total = buckets[-1][1]
-    return next(bound for bound, count in buckets if count >= q * total)
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="hits per request kind")
@@ -85,9 +62,10 @@ def main() -> int:
         for name, (path, body) in REQUESTS.items():
             miss = post(server.port, path, body)
             hits = [post(server.port, path, body) for _ in range(args.requests)]
-            print(f"{name}: miss {miss * 1e3:.1f} ms; hit round trip p50 {quantile(hits, 0.5) * 1e3:.2f} ms, "
-                  f"p99 {quantile(hits, 0.99) * 1e3:.2f} ms ({len(hits)} hits)", flush=True)
-        buckets = lookup_buckets(server.port)
+            print(f"{name}: miss {miss * 1e3:.1f} ms; hit round trip p50 "
+                  f"{sample_quantile(hits, 0.5) * 1e3:.2f} ms, p99 {sample_quantile(hits, 0.99) * 1e3:.2f} ms "
+                  f"({len(hits)} hits)", flush=True)
+        buckets = histogram_buckets(server.port, LOOKUP, "result")["hit"]  # summed over the models
     finally:
         server.stop()
     print(f"server-side lookup of a hit ({'Redis' if args.redis else 'local'}): p50 <= "

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpuinfo import describe  # noqa: E402
+from bench.histograms import bucket_quantile, histogram_buckets, sample_quantile  # noqa: E402
 from service.client.launcher import ServiceProcess  # noqa: E402
 from service.client.sse import SSEParser  # noqa: E402
 
@@ -92,40 +93,13 @@ def run(args) -> dict:
             if first is not None:
                 results["urgent"].append(first)
             time.sleep(args.every)
-        results["waits"] = server_waits(server.port)
+        results["waits"] = histogram_buckets(server.port, WAIT_METRIC, "priority")
         stop.set()
         for client in clients:
             client.join(timeout=120)
     finally:
         server.stop()
     return results
-
-
-def server_waits(port: int) -> dict[str, list[tuple[float, float]]]:
-    """The server's queue-wait histogram by level: priority -> [(bucket's upper bound, cumulative count)]."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/metrics")
-    text = connection.getresponse().read().decode()
-    connection.close()
-    waits: dict[str, list[tuple[float, float]]] = {}
-    for line in text.splitlines():
-        if line.startswith(f"{WAIT_METRIC}_bucket{{"):
-            labels, value = line[line.index("{") + 1:line.index("}")], float(line.rsplit(" ", 1)[1])
-            fields = dict(part.split("=", 1) for part in labels.split(","))
-            bound = float(fields["le"].strip('"'))
-            waits.setdefault(fields["priority"].strip('"'), []).append((bound, value))
-    return waits
-
-
-def bucket_percentile(buckets: list[tuple[float, float]], q: float) -> float:
-    """The upper bound of the histogram bucket that holds the q-quantile."""
-    total = buckets[-1][1]
-    return next(bound for bound, count in sorted(buckets) if count >= q * total)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> int:
@@ -147,12 +121,12 @@ def main() -> int:
           f"{results['refused']} background 429s")
     print(f"step (median gap between a background stream's tokens): {step * 1e3:.1f} ms")
     for name, values in (("urgent (priority 0)", urgent), ("background (priority 2)", background)):
-        print(f"{name}: time to first token p50 {percentile(values, 0.5) * 1e3:.1f} ms, "
-              f"p95 {percentile(values, 0.95) * 1e3:.1f} ms")
+        print(f"{name}: time to first token p50 {sample_quantile(values, 0.5) * 1e3:.1f} ms, "
+              f"p95 {sample_quantile(values, 0.95) * 1e3:.1f} ms")
     for level, buckets in sorted(results["waits"].items()):
-        print(f"server queue wait, priority {level}: p95 <= {bucket_percentile(buckets, 0.95) * 1e3:g} ms "
+        print(f"server queue wait, priority {level}: p95 <= {bucket_quantile(buckets, 0.95) * 1e3:g} ms "
               f"({buckets[-1][1]:.0f} requests; the histogram's bucket bound)")
-    ratio = percentile(urgent, 0.95) / step
+    ratio = sample_quantile(urgent, 0.95) / step
     print(f"urgent TTFT p95 / step = {ratio:.2f} (goal: queue wait p95 < 2 steps; TTFT bounds it from above)")
     return 0
 
