@@ -22,7 +22,9 @@ Systems (one function each, `run_<system>_<task>`):
   `enginebench.ct2` into its `TransformerSpec` (the same random weights as ours, seed 0), beam search with the same
   beams and exactly as many tokens; its best beams are compared with ours every run ("identical best beams"), and
   each ratio is printed as `ours/ctranslate2 <case> = <x>`; ctranslate2-int8 the same model in its int8
-  (`compute_type="int8"`: int8 weights and GEMMs), the peer of a shipped variant with int8 weights;
+  (`compute_type="int8"`: int8 weights and GEMMs), the peer of a shipped variant with int8 weights; both at the faster
+  of 1 and --threads intra-op threads for each batch, timed in the warm-up (`enginebench.ct2.ThreadChoice`: on 2
+  cores its batch 1 runs 2.3x faster on one thread) and printed as the case's `intra_threads` line;
 - llama.cpp (GPT only; built by `make llama-cpp`, skipped until then): `llama-server` (C++) on OUR GPT's weights,
   written by `enginebench.llama_cpp` as a GGUF file of its `gpt2` architecture (the same random weights as ours,
   seed 0, f32, KV cache f32), greedy with EOS masked, all rows in one /completion request of token ids to a server
@@ -33,7 +35,8 @@ Systems (one function each, `run_<system>_<task>`):
   nothing sampled, no HTTP) is a row of its own: its tokens/s with the prompt pass, its S_TG, and
   `ours/llama-batched-bench b<batch> = <x>`; llama.cpp-q8_0 the same server on the same weights written in
   llama.cpp's int8 format, q8_0 (the matmul weights in blocks of 32 with a scale each; norms, biases and positions
-  f32), the peer of a shipped variant with int8 weights, printed as `shipped/llama.cpp-q8_0 b<batch> = <x>`;
+  f32), the peer of a shipped variant with int8 weights, printed as `shipped/llama.cpp-q8_0 b<batch> = <x>`, with
+  llama-batched-bench's row on that file too (`shipped/llama-batched-bench-q8_0 b<batch> = <x>`);
 - ours: `service.engines.gpt.GPTEngine` / `service.engines.translation.TranslationEngine` with the searches of
   `service.decoding`, on our own from-scratch models (`models.gpt.GPT`, `models.transformer`; same sizes,
   random weights) exported by `export.onnx_export`, float32;
@@ -77,8 +80,8 @@ Run (in the benchmark venv, which has Optimum; see bench/requirements.txt):
     .venv-bench/bin/python bench/bench_engine.py --quick          # smoke run, 1-2 minutes once exports are cached
     .venv-bench/bin/python bench/bench_engine.py                  # full run, writes reports/bench_engine.json
     .venv-bench/bin/python bench/bench_engine.py --tasks prefix   # the prefix cache's prompt pass alone
-Options: --device cpu|cuda (ours and shipped), --threads N, --spin, --single-thread-rows N, --repeats N, --warmup N,
---sentences N, --gpt-batches 1,16,
+Options: --device cpu|cuda (ours and shipped), --kv-residence auto|host|device (ours and shipped), --threads N,
+--spin, --single-thread-rows N, --repeats N, --warmup N, --sentences N, --gpt-batches 1,16,
 --translation-batches 1,16,32, --scaling-batches 1,8,16,32,64,128, --tasks gpt,translation,scaling,prefix, --systems
 transformers,optimum,genai,ctranslate2,ctranslate2-int8,llama.cpp,llama.cpp-q8_0,ours,shipped, --out PATH,
 --workdir PATH. A system whose package or build is missing (e.g. Optimum in the main venv, llama.cpp before
@@ -140,8 +143,9 @@ def bench_gpt(args, systems: list[str]) -> list[dict]:
         results.append(summarise(f"gpt greedy batch {batch}", "tokens/s", batch * spec.new_tokens, times, outputs,
                                  case_skipped))
         results[-1]["batch"] = batch
-        if "llama.cpp" in built:  # llama.cpp's own benchmark on the same GGUF: a row of its own, after the case
-            add_batched_bench(results[-1], spec, args.runtime, args.workdir, batch, args.repeats)
+        for system, file_type in (("llama.cpp", "f32"), ("llama.cpp-q8_0", "q8_0")):
+            if system in built:  # llama.cpp's own benchmark on the same GGUF: a row of its own, after the case
+                add_batched_bench(results[-1], spec, args.runtime, args.workdir, batch, args.repeats, file_type)
         print_result(results[-1])
     return results
 
@@ -160,6 +164,9 @@ def bench_translation(args, systems: list[str]) -> list[dict]:
         result = summarise(f"translation beam {spec.num_beams} batch {batch}", "sentences/s", work, times, outputs,
                            case_skipped)
         result["source_lengths"] = [int((row != 0).sum()) for x in inputs for row in x]
+        # CTranslate2's thread setting for this batch, chosen in the warm-up (`enginebench.ct2.ThreadChoice`)
+        result["intra_threads"] = {name: choice for name, fn in built.items()
+                                   if (choice := getattr(fn, "thread_choices", {}).get(batch)) is not None}
         print_result(result)
         results.append(result)
     return results
@@ -186,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",
                         help="ours/shipped: run the graphs' sibling projections as separate MatMuls (the service "
                              "fuses them at load unless TSERVE_FUSE_PROJECTIONS=false)")
+    parser.add_argument("--kv-residence", choices=("auto", "host", "device"), default="auto",
+                        help="ours/shipped: where their KV caches live, as TSERVE_KV_RESIDENCE (default auto: the "
+                             "service's own choice; device on a CPU: OrtValues fed back to ONNX Runtime as they came)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per system (default 7; quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed passes per system (default 2; quick 1)")
     parser.add_argument("--sentences", type=int, default=None,
@@ -231,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shipped-variant: {error}")
     args.runtime = Runtime(threads=args.threads, spin=args.spin, single_thread_rows=args.single_thread_rows,
                            shipped_variant=args.shipped_variant, fuse_projections=args.fuse_projections,
-                           device=args.device)
+                           device=args.device, kv_residence=args.kv_residence)
     if "torch" in sys.modules:
         print("warning: torch was imported before main(); OMP_WAIT_POLICY may not apply", file=sys.stderr)
     if not args.spin:

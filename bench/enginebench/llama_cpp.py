@@ -407,19 +407,29 @@ def batched_bench(spec: GptSpec, runtime: Runtime, workdir: Path, batch: int, re
             "speed_tg": statistics.median(r["speed_tg"] for r in runs), "runs": runs}
 
 
-def add_batched_bench(result: dict, spec: GptSpec, runtime: Runtime, workdir: Path, batch: int, repeats: int) -> None:
-    """Add llama-batched-bench's row at `batch` to a GPT case's `result` (`summarise`'s), with the ratios
-    `<ours|shipped>/llama-batched-bench` of our tokens/s to its `tokens_per_s` (both count the prompt pass)."""
+def batched_bench_names(file_type: str = "f32") -> tuple[str, str]:
+    """(the result's key, the ratios' peer name) of llama-batched-bench's row on the GGUF of `file_type`: f32's
+    `llama_cpp_batched_bench` / `llama-batched-bench`, q8_0's `..._q8_0` / `llama-batched-bench-q8_0`."""
+    suffix = "" if file_type == "f32" else f"_{file_type}"
+    return f"llama_cpp_batched_bench{suffix}", "llama-batched-bench" + suffix.replace("_", "-", 1)
+
+
+def add_batched_bench(result: dict, spec: GptSpec, runtime: Runtime, workdir: Path, batch: int, repeats: int,
+                      file_type: str = "f32") -> None:
+    """Add llama-batched-bench's row at `batch` on the GGUF of `file_type` to a GPT case's `result` (`summarise`'s),
+    with the ratios `<ours|shipped>/<peer>` of our tokens/s to its `tokens_per_s` (both count the prompt pass;
+    `batched_bench_names`)."""
+    key, peer = batched_bench_names(file_type)
     try:
-        row = result["llama_cpp_batched_bench"] = batched_bench(spec, runtime, workdir, batch, repeats)
+        row = result[key] = batched_bench(spec, runtime, workdir, batch, repeats, file_type)
     except RuntimeError as error:  # its own row only: the timed systems' results stand
-        result["llama_cpp_batched_bench"] = {"batch": batch, "error": str(error)}
-        print(f"    llama-batched-bench: {error}", flush=True)
+        result[key] = {"batch": batch, "error": str(error)}
+        print(f"    {peer}: {error}", flush=True)
         return
     for mine in ("ours", "shipped"):
         if mine in result["systems"]:
             ours = result["systems"][mine]["throughput"]
-            result["ratios"][f"{mine}/llama-batched-bench"] = ours / row["tokens_per_s"]
+            result["ratios"][f"{mine}/{peer}"] = ours / row["tokens_per_s"]
 
 
 def first_divergence(a: np.ndarray, b: np.ndarray) -> int:

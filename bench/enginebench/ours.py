@@ -209,11 +209,12 @@ def _write_id_tokenizer(path: Path) -> None:
 def _ours_runtime_options(runtime: Runtime, kind: str, runs_as: str | None = None):
     """The same settings as `Runtime.session_options()`, through the service's own `RuntimeOptions`; one-thread
     steps as the service runs the model `kind` unless `runtime.single_thread_rows` says otherwise; the variant
-    `runs_as` (None: as stored)."""
+    `runs_as` (None: as stored); the KV cache where `runtime.kv_residence` says."""
     from service.engines.runtime import DEFAULT_SINGLE_THREAD_ROWS, RuntimeOptions
 
     rows = runtime.single_thread_rows
     return RuntimeOptions(device=runtime.device, intra_op_threads=runtime.threads, inter_op_threads=1,
                           spin=runtime.spin,
                           single_thread_rows=DEFAULT_SINGLE_THREAD_ROWS[kind] if rows is None else rows,
-                          weights=runs_as, fuse_projections=runtime.fuse_projections)
+                          weights=runs_as, fuse_projections=runtime.fuse_projections,
+                          kv_residence=runtime.kv_residence)

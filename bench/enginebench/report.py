@@ -11,6 +11,7 @@ import sys
 from cpuinfo import cpu
 from spread import load_text, spread_text
 
+from .llama_cpp import batched_bench_names
 from .llama_cpp import version as llama_cpp_version
 from .systems import SYSTEMS
 from .workloads import Runtime
@@ -30,6 +31,10 @@ def print_result(result: dict) -> None:
             seconds = entry["seconds"]
             print(f"    {name:<16} {entry['throughput']:>10.1f}   (median {entry['median_s']:.3f} s/pass, "
                   f"range {min(seconds):.3f}-{max(seconds):.3f})")
+    for name, choice in result.get("intra_threads", {}).items():
+        probed = ", ".join(f"{n} thread{'s' * (n > 1)} {seconds * 1e3:.1f} ms"
+                           for n, seconds in choice["median_s"].items())
+        print(f"    {name} intra_threads {choice['threads']}, the faster in the warm-up ({probed} a call)")
     ratios = result["ratios"]
     print("    " + "   ".join(f"{key} = {_fmt(value, '.2f')}" for key, value in ratios.items() if value is not None))
     for key, spread in result.get("ratio_spread", {}).items():  # each round's ratio: how far one run can be off
@@ -47,14 +52,17 @@ def print_result(result: dict) -> None:
                 goal = result.get("goals", {}).get(key)
                 print(f"    {key} {where} = {ratios[key]:.2f}"
                       + (f"   (issue 56 goal {goal['goal']}: {goal['status']})" if goal else ""))
-    if "runs" in result.get("llama_cpp_batched_bench", {}):  # (a failed row says why where it failed)
-        row = result["llama_cpp_batched_bench"]
-        print(f"    llama-batched-bench b{batch} (llama.cpp's own timer on the same GGUF, median of {len(row['runs'])} "
+    for file_type in ("f32", "q8_0"):  # llama.cpp's own benchmark on each GGUF (a failed row says why where it failed)
+        key, peer = batched_bench_names(file_type)
+        if "runs" not in result.get(key, {}):
+            continue
+        row = result[key]
+        print(f"    {peer} b{batch} (llama.cpp's own timer on the same {file_type} GGUF, median of {len(row['runs'])} "
               f"runs, not interleaved; random tokens in, nothing sampled, no HTTP): {row['tokens_per_s']:.1f} "
               f"tokens/s with its prompt pass, S_TG {row['speed_tg']:.1f} tokens/s decoding alone")
         for mine in ("ours", "shipped"):
-            if ratios.get(f"{mine}/llama-batched-bench") is not None:
-                print(f"    {mine}/llama-batched-bench b{batch} = {ratios[f'{mine}/llama-batched-bench']:.2f}")
+            if ratios.get(f"{mine}/{peer}") is not None:
+                print(f"    {mine}/{peer} b{batch} = {ratios[f'{mine}/{peer}']:.2f}")
     if "ours_llama_cpp_agreement" in result:
         agreed = result["ours_llama_cpp_agreement"]
         first, length = agreed["first_divergence"], agreed["tokens"] // agreed["sequences"]

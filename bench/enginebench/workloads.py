@@ -115,6 +115,9 @@ class Runtime:
     # ours and shipped only: the device their sessions run on (`RuntimeOptions.device`: cpu or cuda); a cuda engine
     # whose sessions fell back to CPU is an error (`enginebench.ours`), never a CPU figure labelled CUDA
     device: str = "cpu"
+    # ours and shipped only: where their KV caches live (the service's TSERVE_KV_RESIDENCE: auto, host, device;
+    # `service.engines.runtime.kv_resident_on_device`)
+    kv_residence: str = "auto"
 
     def session_options(self):
         """The `onnxruntime.SessionOptions` every ONNX Runtime system must use (ours included)."""

@@ -208,6 +208,33 @@ def test_the_batched_bench_table_is_parsed_from_its_real_output():
     assert llama_cpp.parse_batched_bench("no table here\n") == []
 
 
+def test_batched_bench_rows_run_on_each_file_type_and_name_their_ratios(monkeypatch, tmp_path):
+    """bench-engine adds llama-batched-bench's row per llama.cpp system in the run: on the f32 GGUF under
+    `llama_cpp_batched_bench` (ratios `<mine>/llama-batched-bench`), on the q8_0 one under
+    `llama_cpp_batched_bench_q8_0` (`<mine>/llama-batched-bench-q8_0`); a failure stays in its own row."""
+    asked = []
+
+    def fake(spec, runtime, workdir, batch, repeats, file_type="f32"):
+        asked.append(file_type)
+        if file_type == "broken":
+            raise RuntimeError("exit 1")
+        return {"batch": batch, "tokens_per_s": {"f32": 100.0, "q8_0": 250.0}[file_type], "speed_tg": 1.0,
+                "runs": []}
+
+    monkeypatch.setattr(llama_cpp, "batched_bench", fake)
+    result = {"systems": {"ours": {"throughput": 200.0}, "shipped": {"throughput": 300.0}}, "ratios": {}}
+    llama_cpp.add_batched_bench(result, SPEC, Runtime(), tmp_path, 16, 1)
+    llama_cpp.add_batched_bench(result, SPEC, Runtime(), tmp_path, 16, 1, "q8_0")
+    assert asked == ["f32", "q8_0"]
+    assert result["llama_cpp_batched_bench"]["tokens_per_s"] == 100.0
+    assert result["llama_cpp_batched_bench_q8_0"]["tokens_per_s"] == 250.0
+    assert result["ratios"] == {"ours/llama-batched-bench": 2.0, "shipped/llama-batched-bench": 3.0,
+                                "ours/llama-batched-bench-q8_0": 0.8, "shipped/llama-batched-bench-q8_0": 1.2}
+    llama_cpp.add_batched_bench(result, SPEC, Runtime(), tmp_path, 16, 1, "broken")
+    assert result["llama_cpp_batched_bench_broken"] == {"batch": 16, "error": "exit 1"}
+    assert len(result["ratios"]) == 4
+
+
 def test_agreement_counts_identical_sequences_and_tokens_and_where_each_first_diverges():
     ours = [np.array([[5, 6, 7, 8], [5, 6, 7, 8]]), np.array([[9, 9, 9, 9]])]
     theirs = [np.array([[5, 6, 7, 8], [5, 6, 4, 8]]), np.array([[3, 9, 9, 9]])]
