@@ -77,6 +77,14 @@ QUANTIZED = ("token_embd.weight", "attn_qkv.weight", "attn_output.weight", "ffn_
 # default
 KV_CACHE_TYPE = "f16"
 
+# llama.cpp's repacked weights on a CPU with AMX-INT8 run its AMX kernels (ggml-cpu/amx), which on this VM's Intel
+# Xeon (AMX granted to the process) died of SIGILL at their first `tilezero` (gdb: tinygemm_kernel_amx<block_q8_0>),
+# in llama-server's warm-up and llama-batched-bench alike; `--no-repack` (its documented switch) runs the plain
+# q8_0 kernels. `repack_options` probes each GGUF once and adds it only where the default dies so.
+NO_REPACK = "--no-repack"
+ILLEGAL_INSTRUCTION = (-signal.SIGILL, 128 + signal.SIGILL)  # killed by the signal / a shell's exit status for it
+_REPACK_OPTIONS: dict[Path, list[str]] = {}
+
 HOST = "127.0.0.1"
 SERVER_START_TIMEOUT_S = 120.0
 SERVER_POLL_S = 0.1
@@ -236,6 +244,20 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def repack_options(model: Path) -> list[str]:
+    """The options every llama.cpp command on `model` gets: none, or `--no-repack` when a tiny llama-batched-bench
+    run with llama.cpp's defaults dies of an illegal instruction (`NO_REPACK`); probed once per file."""
+    if model not in _REPACK_OPTIONS:
+        probe = [str(binary(BATCHED_BENCH)), "-m", str(model), "-c", "64", "-npp", "2", "-ntg", "1", "-npl", "1",
+                 "-t", "1"]
+        done = subprocess.run(probe, capture_output=True, text=True, env=_environment(), check=False)
+        _REPACK_OPTIONS[model] = [NO_REPACK] if done.returncode in ILLEGAL_INSTRUCTION else []
+        if _REPACK_OPTIONS[model]:
+            print(f"    llama.cpp on {model.parent.name}: its default (repacked weights) died of SIGILL; running it "
+                  f"with {NO_REPACK}", flush=True)
+    return _REPACK_OPTIONS[model]
+
+
 def completion_fields(new_tokens: int) -> dict:
     """What every request to llama-server asks besides its prompt: greedy, exactly `new_tokens` tokens (EOS
     masked), no prompt caching across requests (each runs its prompt pass, as ours does)."""
@@ -254,7 +276,7 @@ class Server:
         self.command = [str(binary(SERVER)), "-m", str(model), "--host", HOST, "--port", str(self.port),
                         "-t", str(runtime.threads), "-tb", str(runtime.threads), "-np", str(slots), "--cont-batching",
                         "-c", str(slots * context_length), "-ctk", KV_CACHE_TYPE, "-ctv", KV_CACHE_TYPE,
-                        "--cache-ram", "0", "--no-webui"]
+                        "--cache-ram", "0", "--no-webui", *repack_options(model)]
         self.environment = _environment()
         self.log = log.open("w")
         started = time.monotonic()
@@ -391,7 +413,8 @@ def batched_bench(spec: GptSpec, runtime: Runtime, workdir: Path, batch: int, re
     model = convert(spec, workdir, file_type)
     command = [str(binary(BATCHED_BENCH)), "-m", str(model), "-c", str(batch * spec.context_length),
                "-npp", str(spec.prompt_tokens), "-ntg", str(spec.new_tokens), "-npl", str(batch),
-               "-t", str(runtime.threads), "-tb", str(runtime.threads), "-ctk", KV_CACHE_TYPE, "-ctv", KV_CACHE_TYPE]
+               "-t", str(runtime.threads), "-tb", str(runtime.threads), "-ctk", KV_CACHE_TYPE, "-ctv", KV_CACHE_TYPE,
+               *repack_options(model)]
     runs = []
     for _ in range(repeats):
         for attempt in range(BATCHED_BENCH_ATTEMPTS):

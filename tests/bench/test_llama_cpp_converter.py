@@ -235,6 +235,25 @@ def test_batched_bench_rows_run_on_each_file_type_and_name_their_ratios(monkeypa
     assert len(result["ratios"]) == 4
 
 
+@pytest.mark.parametrize(("script", "options"), [("kill -ILL $$", ["--no-repack"]), ("exit 0", []),
+                                                  ("exit 1", [])])
+def test_no_repack_only_where_llama_cpp_dies_of_an_illegal_instruction(monkeypatch, tmp_path, script, options):
+    """llama.cpp's AMX kernels (repacked weights) die of SIGILL on some AMX hosts: each GGUF is probed once with a
+    tiny llama-batched-bench run, and only a death by SIGILL adds `--no-repack` to its commands; any other failure
+    is left for the real run to report."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    probe = fake / llama_cpp.BATCHED_BENCH
+    probe.write_text(f"#!/bin/sh\necho run >> {tmp_path / 'runs'}\n{script}\n")
+    probe.chmod(0o755)
+    monkeypatch.setattr(llama_cpp, "BUILD_BIN", fake)
+    monkeypatch.setattr(llama_cpp, "_REPACK_OPTIONS", {})
+    model = tmp_path / "model.gguf"
+    assert llama_cpp.repack_options(model) == options
+    assert llama_cpp.repack_options(model) == options
+    assert (tmp_path / "runs").read_text() == "run\n"  # probed once per file
+
+
 def test_agreement_counts_identical_sequences_and_tokens_and_where_each_first_diverges():
     ours = [np.array([[5, 6, 7, 8], [5, 6, 7, 8]]), np.array([[9, 9, 9, 9]])]
     theirs = [np.array([[5, 6, 7, 8], [5, 6, 4, 8]]), np.array([[3, 9, 9, 9]])]
