@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from cpuinfo import describe as describe_cpu  # noqa: E402
-from session_timing import timed_calls, timed_session_runs  # noqa: E402
+from session_timing import operator_profile, timed_calls, timed_session_runs  # noqa: E402
 from service.decoding import GreedySearch  # noqa: E402
 import service.decoding.batch_step as batch_step  # noqa: E402
 from service.engines.gpt import GPTEngine  # noqa: E402
@@ -40,7 +38,6 @@ from service.repository import ModelRepository  # noqa: E402
 
 # The prompt every row starts from (bytes of the GPT's byte-level vocabulary); its length is the prompt pass's.
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
-NODE_SUFFIX = "_kernel_time"  # ONNX Runtime's profiler: one event per node run, named <node>_kernel_time
 TOP_OPERATORS = 12
 
 
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         profiled = GPTEngine(version, replace(options, profile_prefix=f"{folder}/gpt"))
         profiled_outputs = generate(profiled)
-        by_operator, runs, run_us = _step_profile(_sessions(profiled), first=profiled.session)
+        by_operator, runs, run_us = operator_profile(_sessions(profiled), first=profiled.session)
     kernels = sum(by_operator.values())
     print(f"ONNX Runtime's profiler, {runs} steps: {run_us / runs:.0f} us per step in session runs, "
           f"{kernels / runs:.0f} us in kernels")
@@ -108,29 +105,6 @@ def _sessions(engine: GPTEngine) -> list:
     return [engine.session, getattr(engine._one_thread, "session", None),
             None if in_place is None else in_place.session,
             None if in_place is None or in_place.one_thread is None else in_place.one_thread.session]
-
-
-def _step_profile(sessions: list, first) -> tuple[dict[str, float], int, float]:
-    """End the sessions' profiles and sum their node times per operator type over the steps: (op -> us, steps,
-    us in session runs). The first run of `first` is the prompt pass and is left out."""
-    by_operator: dict[str, float] = defaultdict(float)
-    runs, run_us = 0, 0.0
-    for session in {id(s): s for s in sessions if s is not None}.values():
-        events = json.loads(Path(session.end_profiling()).read_text())
-        model_runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"),
-                            key=lambda e: e["ts"])
-        skip = model_runs[0] if session is first and model_runs else None
-        if skip is not None:
-            model_runs = model_runs[1:]
-        runs += len(model_runs)
-        run_us += sum(e["dur"] for e in model_runs)
-        for e in events:
-            if e.get("cat") != "Node" or not e["name"].endswith(NODE_SUFFIX):
-                continue
-            if skip is not None and skip["ts"] <= e["ts"] <= skip["ts"] + skip["dur"]:
-                continue
-            by_operator[e["args"]["op_name"]] += e["dur"]
-    return by_operator, runs, run_us
 
 
 if __name__ == "__main__":

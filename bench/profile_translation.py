@@ -3,12 +3,14 @@ on the first test_2016_flickr sentences, with ONNX Runtime's share of the wall t
 (equal digests: the same translations, e.g. before and after a change to the search loop).
 
     .venv/bin/python bench/profile_translation.py [--repository model_repository] [--version N] [--batch 32]
-        [--sentences 96] [--beams 4] [--data-dir ../shared/data] [--repeats 5]
+        [--sentences 96] [--beams 4] [--data-dir ../shared/data] [--repeats 5] [--variant int8] [--operators]
 
 First `--repeats` timed passes without a profiler: each ONNX Runtime call timed around it (`perf_counter`), the
 medians of the wall time, of the time in ONNX Runtime and of the share outside it (the figure issue 23 sets a goal
 for), with the CPU model and ISA; then one pass under cProfile for the functions that take the time outside (cProfile
-over-counts Python a little, so its share is higher).
+over-counts Python a little, so its share is higher); with `--operators`, one more pass under ONNX Runtime's profiler,
+its node times summed per operator type (encoder and decoder calls together). `--variant`: the weights variant
+(service.engines.weights.VARIANTS; default: as stored), as TSERVE_VARIANT pins one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import hashlib
 import pstats
 import statistics
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,13 +32,15 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 from cpuinfo import describe as describe_cpu  # noqa: E402
-from session_timing import timed_session_runs  # noqa: E402
+from session_timing import operator_profile, timed_session_runs  # noqa: E402
 from service.decoding import BeamSearch  # noqa: E402
+from service.engines.runtime import RuntimeOptions  # noqa: E402
 from service.engines.translation import TranslationEngine  # noqa: E402
 from service.repository import ModelRepository  # noqa: E402
 
 ORT_RUN = "onnxruntime_pybind11_state.run"  # ONNX Runtime's session run, as cProfile names the built-in
 TOP_FUNCTIONS = 15
+TOP_OPERATORS = 12
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beams", type=int, default=4)
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes without a profiler (0: none)")
+    parser.add_argument("--variant", default=None, help="weights variant (default: as stored)")
+    parser.add_argument("--operators", action="store_true", help="ONNX Runtime's node profile by operator type")
     args = parser.parse_args(argv)
-    engine = TranslationEngine(ModelRepository(args.repository).get("translation", args.version))
+    version = ModelRepository(args.repository).get("translation", args.version)
+    options = RuntimeOptions(weights=args.variant)
+    engine = TranslationEngine(version, options)
     path = args.data_dir / "multi30k" / "test_2016_flickr.de.gz"
     lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[: args.sentences]
     sources = [engine.source_ids(line) for line in lines]
@@ -64,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     translate()  # warm-up
     print(describe_cpu())
+    print(f"translation:{version.version} variant {args.variant or 'as stored'}")
     if args.repeats:
         walls, in_ort = [], []
         with timed_session_runs(_sessions(engine)) as ort_seconds:
@@ -90,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{ort:.3f} s, outside it {100 * (1 - ort / wall):.0f}%")
     print("outputs", hashlib.sha1(repr(outputs).encode()).hexdigest())
     stats.sort_stats("tottime").print_stats(TOP_FUNCTIONS)
+    if args.operators:
+        with tempfile.TemporaryDirectory() as folder:
+            engine = TranslationEngine(version, replace(options, profile_prefix=f"{folder}/translation"))
+            translate()
+            by_operator, runs, run_us = operator_profile(_sessions(engine))
+        kernels = sum(by_operator.values())
+        print(f"ONNX Runtime's profiler, {runs} runs: {run_us / 1e3:.1f} ms in session runs, {kernels / 1e3:.1f} ms in "
+              "kernels")
+        for op, us in sorted(by_operator.items(), key=lambda item: -item[1])[:TOP_OPERATORS]:
+            print(f"  {op:28s} {us / 1e3:8.1f} ms  {100 * us / kernels:5.1f}%")
     return 0
 
 
