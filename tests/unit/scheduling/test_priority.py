@@ -47,13 +47,26 @@ def test_a_level_is_the_requests_own_or_the_models_default_and_anything_else_is_
         with pytest.raises(BadInput, match=r"priority must be an integer from 0 \(most urgent\) to 3") as refused:
             policy.level(bad)
         assert refused.value.param == "priority"
-    with pytest.raises(ValueError):
-        PriorityPolicy(levels=2, default=2)
-    with pytest.raises(ValueError):
-        PriorityPolicy(max_wait_s=0)
-    with pytest.raises(ValueError):
-        PriorityPolicy(headroom_rows=-1)
     assert [policy.row_limit(text_job(p), 64) for p in (0, 1, 2, 3)] == [72, 72, 64, 64]
+
+
+@pytest.mark.parametrize(("policy", "says"), [
+    ({"levels": 2, "default": 2}, "priority default 2 is not a level of 0..1"),
+    ({"levels": 3, "default": -1}, "priority default -1 is not a level of 0..2"),
+    ({"levels": 0, "default": 0}, "priority default 0 is not a level of 0..-1"),
+    ({"max_wait_s": 0}, "max_wait_s must be > 0 and headroom_rows >= 0, got 0, 8"),
+    ({"headroom_rows": -1}, "max_wait_s must be > 0 and headroom_rows >= 0, got 10.0, -1"),
+])
+def test_a_policy_out_of_range_says_which_value(policy, says):
+    with pytest.raises(ValueError) as refused:
+        PriorityPolicy(**policy)
+    assert str(refused.value) == says
+
+
+def test_the_smallest_valid_policy_is_accepted():
+    """One level, a wait just over zero, no headroom: the bounds themselves are valid."""
+    policy = PriorityPolicy(levels=1, default=0, max_wait_s=0.5, headroom_rows=0)
+    assert policy.level(None) == 0 and policy.row_limit(text_job(0), 16) == 16
 
 
 def test_the_queue_is_served_by_level_then_arrival():
@@ -61,6 +74,16 @@ def test_the_queue_is_served_by_level_then_arrival():
     jobs = [scheduler.submit(text_job(p)) for p in (2, 1, 0, 2, 1, 0)]
     admitted = scheduler._admit(_Lane())
     assert admitted == [jobs[2], jobs[5], jobs[1], jobs[4], jobs[0], jobs[3]]
+
+
+def test_a_request_starves_at_exactly_max_wait():
+    policy = PriorityPolicy(max_wait_s=5.0)
+    job = text_job(2, arrived=100.0)
+    assert policy.rank(job, 104.999) == (2, 100.0) and policy.rank(job, 105.0) == (-1, 100.0)
+
+
+def test_an_empty_queue_displaces_nothing():
+    assert PriorityPolicy().displaced([], text_job(0), time.monotonic()) is None
 
 
 def test_a_request_that_waited_max_wait_goes_first_whatever_its_level():
