@@ -1,7 +1,8 @@
 """CTranslate2 (`pip install ctranslate2`), the C++ engine a user would otherwise pick to serve a translator, on
 the SAME weights as ours: our `EncoderDecoderTransformer` converted into CTranslate2's `TransformerSpec`
 (`translation_spec`), and a `GenerateFn` over `ctranslate2.Translator` (`run_ctranslate2_translation`), which runs
-in a process of its own (`Worker`; bench/bench_http.py times the same worker on the served translator's weights).
+in processes of its own (`Worker`; bench/bench_http.py times the same worker on the served translator's weights), at
+the faster of its thread settings for each batch size (`ThreadChoice`).
 
 The conversion, layer by layer (models/transformer.py, models/layers.py -> ctranslate2/specs/transformer_spec.py):
 the shared embedding (scaled by sqrt(d), as ours) is the encoder's and the decoder's embeddings and the decoder's
