@@ -247,11 +247,11 @@ include deploy/Makefile.fragment
 
 # --- mutation testing (mutation/run.py; docs/testing.md) -------------------------------------------------------------
 # `make mutation`: mutmut 3 over the core the unit tests must pin down, package by package (mutation/packages.toml:
-# decoding, streaming, scheduling, the APIs' request -> parameters mapping, export/checks.py), each with its fast unit
-# tests; prints `mutation score: <package> <killed>/<total> = <x>%` per package and overall, and writes each package's
-# survivors with their diffs to mutation/work/<package>/survivors.txt. Incremental: a rerun tests the mutants of the
-# functions that changed, and the last run's survivors again. MUTATION_ARGS: package names, --max-children N (default:
-# the CPU count), --scores-only. Not in CI (minutes of CPU). Its own venv, layered over .venv (a .pth file puts .venv's
+# decoding, streaming, scheduling, the APIs' request -> parameters mapping, export/checks.py, integer_gemm,
+# response_cache), each with its fast unit tests; prints `mutation score: <package> <killed>/<total> = <x>%` per
+# package and overall, and writes each package's survivors with their diffs to mutation/work/<package>/survivors.txt.
+# Incremental: a rerun tests the mutants of the functions that changed, and the last run's survivors again.
+# MUTATION_ARGS: package names, --max-children N (default: the CPU count), --scores-only. Not in CI (minutes of CPU). Its own venv, layered over .venv (a .pth file puts .venv's
 # packages behind its own): the tests run on .venv's locked versions, and .venv stays exactly its lock.
 MUTATION_VENV ?= .venv-mutation
 MUTATION_ARGS ?=

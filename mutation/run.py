@@ -76,8 +76,9 @@ def setup_cfg(package: dict) -> str:
         + block("source_paths", ["service", "export"])
         + block("only_mutate", package["mutate"])
         + block("do_not_mutate", package.get("skip", []))
-        # the released GPT's tokenizer and graphs: the constraint tests compile over its tokenizer and decode with it
-        + block("also_copy", ["models/", "model_repository/gpt/"])
+        # the released GPT's tokenizer and graphs: the constraint tests compile over its tokenizer and decode with it;
+        # a package's own `also_copy` adds what its tests read (e.g. the released ViT)
+        + block("also_copy", ["models/", "model_repository/gpt/", *package.get("also_copy", [])])
         + block("pytest_add_cli_args", ["-p", "no:cacheprovider", "-q", "-m", "not slow"])
         + block("pytest_add_cli_args_test_selection", package["tests"])
         + f"timeout_multiplier={TIMEOUT_MULTIPLIER}\n"

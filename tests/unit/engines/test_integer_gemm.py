@@ -120,6 +120,51 @@ def test_a_graph_without_a_constant_weight_is_left_alone():
     assert to_int8_rows(model) == 0 and model.SerializeToString() == before
 
 
+def test_an_all_zero_column_has_scale_one_and_the_others_their_peak_over_the_limit():
+    weight = np.random.default_rng(3).standard_normal((K, N)).astype(np.float32)
+    weight[:, 7] = 0
+    _, scales = quantized_columns(weight)
+    assert scales.dtype == np.float32 and scales[7] == np.float32(1)
+    peaks = np.abs(weight).max(axis=0)
+    others = np.arange(N) != 7
+    np.testing.assert_array_equal(scales[others], (peaks / np.float32(WEIGHT_LIMIT))[others])
+
+
+@pytest.mark.parametrize("kind", ["add", "gather", "matmul-3d", "other-domain"])
+def test_only_default_domain_matmuls_of_a_two_dimensional_constant_are_rewritten(kind):
+    """An Add or a Gather with a 2-D constant, a MatMul whose constant is 3-D, or a MatMul of another domain stay as
+    they are; a MatMul of the default domain written `ai.onnx` is rewritten like one of `""`."""
+    rng = np.random.default_rng(4)
+    table = numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "w")
+    node = {"add": helper.make_node("Add", ["x", "w"], ["z"]),
+            "gather": helper.make_node("Gather", ["w", "x"], ["z"]),
+            "matmul-3d": helper.make_node("MatMul", ["x", "w"], ["z"]),
+            "other-domain": helper.make_node("MatMul", ["x", "w"], ["z"], domain="com.example")}[kind]
+    if kind == "matmul-3d":
+        table = numpy_helper.from_array(rng.standard_normal((2, K, N)).astype(np.float32), "w")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, K])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], [table])
+    model = ModelProto.FromString(helper.make_model(graph).SerializeToString())
+    before = model.SerializeToString()
+    assert to_int8_rows(model) == 0 and model.SerializeToString() == before
+    aliased = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["z"], domain="ai.onnx")], "g",
+                                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, K])],
+                                [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, N])],
+                                [numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "w")])
+    model = ModelProto.FromString(helper.make_model(aliased).SerializeToString())
+    assert to_int8_rows(model) == 1 and has_integer_gemm(model)
+
+
+def test_every_node_of_the_rewritten_graph_has_its_own_name():
+    """ONNX Runtime's profile and its errors name nodes: each quantiser, integer GEMM and row scale has a name of
+    its own; and a graph is said to hold an integer GEMM only once rewritten."""
+    model, _ = _graph()
+    assert not has_integer_gemm(model)
+    to_int8_rows(model)
+    names = [node.name for node in model.graph.node]
+    assert all(names) and len(set(names)) == len(names)
+
+
 def test_the_variant_names_and_derivation():
     assert W.split_variant("int8rows+gqa+kv8") == (INT8_ROWS, "gqa+kv8") and INT8_ROWS in W.VARIANTS
     assert W.compute_weights(INT8_ROWS) == W.FP32  # never stored: derived from the float32 weights

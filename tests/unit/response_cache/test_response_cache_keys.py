@@ -105,9 +105,28 @@ def test_an_answer_reads_back_exactly():
 
 def test_an_entry_decodes_only_into_the_classes_named():
     data = encode([[Completion("a", [1], "eos", -1.0, 1)]])
-    with pytest.raises(Undecodable):
+    with pytest.raises(Undecodable, match=r"an entry of class 'Completion', not one of \['Scored', 'TargetScore'\]"):
         decode(data, (Scored, TargetScore))
-    with pytest.raises(Undecodable):
+    with pytest.raises(Undecodable, match=r"utf-8|Expecting value"):  # the parser's own words
         decode(b"\x80 not json", (Completion,))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="^a dict cannot be cached$"):
         encode({"a dict": 1})
+
+
+def test_an_entry_is_compact_utf8_json():
+    """What a Redis holds for every replica: no spaces, text as UTF-8 (not \\u escapes), tuples and arrays tagged."""
+    encoded = encode([("Ein Hund läuft", 2), np.array([1, 2], np.int8)])
+    assert encoded == '[{"~u":["Ein Hund läuft",2]},{"~a":["|i1",[2],"AQI="]}]'.encode()
+
+
+def test_the_key_format_is_pinned():
+    """Replicas of one release share a Redis: the same request must give the same key in every process and on every
+    host. These digests pin the format (field names, JSON separators and ordering, non-ASCII text as UTF-8, the
+    length framing of binary inputs); a change to it must bump KEY_FORMAT and these values together."""
+    scope = version_scope("translation", 4, "translation", "CPUExecutionProvider",
+                          {"weights": "int8", "attention": "mha", "kv_cache": "concat", "kv_residence": "host",
+                           "speculation": "off", "chosen_by": "measured"},
+                          {"architecture": {"d_model": 256}, "name": "Übersetzer"})
+    assert scope == "1019658ad5586fe3a3892d08b671850e2583af7d8ba7da737c61795deee2bec2"
+    key = request_key(scope, "translate", {"text": "Ein Hund läuft.", "num_beams": 4}, [b"\x00\x01", b""])
+    assert key == "55f61a4fb935b21173fc06c2c8ed4c149d593808edd21d502ec1676e2ee9b400"

@@ -52,6 +52,19 @@ def test_the_local_store_evicts_the_least_recently_used_within_its_bound():
     assert r.get_sample_value("tserve_response_cache_evictions_total") == 1 + 34
 
 
+def test_an_entry_of_exactly_the_largest_share_is_stored_and_close_empties_the_store():
+    metrics = Metrics()
+    store = LocalStore(capacity_bytes=4 * LocalStore.size("k", _value(0)), metrics=metrics)
+
+    async def run():
+        await store.put("k", _value(0))  # exactly a quarter of the bound: stored
+        assert await store.get("k") == _value(0) and store.bytes == store.capacity // 4
+        await store.close()
+        assert store.bytes == 0 and await store.get("k") is None
+
+    asyncio.run(run())
+
+
 @pytest.fixture
 def silent_server():
     """A TCP port that accepts connections (the kernel's backlog) and never answers: a Redis that hangs."""
