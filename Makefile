@@ -252,7 +252,8 @@ include deploy/Makefile.fragment
 # package and overall, and writes each package's survivors with their diffs to mutation/work/<package>/survivors.txt.
 # Incremental: a rerun tests the mutants of the functions that changed, and the last run's survivors again.
 # MUTATION_ARGS: package names, --max-children N (default: the CPU count), --scores-only. Not in CI (minutes of
-# CPU). Its own venv, layered over .venv (a .pth file puts .venv's packages behind its own): the tests run on .venv's locked versions, and .venv stays exactly its lock.
+# CPU). Its own venv, layered over .venv (a .pth file puts .venv's packages behind its own): the tests run on .venv's
+# locked versions, and .venv stays exactly its lock.
 MUTATION_VENV ?= .venv-mutation
 MUTATION_ARGS ?=
 $(MUTATION_VENV)/.installed: mutation/requirements.txt | venv
