@@ -118,7 +118,7 @@ for folder in (PROJECT_ROOT, PROJECT_ROOT / "bench"):  # the project's packages,
         sys.path.insert(0, str(folder))
 
 from cpuinfo import describe as describe_cpu  # after the sys.path set-up
-from enginebench.llama_cpp import add_batched_bench
+from enginebench.llama_cpp import SYSTEM_FILE_TYPES, add_batched_bench
 from enginebench.measure import measure, summarise
 from enginebench.prefix import bench_prefix
 from enginebench.report import environment, print_result, print_table
@@ -143,7 +143,7 @@ def bench_gpt(args, systems: list[str]) -> list[dict]:
         results.append(summarise(f"gpt greedy batch {batch}", "tokens/s", batch * spec.new_tokens, times, outputs,
                                  case_skipped))
         results[-1]["batch"] = batch
-        for system, file_type in (("llama.cpp", "f32"), ("llama.cpp-q8_0", "q8_0")):
+        for system, file_type in SYSTEM_FILE_TYPES.items():
             if system in built:  # llama.cpp's own benchmark on the same GGUF: a row of its own, after the case
                 add_batched_bench(results[-1], spec, args.runtime, args.workdir, batch, args.repeats, file_type)
         print_result(results[-1])

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[: args.sentences]
     sources = [engine.source_ids(line) for line in lines]
 
-    def translate() -> list[list[int]]:
+    def translate(engine: TranslationEngine) -> list[list[int]]:
         out = []
         for start in range(0, len(sources), args.batch):
             part = sources[start : start + args.batch]
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             out += [search.results()[0].tokens for search in searches]
         return out
 
-    translate()  # warm-up
+    translate(engine)  # warm-up
     print(describe_cpu())
     print(f"translation:{version.version} variant {args.variant or 'as stored'}")
     if args.repeats:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 ort_seconds.clear()
                 started = time.perf_counter()
-                translate()
+                translate(engine)
                 walls.append(time.perf_counter() - started)
                 in_ort.append(sum(ort_seconds))
         shares = [1 - o / w for o, w in zip(in_ort, walls)]
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()
-    outputs = translate()
+    outputs = translate(engine)
     profile.disable()
     wall = time.perf_counter() - started
     stats = pstats.Stats(profile)
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     stats.sort_stats("tottime").print_stats(TOP_FUNCTIONS)
     if args.operators:
         with tempfile.TemporaryDirectory() as folder:
-            engine = TranslationEngine(version, replace(options, profile_prefix=f"{folder}/translation"))
-            translate()
-            by_operator, runs, run_us = operator_profile(_sessions(engine))
+            profiled = TranslationEngine(version, replace(options, profile_prefix=f"{folder}/translation"))
+            translate(profiled)
+            by_operator, runs, run_us = operator_profile(_sessions(profiled))
         kernels = sum(by_operator.values())
         print(f"ONNX Runtime's profiler, {runs} runs: {run_us / 1e3:.1f} ms in session runs, {kernels / 1e3:.1f} ms in "
               "kernels")

@@ -48,8 +48,12 @@ def timed_calls(targets: Iterable[tuple[object, str]]) -> Iterator[list[float]]:
 
 def timed_session_runs(sessions: Iterable[object | None]):
     """`timed_calls` over each session's `SESSION_RUNS` (None entries and repeated sessions are skipped)."""
-    unique = {id(s): s for s in sessions if s is not None}
-    return timed_calls((session, name) for session in unique.values() for name in SESSION_RUNS)
+    return timed_calls((session, name) for session in _unique(sessions) for name in SESSION_RUNS)
+
+
+def _unique(sessions: Iterable[object | None]) -> list:
+    """`sessions` less the None entries and the repeats (an engine's sessions may be the same object)."""
+    return list({id(s): s for s in sessions if s is not None}.values())
 
 
 def operator_profile(sessions: Iterable[object | None], first: object | None = None
@@ -59,7 +63,7 @@ def operator_profile(sessions: Iterable[object | None], first: object | None = N
     (e.g. a GPT's prompt pass) is left out."""
     by_operator: dict[str, float] = defaultdict(float)
     runs, run_us = 0, 0.0
-    for session in {id(s): s for s in sessions if s is not None}.values():
+    for session in _unique(sessions):
         events = json.loads(Path(session.end_profiling()).read_text())
         model_runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"),
                             key=lambda e: e["ts"])

@@ -82,6 +82,8 @@ KV_CACHE_TYPE = "f16"
 # in llama-server's warm-up and llama-batched-bench alike; `--no-repack` (its documented switch) runs the plain
 # q8_0 kernels. `repack_options` probes each GGUF once and adds it only where the default dies so.
 NO_REPACK = "--no-repack"
+# the bench's llama.cpp systems and the GGUF file type each runs (`file_types`); llama-batched-bench runs on each too
+SYSTEM_FILE_TYPES = {"llama.cpp": "f32", "llama.cpp-q8_0": "q8_0"}
 ILLEGAL_INSTRUCTION = (-signal.SIGILL, 128 + signal.SIGILL)  # killed by the signal / a shell's exit status for it
 _REPACK_OPTIONS: dict[Path, list[str]] = {}
 

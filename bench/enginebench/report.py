@@ -11,7 +11,7 @@ import sys
 from cpuinfo import cpu
 from spread import load_text, spread_text
 
-from .llama_cpp import batched_bench_names
+from .llama_cpp import SYSTEM_FILE_TYPES, batched_bench_names
 from .llama_cpp import version as llama_cpp_version
 from .systems import SYSTEMS
 from .workloads import Runtime
@@ -52,7 +52,7 @@ def print_result(result: dict) -> None:
                 goal = result.get("goals", {}).get(key)
                 print(f"    {key} {where} = {ratios[key]:.2f}"
                       + (f"   (issue 56 goal {goal['goal']}: {goal['status']})" if goal else ""))
-    for file_type in ("f32", "q8_0"):  # llama.cpp's own benchmark on each GGUF (a failed row says why where it failed)
+    for file_type in SYSTEM_FILE_TYPES.values():  # llama.cpp's own benchmark on each GGUF (a failed row says why)
         key, peer = batched_bench_names(file_type)
         if "runs" not in result.get(key, {}):
             continue

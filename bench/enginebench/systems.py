@@ -16,7 +16,7 @@ from .baselines import (
     run_transformers_translation,
 )
 from .ct2 import run_ctranslate2_translation
-from .llama_cpp import run_llama_cpp_gpt
+from .llama_cpp import SYSTEM_FILE_TYPES, run_llama_cpp_gpt
 from .ours import run_ours_gpt, run_ours_translation, run_shipped_gpt, run_shipped_translation
 from .workloads import GenerateFn, Runtime
 
@@ -27,7 +27,7 @@ SYSTEMS = ("transformers", "optimum", "genai", "ctranslate2", "ctranslate2-int8"
            "ours", "shipped")
 BUILDERS: dict[str, dict[str, Callable[..., GenerateFn]]] = {
     "gpt": {"transformers": run_transformers_gpt, "optimum": run_optimum_gpt, "genai": run_genai_gpt,
-            "llama.cpp": run_llama_cpp_gpt, "llama.cpp-q8_0": partial(run_llama_cpp_gpt, file_type="q8_0"),
+            **{name: partial(run_llama_cpp_gpt, file_type=file_type) for name, file_type in SYSTEM_FILE_TYPES.items()},
             "ours": run_ours_gpt, "shipped": run_shipped_gpt},
     "translation": {"transformers": run_transformers_translation, "optimum": run_optimum_translation,
                     "ctranslate2": run_ctranslate2_translation,

@@ -107,7 +107,8 @@ class DynamicBatcher(QueuedScheduler):
             return batch
 
     def _pop_live(self, fits: int | None = None) -> ImageJob | None:
-        """The first waiting job in order (`service.scheduling.priority`: level, then arrival) that can still run (holding at most `fits` images), failing dead ones on the way."""
+        """The first waiting job in order (`service.scheduling.priority`: level, then arrival) that can still run
+        (holding at most `fits` images), failing dead ones on the way."""
         self._reorder()
         while self._waiting:
             job = self._waiting[0]

@@ -248,7 +248,7 @@ class QueuedScheduler:
                     f"{message}: this request (priority {displaced.priority}) gave its place to a more urgent one "
                     f"(priority {job.priority})", len(self._waiting), self.max_queue, displaced.deadline - now))
             self._waiting.append(job)
-            self._waiting = deque(self.priority.ordered(self._waiting, now))
+            self._reorder()
             self._changed.notify_all()
         return job
 
